@@ -1,0 +1,1 @@
+"""ultraep.dashboard (see the issue that builds it)."""

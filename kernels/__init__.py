@@ -1,0 +1,1 @@
+"""ultraep.kernels (see the issue that builds it)."""

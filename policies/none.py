@@ -1,0 +1,27 @@
+"""``none``: no balancing. Every expert's tokens go to its master; no replicas, no transfers."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ultraep.plan import Plan
+from ultraep.topology import Topology
+
+from .base import identity_plan
+
+
+class NonePolicy:
+    """The identity plan (the baseline every other policy is measured against)."""
+
+    name = "none"
+
+    def plan(self, load_RE: np.ndarray, topology: Topology) -> Plan:
+        t0 = time.perf_counter()
+        plan = identity_plan(self.name, topology, load_RE)
+        object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
+        return plan
+
+    def commit(self, plan: Plan) -> None:
+        return None

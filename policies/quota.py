@@ -1,0 +1,228 @@
+"""``quota``: the exact-load real-time planner of UltraEP (arXiv 2606.04101, §5; the authors'
+``Dots-Infra/UltraEP`` documents the same method). Independent implementation.
+
+Every microbatch and layer, all ranks hold the exact load ``λ[R, E]`` and run this deterministic planner.
+It searches the smallest per-rank threshold τ for which a greedy *oracle* can bring every rank's load
+down to τ by replicating hot experts into redundant slots. The oracle's key move is that accepting a
+transfer both **creates a replica and reserves exactly the tokens it will receive** (its quota), so a
+replica that would get little traffic is never created.
+
+Legend: R ranks, E experts, M masters per rank, N redundant slots, S = M + N, D ranks per domain,
+P replicas in the plan.
+
+Steps (per scale-up domain; replicas never leave the master's domain):
+
+    Step 1: rank loads ℓ_r = Σ_{e homed on r} λ_e; sources sorted by ℓ (desc), masters by λ_e (desc).
+    Step 2: fast path: τ = ⌊(1 + ε) · mean⌋ (ε = 0.01 by default), oracle with the dynamic floor.
+    Step 3: if infeasible, binary search τ in (fast τ, max ℓ] with the same oracle (max ℓ is always
+            feasible: nothing moves).
+    Step 4: re-run the oracle at the final τ, recording the accepted transfers → replicas and quotas.
+    Step 5: locality-aware split of every expert's tokens into ``routes`` (``split.locality_split``).
+    Step 6: weight-transfer schedule, direct or two-level relay (``transfers.schedule_transfers``).
+
+The oracle at threshold τ:
+    exc[r] = max(ℓ_r - τ, 0), slk[r] = max(τ - ℓ_r, 0)
+    for each overloaded rank r (by excess, desc), for each master e of r (by λ_e, desc):
+        cap = λ_e - 1                      (a master keeps at least one token)
+        while exc[r] > 0 and cap > 0:
+            targets = ranks of the domain with slk > 0, a free redundant slot, not yet hosting e
+            t* = target with the most slack (ties: lowest rank)
+            δ = min(exc[r], slk[t*], cap)
+            floor = max(min_replica_quota, ⌈exc[r] / |targets|⌉)   (dynamic floor: at least an even share)
+            if δ < floor: stop with this expert
+            replica of e on t* with quota δ; exc[r] -= δ; slk[t*] -= δ; cap -= δ
+    feasible iff every exc[r] == 0
+
+Worked example (hand-checked; ``tests/test_quota.py`` pins it): R = 4, E = 8 (2 masters per rank), N = 1,
+expert loads λ = [10, 2, 3, 3, 2, 2, 1, 1] on one source rank → ℓ = [12, 6, 4, 2], mean 6, imbalance 2.0.
+The fast path τ = ⌊6.06⌋ = 6: rank 0 has excess 6, slack is [0, 0, 2, 4]; expert 0 (λ = 10, cap 9) goes
+first to rank 3 (δ = min(6, 4, 9) = 4, floor ⌈6/2⌉ = 3), then to rank 2 (δ = min(2, 2, 5) = 2, floor 2).
+Quotas of expert 0: 4 on its master, 4 on rank 3, 2 on rank 2 → every rank receives 6, imbalance 1.0,
+2 of 4 redundant slots used.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from numba import njit
+
+from ultraep.plan import Plan
+from ultraep.topology import Topology
+
+from .base import assemble_plan, identity_plan, replicas_to_csr
+
+
+@njit(cache=True)
+def _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst_order_RM, min_quota,
+            exc, slk, used, mark, record, out_e, out_r, out_s, out_q, n_out):
+    """One greedy pass at threshold ``tau`` over the domain ranks ``d0 .. d0 + D - 1``.
+
+    Returns ``(feasible, n_out)``; with ``record`` the accepted replicas are appended to ``out_*``.
+    """
+    for i in range(D):
+        r = d0 + i
+        exc[r] = max(ell_R[r] - tau, 0)
+        slk[r] = max(tau - ell_R[r], 0)
+        used[r] = 0
+        mark[r] = -1
+    for idx in range(D):
+        r = src_order[idx]
+        if exc[r] <= 0:
+            break  # sources are sorted by load, so no later source is overloaded either
+        for m in range(M):
+            e = mst_order_RM[r, m]
+            if e < 0:
+                break
+            cap = lam_E[e] - 1 if lam_E[e] > 0 else 0
+            mark[r] = e
+            while exc[r] > 0 and cap > 0:
+                best = -1
+                n_el = 0
+                for i in range(D):
+                    t = d0 + i
+                    if slk[t] > 0 and used[t] < N and mark[t] != e:
+                        n_el += 1
+                        if best < 0 or slk[t] > slk[best]:
+                            best = t
+                if best < 0:
+                    break
+                delta = min(exc[r], slk[best], cap)
+                floor = (exc[r] + n_el - 1) // n_el
+                if floor < min_quota:
+                    floor = min_quota
+                if delta < floor:
+                    break
+                if record:
+                    out_e[n_out] = e
+                    out_r[n_out] = best
+                    out_s[n_out] = M + used[best]
+                    out_q[n_out] = delta
+                n_out += 1
+                used[best] += 1
+                mark[best] = e
+                exc[r] -= delta
+                slk[best] -= delta
+                cap -= delta
+            if exc[r] <= 0:
+                break
+    for i in range(D):
+        if exc[d0 + i] > 0:
+            return False, n_out
+    return True, n_out
+
+
+@njit(cache=True)
+def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota):
+    """Steps 1-4 for every domain. Returns replicas ``(e, rank, slot, quota)``, each ``[P]``, in acceptance
+    order, and the chosen τ per domain ``[R / D]``."""
+    R, E = load_RE.shape
+    M = masters_RM.shape[1]
+    # Step 1: loads and orders.
+    lam_E = np.zeros(E, np.int64)
+    for r in range(R):
+        for e in range(E):
+            lam_E[e] += load_RE[r, e]
+    ell_R = np.zeros(R, np.int64)
+    for e in range(E):
+        ell_R[home_E[e]] += lam_E[e]
+    mst = masters_RM.copy()
+    for r in range(R):  # insertion sort of each rank's masters by load desc, id asc
+        for a in range(1, M):
+            v = mst[r, a]
+            b = a - 1
+            while b >= 0 and v >= 0 and (mst[r, b] < 0 or lam_E[mst[r, b]] < lam_E[v] or
+                                         (lam_E[mst[r, b]] == lam_E[v] and mst[r, b] > v)):
+                mst[r, b + 1] = mst[r, b]
+                b -= 1
+            mst[r, b + 1] = v
+    cap_out = R * N
+    out_e = np.empty(cap_out, np.int64)
+    out_r = np.empty(cap_out, np.int64)
+    out_s = np.empty(cap_out, np.int64)
+    out_q = np.empty(cap_out, np.int64)
+    exc = np.zeros(R, np.int64)
+    slk = np.zeros(R, np.int64)
+    used = np.zeros(R, np.int64)
+    mark = np.full(R, -1, np.int64)
+    n_dom = R // D
+    tau_dom = np.zeros(n_dom, np.int64)
+    n_out = 0
+    for d in range(n_dom):
+        d0 = d * D
+        total = 0
+        hi = 0
+        for i in range(D):
+            total += ell_R[d0 + i]
+            hi = max(hi, ell_R[d0 + i])
+        lo = (total + D - 1) // D
+        tau_dom[d] = hi
+        if N == 0 or D == 1 or hi <= lo:
+            continue
+        src_order = d0 + np.argsort(-ell_R[d0:d0 + D], kind="mergesort")
+        # Step 2: fast path at (1 + eps) * mean.
+        tau = max(lo, int(np.floor(total * (1.0 + eps) / D)))
+        if tau >= hi:
+            continue
+        ok, _ = _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota,
+                        exc, slk, used, mark, False, out_e, out_r, out_s, out_q, 0)
+        if not ok:
+            # Step 3: binary search in (tau, hi]; hi is feasible (nothing to move).
+            a = tau + 1
+            b = hi
+            while a < b:
+                mid = (a + b) // 2
+                ok_mid, _ = _oracle(mid, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota,
+                                    exc, slk, used, mark, False, out_e, out_r, out_s, out_q, 0)
+                if ok_mid:
+                    b = mid
+                else:
+                    a = mid + 1
+            tau = b
+        tau_dom[d] = tau
+        if tau >= hi:
+            continue
+        # Step 4: record the replicas at the final threshold.
+        _, n_out = _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota,
+                           exc, slk, used, mark, True, out_e, out_r, out_s, out_q, n_out)
+    return out_e[:n_out], out_r[:n_out], out_s[:n_out], out_q[:n_out], tau_dom
+
+
+class QuotaPolicy:
+    """Exact-load real-time balancing (UltraEP). Stateless: ``commit`` does nothing.
+
+    Options:
+        balance_eps: target threshold (1 + ε) · mean of the fast path (UltraEP: 0.01).
+        min_replica_quota: smallest quota a new replica may carry, in tokens, on top of the dynamic
+            floor (UltraEP's fixed u_min is 1024 for 8k-token microbatches; default 1 lets the dynamic
+            floor alone decide, which scales with the microbatch).
+        relay: weight-transfer tree, ``auto`` | ``direct`` | ``always``.
+    """
+
+    name = "quota"
+
+    def __init__(self, balance_eps: float = 0.01, min_replica_quota: int = 1, relay: str = "auto") -> None:
+        self.balance_eps = float(balance_eps)
+        self.min_replica_quota = int(min_replica_quota)
+        self.relay = relay
+
+    def plan(self, load_RE: np.ndarray, topology: Topology) -> Plan:
+        t0 = time.perf_counter()
+        t = topology
+        if t.num_redundant_slots == 0 or t.D == 1:
+            return identity_plan(self.name, t, load_RE, time.perf_counter() - t0)
+        e, r, s, q, tau = solve_quota(
+            load_RE, t.home_E, t.masters_RM, t.D, t.num_redundant_slots, self.balance_eps, self.min_replica_quota
+        )
+        t_solve = time.perf_counter() - t0
+        ptr, rr, ss, qq = replicas_to_csr(e, r, s, q, t.num_experts)
+        plan = assemble_plan(
+            self.name, t, load_RE, ptr, rr, ss, qq, relay=self.relay,
+            solve_time_s=0.0, info={"tau": tau.tolist(), "search_time_s": t_solve},
+        )
+        object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
+        return plan
+
+    def commit(self, plan: Plan) -> None:
+        return None

@@ -1,0 +1,1 @@
+"""ultraep.telemetry (see the issue that builds it)."""

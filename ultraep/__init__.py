@@ -1,0 +1,52 @@
+"""ultraep: Mixture-of-Experts expert-parallel load balancing with full telemetry.
+
+``import ultraep`` is light: numpy and pydantic only. Planners (numba), the runtime (torch), kernels
+(triton), telemetry (duckdb, OpenTelemetry) and the dashboard (streamlit) load on first use.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Topology": "ultraep.topology",
+    "LinkSpec": "ultraep.topology",
+    "Plan": "ultraep.plan",
+    "Transfers": "ultraep.plan",
+    "BalancerConfig": "ultraep.config",
+    "plan_layer": "ultraep.planning",
+    "validate_load": "ultraep.load",
+    "metrics": "ultraep.metrics",
+    "UltraEPError": "ultraep.errors",
+    "ConfigError": "ultraep.errors",
+    "LoadError": "ultraep.errors",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ultraep import metrics
+    from ultraep.config import BalancerConfig
+    from ultraep.errors import ConfigError, LoadError, UltraEPError
+    from ultraep.load import validate_load
+    from ultraep.plan import Plan, Transfers
+    from ultraep.planning import plan_layer
+    from ultraep.topology import LinkSpec, Topology
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'ultraep' has no attribute {name!r}")
+    module = import_module(mod)
+    value = module if mod.endswith("." + name) else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))
+
+
+__all__ = sorted(_LAZY) + ["__version__"]

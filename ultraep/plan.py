@@ -1,0 +1,200 @@
+"""The plan: everything a policy decides for one MoE layer and one microbatch.
+
+Legend:
+    R  ranks   E  logical experts   M  master slots per rank   N  redundant slots   S = M + N
+    T  transfers in the plan
+
+Arrays (all int64, read-only):
+    load_RE      ``[R, E]``    λ: token–expert assignments source rank r routes to expert e
+    phy2log_RS   ``[R, S]``    logical expert held by slot s of rank r; slots 0..M-1 are masters, -1 = empty
+    quota_RS     ``[R, S]``    tokens the instance in slot s of rank r receives
+    routes_RRS   ``[R, R, S]`` tokens source rank src sends to instance (r, s)
+
+Invariants (checked by :meth:`Plan.check`, asserted by the property tests for every policy):
+    * master slots hold exactly ``home``'s experts; replicas only in redundant slots, at most one instance
+      of an expert per rank, replicas inside their master's domain;
+    * ``routes.sum(axis=0) == quota`` (instances receive their quota) and, for every source and expert,
+      routes summed over that expert's instances equal ``load[src, e]`` (load is conserved);
+    * empty slots receive nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from ultraep.metrics import imbalance
+from ultraep.topology import Topology
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """Expert-state movements of a plan, as columns of equal length ``[T]``.
+
+    ``stage`` 0 is a direct send from the master's rank; stage 1 is a relay rank forwarding a copy it
+    received in stage 0 to one of its children (two-level relay tree).
+    """
+
+    expert: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    bytes: np.ndarray
+    stage: np.ndarray
+
+    @staticmethod
+    def empty() -> "Transfers":
+        z = np.zeros(0, dtype=np.int64)
+        return Transfers(z, z, z, z, z)
+
+    def __len__(self) -> int:
+        return int(self.expert.shape[0])
+
+    def send_bytes_R(self, num_ranks: int) -> np.ndarray:
+        """``[R]`` bytes each rank sends."""
+        return np.bincount(self.src, weights=self.bytes, minlength=num_ranks).astype(np.int64)
+
+    def rows(self) -> list[dict[str, int]]:
+        return [
+            {"expert": int(e), "src": int(s), "dst": int(d), "bytes": int(b), "stage": int(g)}
+            for e, s, d, b, g in zip(self.expert, self.src, self.dst, self.bytes, self.stage)
+        ]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One layer's balancing decision. Immutable; derived figures are computed on first access."""
+
+    policy: str
+    topology: Topology
+    load_RE: np.ndarray
+    phy2log_RS: np.ndarray
+    quota_RS: np.ndarray
+    routes_RRS: np.ndarray
+    transfers: Transfers
+    solve_time_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("load_RE", "phy2log_RS", "quota_RS", "routes_RRS"):
+            getattr(self, name).setflags(write=False)
+
+    # ------------------------------------------------------------------ derived figures
+    @cached_property
+    def expert_load_E(self) -> np.ndarray:
+        """``[E]`` total load of each logical expert (λ_e)."""
+        return self.load_RE.sum(axis=0)
+
+    @cached_property
+    def rank_load_before_R(self) -> np.ndarray:
+        """``[R]`` tokens each rank would receive without balancing (its masters' total load)."""
+        return np.bincount(
+            self.topology.home_E, weights=self.expert_load_E, minlength=self.topology.num_ranks
+        ).astype(np.int64)
+
+    @cached_property
+    def rank_load_after_R(self) -> np.ndarray:
+        """``[R]`` tokens each rank receives under the plan."""
+        return self.quota_RS.sum(axis=1)
+
+    @cached_property
+    def imbalance_before(self) -> float:
+        return imbalance(self.rank_load_before_R)
+
+    @cached_property
+    def imbalance_after(self) -> float:
+        return imbalance(self.rank_load_after_R)
+
+    @cached_property
+    def replica_count_E(self) -> np.ndarray:
+        """``[E]`` instances of each expert (1 = master only)."""
+        held = self.phy2log_RS[self.phy2log_RS >= 0]
+        return np.bincount(held, minlength=self.topology.num_experts).astype(np.int64)
+
+    @cached_property
+    def num_replicas(self) -> int:
+        """Redundant slots in use."""
+        M = self.topology.num_masters
+        return int((self.phy2log_RS[:, M:] >= 0).sum())
+
+    @cached_property
+    def busiest_sender_bytes(self) -> int:
+        if len(self.transfers) == 0:
+            return 0
+        return int(self.transfers.send_bytes_R(self.topology.num_ranks).max())
+
+    def log2phy(self) -> np.ndarray:
+        """``[E, max_instances]`` global slot ids ``r * S + s`` of each expert's instances, master first,
+        padded with -1 (EPLB's ``log2phy``)."""
+        S = self.topology.num_slots
+        E = self.topology.num_experts
+        width = int(self.replica_count_E.max()) if E else 0
+        out = np.full((E, max(width, 1)), -1, dtype=np.int64)
+        fill = np.zeros(E, dtype=np.int64)
+        for gid in range(self.phy2log_RS.size):  # small: R * S
+            e = self.phy2log_RS.flat[gid]
+            if e >= 0:
+                out[e, fill[e]] = gid
+                fill[e] += 1
+        return out
+
+    def digest(self) -> str:
+        """A hash of the decision (placement, quotas, routes): equal on every rank iff plans agree."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(self.policy.encode())
+        for arr in (self.phy2log_RS, self.quota_RS, self.routes_RRS):
+            h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+        return h.hexdigest()
+
+    def summary(self) -> dict[str, Any]:
+        """Headline figures, JSON-ready."""
+        return {
+            "policy": self.policy,
+            "imbalance_before": self.imbalance_before,
+            "imbalance_after": self.imbalance_after,
+            "rank_load_before": self.rank_load_before_R.tolist(),
+            "rank_load_after": self.rank_load_after_R.tolist(),
+            "num_replicas": self.num_replicas,
+            "max_instances_per_expert": int(self.replica_count_E.max()) if self.replica_count_E.size else 0,
+            "num_transfers": len(self.transfers),
+            "busiest_sender_bytes": self.busiest_sender_bytes,
+            "solve_time_s": self.solve_time_s,
+        }
+
+    # ------------------------------------------------------------------ invariants
+    def check(self) -> None:
+        """Raise ``AssertionError`` naming the first violated invariant (see module docstring)."""
+        t = self.topology
+        R, E, M, S = t.num_ranks, t.num_experts, t.num_masters, t.num_slots
+        p, q, routes, load = self.phy2log_RS, self.quota_RS, self.routes_RRS, self.load_RE
+        assert p.shape == (R, S), f"phy2log shape {p.shape} != {(R, S)}"
+        assert q.shape == (R, S), f"quota shape {q.shape} != {(R, S)}"
+        assert routes.shape == (R, R, S), f"routes shape {routes.shape} != {(R, R, S)}"
+        assert load.shape == (R, E), f"load shape {load.shape} != {(R, E)}"
+        assert np.array_equal(p[:, :M], t.masters_RM), "master slots differ from home placement"
+        assert ((p >= -1) & (p < E)).all(), "phy2log holds an id outside -1..E-1"
+        for r in range(R):
+            held = p[r][p[r] >= 0]
+            assert len(np.unique(held)) == len(held), f"rank {r} holds an expert twice: {held}"
+            for s in range(M, S):
+                e = p[r, s]
+                if e >= 0:
+                    assert t.domain_R[t.home_E[e]] == t.domain_R[r], (
+                        f"replica of expert {e} on rank {r} leaves its master's domain"
+                    )
+        assert (q >= 0).all() and (routes >= 0).all(), "negative quota or route"
+        assert (q[p < 0] == 0).all(), "an empty slot has quota"
+        assert np.array_equal(routes.sum(axis=0), q), "routes summed over sources != quota"
+        # Load conservation: for each source, routes into e's instances sum to load[src, e].
+        pe = np.where(p >= 0, p, E)  # empty slots -> a dummy expert E
+        per_expert = np.zeros((R, E + 1), dtype=np.int64)
+        for src in range(R):
+            per_expert[src] = np.bincount(pe.ravel(), weights=routes[src].ravel(), minlength=E + 1)
+        assert np.array_equal(per_expert[:, :E], load), "routes summed over instances != load"
+        assert per_expert[:, E].sum() == 0, "routes into empty slots"
+        tr = self.transfers
+        if len(tr):
+            assert (p[tr.dst] == tr.expert[:, None]).any(axis=1).all(), "a transfer targets a rank without that replica"

@@ -1,0 +1,66 @@
+"""``plan_layer``: the one-call entry point for planning a single layer and microbatch."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from ultraep.load import validate_load
+from ultraep.plan import Plan
+from ultraep.topology import Topology
+
+
+@lru_cache(maxsize=256)
+def _topology(R: int, E: int, N: int, D: int | None) -> Topology:
+    return Topology(num_ranks=R, num_experts=E, num_redundant_slots=N, domain_size=D)
+
+
+@lru_cache(maxsize=64)
+def _policy(name: str, options: tuple):
+    from ultraep.policies import make_policy
+
+    return make_policy(name, **dict(options))
+
+
+def plan_layer(
+    load,
+    policy: str = "quota",
+    *,
+    num_redundant_slots: int = 2,
+    domain_size: int | None = None,
+    topology: Topology | None = None,
+    **options,
+) -> Plan:
+    """Plan one MoE layer for one microbatch.
+
+    Args:
+        load: ``[R, E]`` token–expert assignments per source rank and logical expert.
+        policy: ``none`` | ``quota`` | ``eplb`` (or a registered third-party name).
+        num_redundant_slots: redundant slots per rank (ignored when ``topology`` is given).
+        domain_size: ranks per scale-up domain, default all ranks (ignored when ``topology`` is given).
+        topology: a full :class:`Topology` (home mapping, link speeds, expert bytes).
+        **options: policy options, e.g. ``balance_eps=0.01`` for ``quota``. One-shot ``eplb`` plans from
+            this load (``use_current_load=True``, the EPLB+ baseline) unless told otherwise.
+
+    Returns the frozen :class:`Plan`; masters are contiguous unless ``topology`` says otherwise.
+    """
+    if topology is None:
+        arr = validate_load(load)
+        topology = _topology(arr.shape[0], arr.shape[1], int(num_redundant_slots), domain_size)
+    else:
+        arr = validate_load(load, topology.num_ranks, topology.num_experts)
+    if policy == "eplb":
+        options.setdefault("use_current_load", True)
+    try:
+        pol = _policy(policy, tuple(sorted(options.items())))
+    except TypeError:  # unhashable option values: no caching
+        from ultraep.policies import make_policy
+
+        pol = make_policy(policy, **options)
+    return pol.plan(arr, topology)
+
+
+def as_load(load) -> np.ndarray:
+    """Validated int64 ``[R, E]`` copy-free view of ``load`` (re-exported for callers)."""
+    return validate_load(load)
