@@ -1,0 +1,57 @@
+"""The ``ultraep`` command line.
+
+Every subcommand lives in its own module exposing ``register(subparsers)``; they are listed in
+``COMMANDS``. User mistakes (bad arguments, files, values) print one line on stderr and exit with code 2,
+without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import import_module
+
+from ultraep.errors import UltraEPError, format_pydantic_error
+
+# module path of each subcommand family, in help order
+COMMANDS = [
+    "ultraep.cli_plan",
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own usage errors: exit 2, one line
+        self.print_usage(sys.stderr)
+        print(f"ultraep: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ultraep", description="MoE expert-parallel load balancing with telemetry.")
+    from ultraep import __version__
+
+    parser.add_argument("--version", action="version", version=f"ultraep {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for mod in COMMANDS:
+        import_module(mod).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc = args.func(args)
+    except UltraEPError as exc:
+        print(f"ultraep: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # pydantic ValidationError: user input, reported by field path
+        if type(exc).__name__ == "ValidationError":
+            print(f"ultraep: error: {format_pydantic_error(exc)}", file=sys.stderr)
+            return 2
+        raise
+    return int(rc or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
