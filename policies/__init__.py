@@ -13,15 +13,21 @@ from typing import get_args
 from ultraep.config import PolicyName
 from ultraep.errors import ConfigError
 
-from .base import Policy, assemble_plan, identity_plan, replicas_to_csr
+from .base import Policy, assemble_plan, identity_plan
 from .eplb import EplbPolicy, rebalance_experts
 from .none import NonePolicy
 from .quota import QuotaPolicy
+from .feplb import FeplbPolicy
+from .hybridep import HybridEPPolicy
+from .adaptive import AdaptivePolicy
 
 POLICIES: dict[str, type] = {
     "none": NonePolicy,
     "quota": QuotaPolicy,
     "eplb": EplbPolicy,
+    "feplb": FeplbPolicy,
+    "hybridep": HybridEPPolicy,
+    "adaptive": AdaptivePolicy,
 }
 
 if set(POLICIES) != set(get_args(PolicyName)):  # pragma: no cover - import-time consistency check
@@ -71,11 +77,13 @@ __all__ = [
     "NonePolicy",
     "QuotaPolicy",
     "EplbPolicy",
+    "FeplbPolicy",
+    "HybridEPPolicy",
+    "AdaptivePolicy",
     "rebalance_experts",
     "available_policies",
     "get_policy_class",
     "make_policy",
     "assemble_plan",
     "identity_plan",
-    "replicas_to_csr",
 ]

@@ -4,7 +4,7 @@ A policy is a plain class constructed with its options. ``plan`` is pure (reads 
 ``commit`` advances history (windows, EWMA, current replica set) once the plan is accepted, so every
 recorded plan can be replayed.
 
-Legend: R ranks, E experts, S slots per rank, P replicas (CSR, grouped by expert; see ``split``).
+Legend: R ranks, E experts, S slots per rank, P replicas in the plan.
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ from __future__ import annotations
 from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
+from numba import njit
 
-from ultraep.plan import Plan, Transfers
+from ultraep.plan import Plan, Replicas, Transfers
 from ultraep.topology import Topology
 
-from .split import even_split, locality_split
+from .split import even_split
 from .transfers import RELAY_MODES, schedule_transfers
+
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 @runtime_checkable
@@ -35,64 +38,94 @@ class Policy(Protocol):
         ...
 
 
-def replicas_to_csr(rep_e, rep_rank, rep_slot, rep_quota, num_experts: int):
-    """Sort replica rows by expert (stable, so acceptance order is kept) into CSR arrays."""
-    rep_e = np.asarray(rep_e, dtype=np.int64)
-    order = np.argsort(rep_e, kind="stable")
-    counts = np.bincount(rep_e, minlength=num_experts)
-    ptr = np.zeros(num_experts + 1, dtype=np.int64)
-    np.cumsum(counts, out=ptr[1:])
-    take = lambda a: np.ascontiguousarray(np.asarray(a, dtype=np.int64)[order])  # noqa: E731
-    return ptr, take(rep_rank), take(rep_slot), (take(rep_quota) if rep_quota is not None else None)
+@njit(cache=True)
+def _assemble_arrays(load_RE, home_E, master_slot_E, masters_RM, S, rep_e, rep_rank, rep_slot, rep_quota,
+                     has_quota):
+    """Rows of replicas (any order) → CSR by expert (stable), ``phy2log``, ``quota``; with no quotas given,
+    the even split's ``routes`` too (its quotas follow from it). Quota plans derive routes lazily."""
+    R, E = load_RE.shape
+    M = masters_RM.shape[1]
+    P = rep_e.shape[0]
+    # CSR by expert, keeping each expert's rows in their given order.
+    ptr = np.zeros(E + 1, np.int64)
+    for k in range(P):
+        ptr[rep_e[k] + 1] += 1
+    for e in range(E):
+        ptr[e + 1] += ptr[e]
+    fill = ptr[:E].copy()
+    order = np.empty(P, np.int64)
+    rr = np.empty(P, np.int64)
+    ss = np.empty(P, np.int64)
+    qq = np.zeros(P, np.int64)
+    for k in range(P):
+        i = fill[rep_e[k]]
+        fill[rep_e[k]] += 1
+        order[i] = k
+        rr[i] = rep_rank[k]
+        ss[i] = rep_slot[k]
+        if has_quota:
+            qq[i] = rep_quota[k]
+    phy2log = np.full((R, S), -1, np.int64)
+    phy2log[:, :M] = masters_RM
+    for e in range(E):
+        for k in range(ptr[e], ptr[e + 1]):
+            phy2log[rr[k], ss[k]] = e
+    quota = np.zeros((R, S), np.int64)
+    routes = np.zeros((R if not has_quota else 0, R, S), np.int64)
+    if has_quota:
+        lam_E = np.zeros(E, np.int64)
+        for r in range(R):  # row-major: contiguous reads
+            lrow = load_RE[r]
+            for e in range(E):
+                lam_E[e] += lrow[e]
+        for e in range(E):
+            lam = lam_E[e]
+            for k in range(ptr[e], ptr[e + 1]):
+                lam -= qq[k]
+                quota[rr[k], ss[k]] = qq[k]
+            quota[home_E[e], master_slot_E[e]] = lam
+    else:
+        even_split(load_RE, home_E, master_slot_E, ptr, rr, ss, routes, quota)
+    return ptr, rr, ss, qq, order, phy2log, quota, routes
 
 
 def assemble_plan(
     policy: str,
     topology: Topology,
     load_RE: np.ndarray,
-    rep_ptr: np.ndarray,
+    rep_e: np.ndarray,
     rep_rank: np.ndarray,
     rep_slot: np.ndarray,
-    rep_quota: np.ndarray | None,
+    rep_quota: np.ndarray | None = None,
     *,
     transfer_mask: np.ndarray | None = None,
     relay: str = "auto",
     solve_time_s: float = 0.0,
     info: dict | None = None,
 ) -> Plan:
-    """Build a :class:`Plan` from replicas in CSR form.
+    """Build a :class:`Plan` from replica rows ``(expert, rank, slot[, quota])``, each ``[P]``.
 
-    With ``rep_quota`` the quotas are given (quota planners) and tokens are split with locality; without
-    it tokens are split evenly over instances (historical balancing) and quotas follow from the split.
-    ``transfer_mask[P]`` selects which replicas need their weights sent (default: all).
+    With ``rep_quota`` the quotas are given (quota planners) and tokens are split with locality when
+    ``plan.routes_RRS`` is first read; without it tokens are split evenly over instances (historical
+    balancing) right away and quotas follow from the split.
+    ``transfer_mask[P]`` (row order) selects the replicas whose weights must be sent (default: all).
     """
     t = topology
-    R, E, S = t.num_ranks, t.num_experts, t.num_slots
-    phy2log = np.full((R, S), -1, dtype=np.int64)
-    phy2log[:, : t.num_masters] = t.masters_RM
-    counts = np.diff(rep_ptr)
-    if rep_rank.size:
-        phy2log[rep_rank, rep_slot] = np.repeat(np.arange(E, dtype=np.int64), counts)
-    routes = np.zeros((R, R, S), dtype=np.int64)
-    quota = np.zeros((R, S), dtype=np.int64)
-    if rep_quota is not None:
-        locality_split(load_RE, t.home_E, t.master_slot_E, rep_ptr, rep_rank, rep_slot, rep_quota, routes)
-        exported = np.zeros(E, dtype=np.int64)
-        if rep_quota.size:
-            np.add.at(exported, np.repeat(np.arange(E), counts), rep_quota)
-            quota[rep_rank, rep_slot] = rep_quota
-        quota[t.home_E, t.master_slot_E] = load_RE.sum(axis=0) - exported
-    else:
-        even_split(load_RE, t.home_E, t.master_slot_E, rep_ptr, rep_rank, rep_slot, routes, quota)
-    if rep_rank.size:
-        sel_ptr, sel_rank = rep_ptr, rep_rank
+    has_quota = rep_quota is not None
+    ptr, rr, ss, qq, order, phy2log, quota, routes = _assemble_arrays(
+        load_RE, t.home_E, t.master_slot_E, t.masters_RM, t.num_slots,
+        rep_e, rep_rank, rep_slot, rep_quota if has_quota else _EMPTY, has_quota,
+    )
+    if rr.size:
+        sel_ptr, sel_rank = ptr, rr
         if transfer_mask is not None and not transfer_mask.all():
-            keep_e = np.repeat(np.arange(E), counts)[transfer_mask]
-            sel_ptr = np.zeros(E + 1, dtype=np.int64)
-            np.cumsum(np.bincount(keep_e, minlength=E), out=sel_ptr[1:])
-            sel_rank = np.ascontiguousarray(rep_rank[transfer_mask])
+            keep = np.asarray(transfer_mask, dtype=bool)[order]
+            counts = np.bincount(np.asarray(rep_e)[order][keep], minlength=t.num_experts)
+            sel_ptr = np.zeros(t.num_experts + 1, dtype=np.int64)
+            np.cumsum(counts, out=sel_ptr[1:])
+            sel_rank = np.ascontiguousarray(rr[keep])
         te, ts, td, tb, tg = schedule_transfers(
-            t.home_E, sel_ptr, sel_rank, t.expert_bytes, R, t.D, RELAY_MODES[relay]
+            t.home_E, sel_ptr, sel_rank, t.expert_bytes, t.num_ranks, t.D, RELAY_MODES[relay]
         )
         transfers = Transfers(te, ts, td, tb, tg)
     else:
@@ -103,17 +136,15 @@ def assemble_plan(
         load_RE=load_RE,
         phy2log_RS=phy2log,
         quota_RS=quota,
-        routes_RRS=routes,
+        replicas=Replicas(ptr, rr, ss, qq),
         transfers=transfers,
         solve_time_s=solve_time_s,
-        info=info or {},
+        info=info if info is not None else {},
+        routes=None if has_quota else routes,
     )
 
-
-_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 def identity_plan(policy: str, topology: Topology, load_RE: np.ndarray, solve_time_s: float = 0.0, info=None) -> Plan:
     """Masters only: every expert's tokens go to its home rank."""
-    ptr = np.zeros(topology.num_experts + 1, dtype=np.int64)
-    return assemble_plan(policy, topology, load_RE, ptr, _EMPTY, _EMPTY, _EMPTY, solve_time_s=solve_time_s, info=info)
+    return assemble_plan(policy, topology, load_RE, _EMPTY, _EMPTY, _EMPTY, solve_time_s=solve_time_s, info=info)

@@ -43,7 +43,7 @@ from ultraep.errors import ConfigError
 from ultraep.plan import Plan
 from ultraep.topology import Topology
 
-from .base import assemble_plan, replicas_to_csr
+from .base import assemble_plan
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -332,11 +332,8 @@ class EplbPolicy:
         if self._replicas is not None and len(e):
             old = set(zip(self._replicas[0].tolist(), self._replicas[1].tolist()))
             mask = np.array([(a, b) not in old for a, b in zip(e.tolist(), r.tolist())], dtype=bool)
-        ptr, rr, ss, _ = replicas_to_csr(e, r, s, None, t.num_experts)
-        if mask is not None:
-            mask = mask[np.argsort(np.asarray(e), kind="stable")]
         plan = assemble_plan(
-            self.name, t, load_RE, ptr, rr, ss, None, transfer_mask=mask, relay=self.relay,
+            self.name, t, load_RE, e, r, s, None, transfer_mask=mask, relay=self.relay,
             info={"refreshed": bool(refresh), "age": 0 if refresh else self._age, "replicas": reps},
         )
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)

@@ -48,19 +48,22 @@ import time
 import numpy as np
 from numba import njit
 
-from ultraep.plan import Plan
+from ultraep.plan import Plan, Replicas, Transfers
 from ultraep.topology import Topology
 
-from .base import assemble_plan, identity_plan, replicas_to_csr
+
+from .base import _assemble_arrays, identity_plan
+from .transfers import RELAY_MODES, schedule_transfers
 
 
 @njit(cache=True)
 def _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst_order_RM, min_quota,
-            exc, slk, used, mark, record, out_e, out_r, out_s, out_q, n_out):
+            exc, slk, used, mark, out_e, out_r, out_s, out_q):
     """One greedy pass at threshold ``tau`` over the domain ranks ``d0 .. d0 + D - 1``.
 
-    Returns ``(feasible, n_out)``; with ``record`` the accepted replicas are appended to ``out_*``.
+    Returns ``(feasible, n)``; the accepted replicas are written to ``out_*[:n]``.
     """
+    n_out = 0
     for i in range(D):
         r = d0 + i
         exc[r] = max(ell_R[r] - tau, 0)
@@ -78,7 +81,9 @@ def _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst_order_RM, min_quota,
             cap = lam_E[e] - 1 if lam_E[e] > 0 else 0
             mark[r] = e
             while exc[r] > 0 and cap > 0:
+                need = min(exc[r], cap)
                 best = -1
+                fit = -1
                 n_el = 0
                 for i in range(D):
                     t = d0 + i
@@ -86,19 +91,22 @@ def _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst_order_RM, min_quota,
                         n_el += 1
                         if best < 0 or slk[t] > slk[best]:
                             best = t
+                        if slk[t] >= need and (fit < 0 or slk[t] < slk[fit]):
+                            fit = t
                 if best < 0:
                     break
+                if fit >= 0:
+                    best = fit
                 delta = min(exc[r], slk[best], cap)
                 floor = (exc[r] + n_el - 1) // n_el
                 if floor < min_quota:
                     floor = min_quota
                 if delta < floor:
                     break
-                if record:
-                    out_e[n_out] = e
-                    out_r[n_out] = best
-                    out_s[n_out] = M + used[best]
-                    out_q[n_out] = delta
+                out_e[n_out] = e
+                out_r[n_out] = best
+                out_s[n_out] = M + used[best]
+                out_q[n_out] = delta
                 n_out += 1
                 used[best] += 1
                 mark[best] = e
@@ -122,8 +130,9 @@ def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota):
     # Step 1: loads and orders.
     lam_E = np.zeros(E, np.int64)
     for r in range(R):
+        lrow = load_RE[r]
         for e in range(E):
-            lam_E[e] += load_RE[r, e]
+            lam_E[e] += lrow[e]
     ell_R = np.zeros(R, np.int64)
     for e in range(E):
         ell_R[home_E[e]] += lam_E[e]
@@ -142,6 +151,11 @@ def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota):
     out_r = np.empty(cap_out, np.int64)
     out_s = np.empty(cap_out, np.int64)
     out_q = np.empty(cap_out, np.int64)
+    # scratch for one oracle pass; a feasible pass is copied to out_* (the last feasible one wins)
+    tmp_e = np.empty(D * N, np.int64)
+    tmp_r = np.empty(D * N, np.int64)
+    tmp_s = np.empty(D * N, np.int64)
+    tmp_q = np.empty(D * N, np.int64)
     exc = np.zeros(R, np.int64)
     slk = np.zeros(R, np.int64)
     used = np.zeros(R, np.int64)
@@ -165,28 +179,84 @@ def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota):
         tau = max(lo, int(np.floor(total * (1.0 + eps) / D)))
         if tau >= hi:
             continue
-        ok, _ = _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota,
-                        exc, slk, used, mark, False, out_e, out_r, out_s, out_q, 0)
-        if not ok:
-            # Step 3: binary search in (tau, hi]; hi is feasible (nothing to move).
+        n_best = -1
+        ok, n = _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota,
+                        exc, slk, used, mark, tmp_e, tmp_r, tmp_s, tmp_q)
+        if ok:
+            n_best = n
+        else:
+            # Step 3: gallop up from the fast threshold (steps of eps * mean, doubling) to a feasible τ,
+            # then bisect between the last failure and it, down to a resolution of mean / 2048.
+            step = max(1, int(np.ceil(eps * total / D)))
             a = tau + 1
             b = hi
-            while a < b:
+            probe = tau + step
+            while probe < hi:
+                ok_p, n = _oracle(probe, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota,
+                                  exc, slk, used, mark, tmp_e, tmp_r, tmp_s, tmp_q)
+                if ok_p:
+                    b = probe
+                    n_best = n
+                    out_e[n_out:n_out + n] = tmp_e[:n]
+                    out_r[n_out:n_out + n] = tmp_r[:n]
+                    out_s[n_out:n_out + n] = tmp_s[:n]
+                    out_q[n_out:n_out + n] = tmp_q[:n]
+                    break
+                a = probe + 1
+                step *= 2
+                probe = tau + step
+            resolution = max(1, total // (D * 2048))
+            while b - a >= resolution:
                 mid = (a + b) // 2
-                ok_mid, _ = _oracle(mid, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota,
-                                    exc, slk, used, mark, False, out_e, out_r, out_s, out_q, 0)
+                ok_mid, n = _oracle(mid, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota,
+                                    exc, slk, used, mark, tmp_e, tmp_r, tmp_s, tmp_q)
                 if ok_mid:
                     b = mid
+                    n_best = n
+                    # Step 4 (folded in): keep this pass's replicas; a later feasible pass replaces them.
+                    out_e[n_out:n_out + n] = tmp_e[:n]
+                    out_r[n_out:n_out + n] = tmp_r[:n]
+                    out_s[n_out:n_out + n] = tmp_s[:n]
+                    out_q[n_out:n_out + n] = tmp_q[:n]
                 else:
                     a = mid + 1
             tau = b
-        tau_dom[d] = tau
-        if tau >= hi:
+            if tau >= hi:
+                n_best = -1
+            tau_dom[d] = tau
+            if n_best > 0:
+                n_out += n_best
             continue
-        # Step 4: record the replicas at the final threshold.
-        _, n_out = _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota,
-                           exc, slk, used, mark, True, out_e, out_r, out_s, out_q, n_out)
+        tau_dom[d] = tau
+        out_e[n_out:n_out + n_best] = tmp_e[:n_best]
+        out_r[n_out:n_out + n_best] = tmp_r[:n_best]
+        out_s[n_out:n_out + n_best] = tmp_s[:n_best]
+        out_q[n_out:n_out + n_best] = tmp_q[:n_best]
+        n_out += n_best
     return out_e[:n_out], out_r[:n_out], out_s[:n_out], out_q[:n_out], tau_dom
+
+
+@njit(cache=True)
+def quota_plan_arrays(load_RE, home_E, master_slot_E, masters_RM, S, D, N, eps, min_quota, expert_bytes,
+                      relay_mode):
+    """Steps 1-4 and 6 in one compiled call (one dispatch on the hot path); routes (step 5) stay lazy."""
+    e, r, s, q, tau = solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota)
+    ptr, rr, ss, qq, _, phy2log, quota, _ = _assemble_arrays(
+        load_RE, home_E, master_slot_E, masters_RM, S, e, r, s, q, True
+    )
+    te, ts, td, tb, tg = schedule_transfers(home_E, ptr, rr, expert_bytes, masters_RM.shape[0], D, relay_mode)
+    # Few, packed return values: every array handed back to Python costs a boxing step (~1 µs).
+    reps = np.empty((3, rr.shape[0]), np.int64)
+    reps[0] = rr
+    reps[1] = ss
+    reps[2] = qq
+    trans = np.empty((5, te.shape[0]), np.int64)
+    trans[0] = te
+    trans[1] = ts
+    trans[2] = td
+    trans[3] = tb
+    trans[4] = tg
+    return phy2log, quota, ptr, reps, trans, tau
 
 
 class QuotaPolicy:
@@ -206,23 +276,28 @@ class QuotaPolicy:
         self.balance_eps = float(balance_eps)
         self.min_replica_quota = int(min_replica_quota)
         self.relay = relay
+        self._relay_mode = RELAY_MODES[relay]
 
     def plan(self, load_RE: np.ndarray, topology: Topology) -> Plan:
         t0 = time.perf_counter()
         t = topology
         if t.num_redundant_slots == 0 or t.D == 1:
             return identity_plan(self.name, t, load_RE, time.perf_counter() - t0)
-        e, r, s, q, tau = solve_quota(
-            load_RE, t.home_E, t.masters_RM, t.D, t.num_redundant_slots, self.balance_eps, self.min_replica_quota
+        phy2log, quota, ptr, reps, trans, tau = quota_plan_arrays(
+            load_RE, t.home_E, t.master_slot_E, t.masters_RM, t.num_slots, t.D, t.num_redundant_slots,
+            self.balance_eps, self.min_replica_quota, t.expert_bytes, self._relay_mode,
         )
-        t_solve = time.perf_counter() - t0
-        ptr, rr, ss, qq = replicas_to_csr(e, r, s, q, t.num_experts)
-        plan = assemble_plan(
-            self.name, t, load_RE, ptr, rr, ss, qq, relay=self.relay,
-            solve_time_s=0.0, info={"tau": tau.tolist(), "search_time_s": t_solve},
+        return Plan(
+            policy=self.name,
+            topology=t,
+            load_RE=load_RE,
+            phy2log_RS=phy2log,
+            quota_RS=quota,
+            replicas=Replicas(ptr, reps[0], reps[1], reps[2]),
+            transfers=Transfers(trans[0], trans[1], trans[2], trans[3], trans[4]),
+            solve_time_s=time.perf_counter() - t0,
+            info={"tau": tau},
         )
-        object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
-        return plan
 
     def commit(self, plan: Plan) -> None:
         return None

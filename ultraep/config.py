@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ultraep.errors import ConfigError
 
-PolicyName = Literal["none", "quota", "eplb"]
+PolicyName = Literal["none", "quota", "eplb", "feplb", "hybridep", "adaptive"]
+CandidateName = Literal["none", "quota", "eplb", "feplb", "hybridep"]
 RelayMode = Literal["auto", "direct", "always"]
 
 
@@ -67,9 +68,58 @@ class EplbOptions(_Options):
     relay: RelayMode = Field(default="auto", description="Weight transfer: relay tree when it pays, direct, or always.")
 
 
-LayerPolicy = Annotated[Union[NoneOptions, QuotaOptions, EplbOptions], Field(discriminator="kind")]
+class FeplbOptions(_Options):
+    """Whole-expert intra-domain moves (FEPLB, arXiv 2604.19654)."""
 
-_DEFAULTS: dict[str, type[_Options]] = {"none": NoneOptions, "quota": QuotaOptions, "eplb": EplbOptions}
+    kind: Literal["feplb"] = "feplb"
+    num_redundant_slots: int | None = Field(
+        default=None, ge=0, description="Override of the dynamic-expert buffers per rank (default: global slots)."
+    )
+    num_dynamic: int = Field(default=4, ge=0, description="Dynamic (movable) experts per rank; the rest are static.")
+    min_tokens: int = Field(default=1, ge=0, description="Smallest expert load (tokens) worth moving (FEPLB's tau).")
+    ewma: float = Field(
+        default=0.3, gt=0.0, le=1.0, description="Weight of the newest load in the predictor of dynamic experts."
+    )
+
+
+class HybridEPOptions(_Options):
+    """Hybrid expert/token transmission over slow links (HybridEP, arXiv 2510.19470)."""
+
+    kind: Literal["hybridep"] = "hybridep"
+    domain_sizes: tuple[int, ...] | None = Field(
+        default=None, description="Candidate expert-domain sizes in scale-out domains (default: all divisors)."
+    )
+    compression: float = Field(default=1.0, ge=1.0, description="Expert compression ratio for the all-gather.")
+
+
+class AdaptiveOptions(_Options):
+    """Per-layer choice of the cheapest policy by the cost model, with hysteresis."""
+
+    kind: Literal["adaptive"] = "adaptive"
+    num_redundant_slots: int | None = Field(
+        default=None, ge=0, description="Override of the redundant slots this layer may use (default: global)."
+    )
+    candidates: tuple[CandidateName, ...] = Field(
+        default=("none", "quota", "eplb", "feplb", "hybridep"), description="Policies to choose from (need 'none')."
+    )
+    margin: float = Field(default=0.005, ge=0.0, description="Relative gain below which the current policy stays.")
+    patience: int = Field(default=2, ge=1, description="Consecutive wins a better policy needs before a switch.")
+    switch_now: float = Field(default=0.02, ge=0.0, description="Relative gain that switches immediately.")
+    deadline_s: float | None = Field(
+        default=None, gt=0.0, description="Planning + weight sync later than this falls back to 'none' (seconds)."
+    )
+    screen: bool = Field(default=True, description="Skip planning candidates that cannot pay for their planner.")
+
+
+LayerPolicy = Annotated[
+    Union[NoneOptions, QuotaOptions, EplbOptions, FeplbOptions, HybridEPOptions, AdaptiveOptions],
+    Field(discriminator="kind"),
+]
+
+_DEFAULTS: dict[str, type[_Options]] = {
+    "none": NoneOptions, "quota": QuotaOptions, "eplb": EplbOptions,
+    "feplb": FeplbOptions, "hybridep": HybridEPOptions, "adaptive": AdaptiveOptions,
+}
 
 
 class BalancerConfig(BaseModel):

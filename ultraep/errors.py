@@ -39,6 +39,10 @@ def format_pydantic_error(exc: Exception) -> str:
         return str(exc)
     lines = []
     for err in errors():
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, UltraEPError):  # our own validators already name the path and the value
+            lines.append(str(inner))
+            continue
         loc = ".".join(str(p) for p in err.get("loc", ()))
         inp = err.get("input")
         shown = "" if isinstance(inp, dict) else f" ({inp!r})"

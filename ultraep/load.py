@@ -14,6 +14,12 @@ def validate_load(load, num_ranks: int | None = None, num_experts: int | None = 
     NaN, inf, negatives, booleans and wrong shapes are not). An all-zero load is valid: every policy
     returns the identity plan for it.
     """
+    if type(load) is np.ndarray and load.dtype == np.int64 and load.ndim == 2 and load.flags.c_contiguous:
+        # Hot path (the runtime and plan_layer pass exactly this): one pass for the sign check.
+        R, E = load.shape
+        if (num_ranks is None or R == num_ranks) and (num_experts is None or E == num_experts) and R and E:
+            if load.min() >= 0:
+                return load
     try:
         arr = np.asarray(load)
     except Exception as exc:  # ragged lists and the like

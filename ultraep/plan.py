@@ -8,7 +8,7 @@ Arrays (all int64, read-only):
     load_RE      ``[R, E]``    λ: token–expert assignments source rank r routes to expert e
     phy2log_RS   ``[R, S]``    logical expert held by slot s of rank r; slots 0..M-1 are masters, -1 = empty
     quota_RS     ``[R, S]``    tokens the instance in slot s of rank r receives
-    routes_RRS   ``[R, R, S]`` tokens source rank src sends to instance (r, s)
+    routes_RRS   ``[R, R, S]`` tokens source rank src sends to instance (r, s) (derived on first use)
 
 Invariants (checked by :meth:`Plan.check`, asserted by the property tests for every policy):
     * master slots hold exactly ``home``'s experts; replicas only in redundant slots, at most one instance
@@ -65,6 +65,23 @@ class Transfers:
 
 
 @dataclass(frozen=True)
+class Replicas:
+    """The plan's replicas grouped by expert (CSR), ``P`` rows in all.
+
+    For ``k in ptr[e]:ptr[e + 1]``, replica ``k`` of expert ``e`` sits in slot ``slot[k]`` of rank ``rank[k]``
+    and receives ``quota[k]`` tokens. ``ptr`` is ``[E + 1]``; the others are ``[P]``.
+    """
+
+    ptr: np.ndarray
+    rank: np.ndarray
+    slot: np.ndarray
+    quota: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.rank.shape[0])
+
+
+@dataclass(frozen=True)
 class Plan:
     """One layer's balancing decision. Immutable; derived figures are computed on first access."""
 
@@ -73,14 +90,35 @@ class Plan:
     load_RE: np.ndarray
     phy2log_RS: np.ndarray
     quota_RS: np.ndarray
-    routes_RRS: np.ndarray
+    replicas: Replicas
     transfers: Transfers
     solve_time_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    routes: np.ndarray | None = field(default=None, repr=False)
+    """Precomputed ``routes_RRS`` (even split); ``None`` = derive the locality-aware split on first use."""
 
     def __post_init__(self) -> None:
-        for name in ("load_RE", "phy2log_RS", "quota_RS", "routes_RRS"):
+        for name in ("load_RE", "phy2log_RS", "quota_RS"):
             getattr(self, name).setflags(write=False)
+
+    @cached_property
+    def routes_RRS(self) -> np.ndarray:
+        """``[R, R, S]`` tokens each source rank sends to each instance (read-only).
+
+        Quota planners leave it to first use: the decision (placement, quotas, transfers) is what sits on
+        the critical path; each rank then needs only its own row and column of the split.
+        """
+        if self.routes is not None:
+            arr = self.routes
+        else:
+            from ultraep.policies.split import locality_split
+
+            t = self.topology
+            arr = np.zeros((t.num_ranks, t.num_ranks, t.num_slots), dtype=np.int64)
+            r = self.replicas
+            locality_split(self.load_RE, t.home_E, t.master_slot_E, r.ptr, r.rank, r.slot, r.quota, arr)
+        arr.setflags(write=False)
+        return arr
 
     # ------------------------------------------------------------------ derived figures
     @cached_property

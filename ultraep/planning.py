@@ -53,7 +53,7 @@ def plan_layer(
     if policy == "eplb":
         options.setdefault("use_current_load", True)
     try:
-        pol = _policy(policy, tuple(sorted(options.items())))
+        pol = _policy(policy, tuple(sorted(options.items())) if options else ())
     except TypeError:  # unhashable option values: no caching
         from ultraep.policies import make_policy
 
