@@ -1,0 +1,245 @@
+-- ultraep telemetry store: schema.
+--
+-- Storage: every raw table below is a directory of append-only Parquet parts inside a run directory,
+--     RUNS_DIR/RUN_ID/<table>/r<rank>-<session>-<seq>.parquet
+-- one part per table per flush per rank, renamed into place atomically (see docs/telemetry.md).
+-- ultraep.telemetry.open_run(path) gives a DuckDB connection in which every raw table is a view over
+-- read_parquet(<glob>) (so a live run's new parts show up in the next query) and the derived views at the
+-- end of this file are defined on top. export_run(path, file) materialises the same into one .duckdb file.
+--
+-- Conventions:
+--   * Vocabulary of docs/design.md: R ranks, E logical experts, S slots per rank (M masters + N redundant).
+--   * run_id + rank start every table: `rank` is the rank that RECORDED the row. With exact-load balancing
+--     every rank computes the same plan; when several ranks record it, the derived views keep the row of
+--     the lowest recording rank (raw tables keep them all).
+--   * step / microbatch / layer identify one layer-microbatch; ts is when it was recorded (UTC).
+--   * Matrices are nested LIST columns, row-major: load[r + 1][e + 1] is λ[r, e] (DuckDB lists are 1-based).
+--   * Raw counts are stored; ratios (imbalance, bandwidth, ...) are derived in the views and queries.
+--   * All timestamps are TIMESTAMP in UTC; all durations are DOUBLE seconds (unit s); bytes are BIGINT (By).
+--   * Names are defined once in telemetry/semconv.py; a test checks this file against it.
+-- Statements are separated by a semicolon at the end of a line (the loader splits on that).
+
+-- ============================================================================ raw tables
+
+-- One row when a recorder opens (status 'running') and one when it closes (status 'closed'), per rank
+-- and recorder session. A run whose newest row still says 'running' is live or crashed.
+CREATE TABLE runs_log (
+    run_id          VARCHAR,    -- run directory name; the same on every rank of a run
+    rank            INTEGER,    -- recording rank
+    session         VARCHAR,    -- random id of the recorder instance (a resumed rank gets a new one)
+    run_name        VARCHAR,    -- the name given to Recorder.open (NULL: generated id)
+    kind            VARCHAR,    -- train | prefill | simulation
+    world_size      INTEGER,    -- ranks in the EP group
+    model           VARCHAR,    -- model name
+    config_json     VARCHAR,    -- the validated config as JSON
+    config_hash     VARCHAR,    -- BalancerConfig.digest() (or sha256 of the JSON)
+    topology_json   VARCHAR,    -- the Topology as JSON
+    host            VARCHAR,
+    pid             BIGINT,
+    versions_json   VARCHAR,    -- python, ultraep, numpy, pyarrow, opentelemetry-sdk, torch (if loaded)
+    otel_exporters  VARCHAR,    -- OTel exporters enabled through OTEL_* variables, e.g. 'traces:otlp'
+    started_at      TIMESTAMP,
+    ended_at        TIMESTAMP,  -- NULL while running
+    status          VARCHAR,    -- running | closed
+    errors          BIGINT,     -- recording failures swallowed so far (Recorder.errors)
+    dropped_rows    BIGINT,     -- rows lost to them
+    first_error     VARCHAR,    -- the first failure, for the report
+    extra_json      VARCHAR,    -- Recorder.open(extra=...)
+    written_at      TIMESTAMP   -- when this row was written (the newest row per session wins)
+);
+
+-- One row per Recorder.record_step call.
+CREATE TABLE steps (
+    run_id          VARCHAR,
+    rank            INTEGER,
+    step            BIGINT,
+    ts              TIMESTAMP,  -- end of the step
+    loss            DOUBLE,
+    step_time_s     DOUBLE,     -- as measured by the caller (NULL if not given)
+    extra_json      VARCHAR
+);
+
+-- One row per recorded plan: the exact load and what each rank receives before / after balancing.
+CREATE TABLE layer_loads (
+    run_id           VARCHAR,
+    rank             INTEGER,
+    step             BIGINT,
+    microbatch       INTEGER,
+    layer            INTEGER,
+    ts               TIMESTAMP,
+    policy           VARCHAR,
+    num_ranks        INTEGER,     -- R
+    num_experts      INTEGER,     -- E
+    tokens           BIGINT,      -- sum of load (token-expert assignments, unit {token})
+    load             BIGINT[][],  -- [R][E] raw λ: assignments source rank r routes to expert e
+    expert_load      BIGINT[],    -- [E]    λ summed over source ranks
+    rank_load_before BIGINT[],    -- [R]    tokens each rank would receive without balancing (home masters)
+    rank_load_after  BIGINT[]     -- [R]    tokens each rank receives under the plan (sum of its quotas)
+);
+
+-- One row per recorded plan: placement and quotas (routes when record_routes=True).
+CREATE TABLE plans (
+    run_id          VARCHAR,
+    rank            INTEGER,
+    step            BIGINT,
+    microbatch      INTEGER,
+    layer           INTEGER,
+    ts              TIMESTAMP,
+    policy          VARCHAR,
+    num_ranks       INTEGER,       -- R
+    num_experts     INTEGER,       -- E
+    num_masters     INTEGER,       -- M
+    num_slots       INTEGER,       -- S = M + N
+    domain_size     INTEGER,       -- ranks per scale-up domain
+    phy2log         INTEGER[][],   -- [R][S] logical expert in each slot, -1 = empty
+    quota           BIGINT[][],    -- [R][S] tokens each instance receives
+    routes          BIGINT[][][],  -- [R][R][S] tokens source rank sends to instance (r, s); NULL unless asked
+    solve_time_s    DOUBLE,        -- planner time
+    num_replicas    INTEGER,       -- redundant slots in use
+    num_transfers   INTEGER,
+    info_json       VARCHAR        -- Plan.info (policy-specific details)
+);
+
+-- One row per transfer of a recorded plan (expert-state movement between ranks).
+CREATE TABLE transfers (
+    run_id          VARCHAR,
+    rank            INTEGER,
+    step            BIGINT,
+    microbatch      INTEGER,
+    layer           INTEGER,
+    idx             INTEGER,    -- position in plan.transfers (0-based); transfer_times.seconds[idx + 1]
+    expert          INTEGER,    -- logical expert whose weights move
+    src             INTEGER,    -- sending rank
+    dst             INTEGER,    -- receiving rank
+    stage           INTEGER,    -- 0 direct from the master's rank, 1 relay forward
+    bytes           BIGINT      -- unit By
+);
+
+-- Measured seconds of each transfer, aligned with plan.transfers (NaN where this rank did not measure).
+CREATE TABLE transfer_times (
+    run_id          VARCHAR,
+    rank            INTEGER,
+    step            BIGINT,
+    microbatch      INTEGER,
+    layer           INTEGER,
+    ts              TIMESTAMP,
+    seconds         DOUBLE[]    -- [T]
+);
+
+-- One row per policy decision (which policy a layer uses and why), with the cost model's predictions.
+CREATE TABLE decisions (
+    run_id             VARCHAR,
+    rank               INTEGER,
+    step               BIGINT,
+    microbatch         INTEGER,
+    layer              INTEGER,
+    ts                 TIMESTAMP,
+    policy             VARCHAR,               -- the chosen policy
+    reason             VARCHAR,               -- why (free text from the engine)
+    predictions        MAP(VARCHAR, DOUBLE),  -- predicted seconds of every candidate policy
+    chosen_predicted_s DOUBLE                 -- predicted seconds of the chosen one
+);
+
+-- Measured phase times of a layer-microbatch on the recording rank (seconds; NULL = not measured).
+CREATE TABLE timings (
+    run_id            VARCHAR,
+    rank              INTEGER,
+    step              BIGINT,
+    microbatch        INTEGER,
+    layer             INTEGER,
+    ts                TIMESTAMP,
+    plan_s            DOUBLE,
+    transfer_s        DOUBLE,
+    dispatch_s        DOUBLE,
+    experts_s         DOUBLE,
+    combine_s         DOUBLE,
+    backward_reduce_s DOUBLE,
+    measured_s        DOUBLE,                -- end-to-end time of the balanced layer, to compare with:
+    predicted_s       DOUBLE,                -- the cost model's prediction for it
+    other             MAP(VARCHAR, DOUBLE)   -- any other timing key given to record_timings
+);
+
+-- Spans that went through the OpenTelemetry SDK (ultraep.step and its per-step aggregate children
+-- ultraep.plan / ultraep.transfer, plus any Recorder.span). Aggregate children carry
+-- "ultraep.aggregate": true; their duration is the summed phase time of the step, anchored at its start.
+CREATE TABLE spans (
+    run_id          VARCHAR,
+    rank            INTEGER,
+    trace_id        VARCHAR,    -- 32 hex digits
+    span_id         VARCHAR,    -- 16 hex digits
+    parent_span_id  VARCHAR,
+    name            VARCHAR,
+    start_time      TIMESTAMP,
+    end_time        TIMESTAMP,
+    duration_s      DOUBLE,
+    status          VARCHAR,    -- UNSET | OK | ERROR
+    attributes_json VARCHAR
+);
+
+-- Metric data points collected from the OpenTelemetry MeterProvider at every flush (cumulative).
+CREATE TABLE metric_points (
+    run_id          VARCHAR,
+    rank            INTEGER,
+    ts              TIMESTAMP,
+    name            VARCHAR,    -- e.g. ultraep.transfer.bytes
+    unit            VARCHAR,    -- s | By | {token} | 1 | ...
+    kind            VARCHAR,    -- sum | gauge | histogram
+    attributes_json VARCHAR,
+    value           DOUBLE,     -- sum / gauge value
+    count           BIGINT,     -- histogram
+    sum             DOUBLE,     -- histogram
+    min             DOUBLE,     -- histogram
+    max             DOUBLE,     -- histogram
+    bucket_bounds   DOUBLE[],   -- histogram explicit bounds
+    bucket_counts   BIGINT[]    -- histogram counts (len(bucket_bounds) + 1)
+);
+
+-- ============================================================================ derived views
+
+-- One row per recorder session: its newest runs_log row.
+CREATE VIEW runs AS
+SELECT *
+FROM runs_log
+QUALIFY row_number() OVER (PARTITION BY run_id, rank, session ORDER BY written_at DESC, status) = 1;
+
+-- One row per layer-microbatch (lowest recording rank), with imbalance = max / mean rank load (1.0 when
+-- the layer has no tokens) and straggler = max - mean, before and after balancing.
+CREATE VIEW layer_balance AS
+SELECT
+    run_id, step, microbatch, layer, policy, num_ranks, num_experts, tokens,
+    rank_load_before, rank_load_after,
+    CASE WHEN list_avg(rank_load_before) > 0
+         THEN list_max(rank_load_before) / list_avg(rank_load_before) ELSE 1.0 END AS imbalance_before,
+    CASE WHEN list_avg(rank_load_after) > 0
+         THEN list_max(rank_load_after) / list_avg(rank_load_after) ELSE 1.0 END AS imbalance_after,
+    list_max(rank_load_before) - list_avg(rank_load_before) AS straggler_before,
+    list_max(rank_load_after) - list_avg(rank_load_after) AS straggler_after,
+    rank AS recorded_by,
+    ts
+FROM layer_loads
+QUALIFY row_number() OVER (PARTITION BY run_id, step, microbatch, layer ORDER BY rank, ts) = 1;
+
+-- One row per transfer (lowest recording rank), with the measured seconds (the largest value any rank
+-- reported for it; NULL if none) and the resulting bandwidth.
+CREATE VIEW transfer_detail AS
+WITH t AS (
+    SELECT *
+    FROM transfers
+    QUALIFY rank = min(rank) OVER (PARTITION BY run_id, step, microbatch, layer)
+),
+m AS (
+    SELECT run_id, step, microbatch, layer, i - 1 AS idx, max(s) AS measured_s
+    FROM (
+        SELECT run_id, step, microbatch, layer, unnest(seconds) AS s, generate_subscripts(seconds, 1) AS i
+        FROM transfer_times
+    )
+    WHERE s IS NOT NULL AND NOT isnan(s)
+    GROUP BY ALL
+)
+SELECT
+    t.run_id, t.step, t.microbatch, t.layer, t.idx, t.expert, t.src, t.dst, t.stage, t.bytes,
+    m.measured_s,
+    CASE WHEN m.measured_s > 0 THEN t.bytes / m.measured_s END AS bandwidth_Bps,
+    t.rank AS recorded_by
+FROM t
+LEFT JOIN m USING (run_id, step, microbatch, layer, idx);
