@@ -1,0 +1,75 @@
+"""Backend choice for the kernel triples (ARCHITECTURE.md §5.7) and the lazy Triton import.
+
+Every public kernel function takes ``backend="auto" | "triton" | "torch"`` and resolves it once, at the
+top of the call, from the device of its main input:
+
+    auto    CUDA tensors -> the Triton kernel; CPU tensors -> the pure-torch reference
+    triton  the Triton kernel; on CPU tensors this needs ``TRITON_INTERPRET=1`` set before triton is
+            imported (the test suite does this in ``tests/conftest.py``)
+    torch   the pure-torch reference, on any device
+
+``import ultraep.kernels`` never imports triton: the ``*_triton`` modules holding the ``@triton.jit``
+functions are imported on the first call that resolves to ``triton``. Without triton that call raises
+:class:`KernelUnavailableError`, which names the install command.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from ultraep.errors import UltraEPError
+
+Backend = Literal["auto", "triton", "torch"]
+BACKENDS = ("auto", "triton", "torch")
+
+INSTALL_HINT = "pip install 'ultraep[kernels]'"
+
+
+class KernelUnavailableError(ImportError):
+    """A Triton kernel was requested but cannot run here (triton missing, or CPU without the interpreter)."""
+
+
+class KernelInputError(UltraEPError):
+    """A kernel was called with inputs of the wrong shape, dtype, device or layout."""
+
+
+def interpreting() -> bool:
+    """True when Triton runs its interpreter (``TRITON_INTERPRET=1``), i.e. kernels execute on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve(backend: str, device: torch.device, kernel: str) -> str:
+    """Return ``"triton"`` or ``"torch"`` for one call of ``kernel`` on ``device``."""
+    if backend not in BACKENDS:
+        raise KernelInputError("backend", f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}", backend)
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and not interpreting():
+        raise KernelUnavailableError(
+            f"ultraep.kernels.{kernel}: the Triton kernel was requested for a {device.type} tensor; Triton runs "
+            "CPU tensors only in its interpreter: set TRITON_INTERPRET=1 before triton is imported, or use "
+            "backend='torch' (or 'auto') for the pure-torch reference"
+        )
+    return backend
+
+
+def triton_module(name: str, kernel: str) -> ModuleType:
+    """Import ``ultraep.kernels.<name>`` (a module defining ``@triton.jit`` functions) on first use."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise KernelUnavailableError(
+            f"ultraep.kernels.{kernel}: the Triton kernel needs the `triton` package, which is not installed; "
+            f"install it with {INSTALL_HINT} (or call with backend='torch' for the pure-torch reference)"
+        ) from exc
+    return importlib.import_module(f"ultraep.kernels.{name}")
+
+
+def is_interpreted(device: torch.device) -> bool:
+    """True when a Triton launch on ``device`` runs in the interpreter (the launch grid is then kept small)."""
+    return device.type != "cuda"
