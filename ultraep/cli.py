@@ -16,6 +16,7 @@ from ultraep.errors import UltraEPError, format_pydantic_error
 # module path of each subcommand family, in help order
 COMMANDS = [
     "ultraep.cli_plan",
+    "ultraep.telemetry.cli",
 ]
 
 

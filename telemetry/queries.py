@@ -1,0 +1,298 @@
+"""Canned SQL over the store, shared by ``ultraep report``, ``ultraep sql`` users and the dashboard.
+
+Every query is a :class:`Query` with named parameters (``$run_id``, ``$layer``, ...), bound by DuckDB,
+never formatted into the SQL text. ``run_id`` is optional everywhere: ``None`` means every run in the
+connection (results carry a ``run_id`` column). Run them with :func:`run` (rows), :func:`arrow`
+(a ``pyarrow.Table``) or through ``con.execute(q.sql, q.bind(...))``.
+
+Conventions (see ``schema.sql``): plans and loads come from the derived views, which keep one row per
+layer-microbatch; measured times are the slowest rank's (``max`` over recording ranks), because a layer
+finishes when its last rank does; imbalance is max / mean rank load (1.0 = perfect).
+
+Legend: R ranks, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Query:
+    """A named, parameterised query."""
+
+    name: str
+    title: str
+    sql: str
+    params: tuple[str, ...] = ("run_id",)
+    doc: str = ""
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    def bind(self, **params: Any) -> dict[str, Any]:
+        """The parameter dict for DuckDB: every declared parameter (missing ones ``None``), no others."""
+        unknown = set(params) - set(self.params)
+        if unknown:
+            raise TypeError(f"query {self.name!r} takes {', '.join(self.params)}; got {', '.join(sorted(unknown))}")
+        return {p: params.get(p, self.defaults.get(p)) for p in self.params}
+
+
+_RUN = "($run_id IS NULL OR run_id = $run_id)"
+
+OVERVIEW = Query(
+    "overview", "Runs",
+    f"""
+WITH r AS (
+    SELECT run_id, any_value(kind) AS kind, any_value(model) AS model, max(world_size) AS world_size,
+           count(DISTINCT rank) AS ranks_recording, min(started_at) AS started_at,
+           CASE WHEN bool_and(status = 'closed') THEN max(ended_at) END AS ended_at,
+           CASE WHEN bool_and(status = 'closed') THEN 'closed' ELSE 'running' END AS status,
+           sum(errors)::BIGINT AS errors, any_value(config_hash) AS config_hash
+    FROM runs WHERE {_RUN} GROUP BY run_id
+),
+s AS (SELECT run_id, count(DISTINCT step) AS steps FROM steps WHERE {_RUN} GROUP BY run_id),
+b AS (
+    SELECT run_id, count(*) AS plans, count(DISTINCT layer) AS layers,
+           avg(imbalance_before) AS mean_imbalance_before, avg(imbalance_after) AS mean_imbalance_after
+    FROM layer_balance WHERE {_RUN} GROUP BY run_id
+),
+t AS (SELECT run_id, count(*) AS transfers, sum(bytes)::BIGINT AS transfer_bytes FROM transfer_detail WHERE {_RUN} GROUP BY run_id)
+SELECT r.run_id, r.kind, r.model, r.world_size, r.ranks_recording, r.status, r.started_at, r.ended_at,
+       coalesce(s.steps, 0) AS steps, coalesce(b.layers, 0) AS layers, coalesce(b.plans, 0) AS plans,
+       b.mean_imbalance_before, b.mean_imbalance_after,
+       coalesce(t.transfers, 0) AS transfers, coalesce(t.transfer_bytes, 0) AS transfer_bytes,
+       r.errors, r.config_hash
+FROM r LEFT JOIN s USING (run_id) LEFT JOIN b USING (run_id) LEFT JOIN t USING (run_id)
+ORDER BY r.started_at, r.run_id
+""",
+    doc="One row per run: status, size, mean imbalance before/after, transfers, recording errors.",
+)
+
+LAYER_IMBALANCE = Query(
+    "layer_imbalance", "Imbalance per layer and step",
+    f"""
+SELECT run_id, layer, step,
+       avg(imbalance_before) AS imbalance_before, avg(imbalance_after) AS imbalance_after,
+       sum(tokens)::BIGINT AS tokens
+FROM layer_balance WHERE {_RUN}
+GROUP BY run_id, layer, step
+ORDER BY run_id, layer, step
+""",
+    doc="Heatmap data: mean over microbatches of max/mean rank load, per (layer, step).",
+)
+
+LAYER_SUMMARY = Query(
+    "layer_summary", "Imbalance per layer",
+    f"""
+SELECT run_id, layer, count(*) AS plans,
+       avg(imbalance_before) AS mean_before, avg(imbalance_after) AS mean_after,
+       max(imbalance_before) AS max_before, max(imbalance_after) AS max_after,
+       avg(straggler_after) AS mean_straggler_after_tokens
+FROM layer_balance WHERE {_RUN}
+GROUP BY run_id, layer
+ORDER BY run_id, layer
+""",
+    doc="Per layer: mean and worst imbalance before/after balancing over all steps and microbatches.",
+)
+
+RANK_LOAD = Query(
+    "rank_load", "Load per rank",
+    f"""
+SELECT run_id, layer, step, r - 1 AS rank,
+       sum(rank_load_before[r])::BIGINT AS load_before, sum(rank_load_after[r])::BIGINT AS load_after
+FROM (SELECT *, generate_subscripts(rank_load_before, 1) AS r FROM layer_balance
+      WHERE {_RUN} AND layer = $layer AND step = $step AND ($microbatch IS NULL OR microbatch = $microbatch))
+GROUP BY run_id, layer, step, r
+ORDER BY run_id, rank
+""",
+    params=("run_id", "layer", "step", "microbatch"),
+    doc="Tokens each rank receives before/after balancing for one layer and step (microbatch NULL = summed).",
+)
+
+EXPERT_LOAD = Query(
+    "expert_load", "Expert load over time",
+    f"""
+SELECT run_id, layer, step, e - 1 AS expert, sum(expert_load[e])::BIGINT AS load
+FROM (SELECT *, generate_subscripts(expert_load, 1) AS e FROM layer_loads
+      WHERE {_RUN} AND layer = $layer
+      QUALIFY row_number() OVER (PARTITION BY run_id, step, microbatch, layer ORDER BY rank, ts) = 1)
+GROUP BY run_id, layer, step, e
+ORDER BY run_id, step, expert
+""",
+    params=("run_id", "layer"),
+    doc="Token-expert assignments of every expert of one layer, per step (summed over microbatches).",
+)
+
+DECISION_TIMELINE = Query(
+    "decision_timeline", "Decisions",
+    f"""
+SELECT run_id, step, microbatch, layer, policy, reason, chosen_predicted_s, predictions, ts
+FROM decisions WHERE {_RUN}
+QUALIFY row_number() OVER (PARTITION BY run_id, step, microbatch, layer ORDER BY rank, ts) = 1
+ORDER BY run_id, step, microbatch, layer
+""",
+    doc="Every policy decision in order, with the predicted seconds of each candidate.",
+)
+
+POLICY_SHARES = Query(
+    "policy_shares", "Policy shares",
+    f"""
+SELECT run_id, policy, count(*) AS plans,
+       count(*) / sum(count(*)) OVER (PARTITION BY run_id) AS share
+FROM layer_balance WHERE {_RUN}
+GROUP BY run_id, policy
+ORDER BY run_id, plans DESC, policy
+""",
+    doc="Share of layer-microbatches planned by each policy.",
+)
+
+_MEASURED = f"""
+    SELECT run_id, step, microbatch, layer,
+           max(measured_s) AS measured_s, max(predicted_s) AS timing_predicted_s
+    FROM timings WHERE {_RUN}
+    GROUP BY run_id, step, microbatch, layer
+"""
+_DECIDED = f"""
+    SELECT run_id, step, microbatch, layer, policy, chosen_predicted_s
+    FROM decisions WHERE {_RUN}
+    QUALIFY row_number() OVER (PARTITION BY run_id, step, microbatch, layer ORDER BY rank, ts) = 1
+"""
+
+_PVM = f"""
+WITH m AS ({_MEASURED}), d AS ({_DECIDED})
+SELECT m.run_id, m.step, m.microbatch, m.layer, d.policy,
+       coalesce(m.timing_predicted_s, d.chosen_predicted_s) AS predicted_s, m.measured_s,
+       m.measured_s / nullif(coalesce(m.timing_predicted_s, d.chosen_predicted_s), 0) - 1 AS rel_error
+FROM m LEFT JOIN d USING (run_id, step, microbatch, layer)
+WHERE m.measured_s IS NOT NULL
+"""
+
+PREDICTED_VS_MEASURED = Query(
+    "predicted_vs_measured", "Predicted vs measured",
+    _PVM + "ORDER BY m.run_id, m.step, m.microbatch, m.layer\n",
+    doc="Per layer-microbatch: the cost model's prediction (timings.predicted_s, else the decision's) "
+        "against the measured time (slowest rank).",
+)
+
+PREDICTION_SUMMARY = Query(
+    "prediction_summary", "Prediction accuracy",
+    f"""
+WITH p AS ({_PVM})
+SELECT run_id, coalesce(policy, '?') AS policy, count(*) AS samples,
+       avg(predicted_s) AS mean_predicted_s, avg(measured_s) AS mean_measured_s,
+       avg(abs(rel_error)) AS mean_abs_rel_error,
+       sum(measured_s) / nullif(sum(predicted_s), 0) AS measured_over_predicted
+FROM p WHERE predicted_s IS NOT NULL
+GROUP BY ALL
+ORDER BY run_id, policy
+""",
+    doc="Per policy: mean predicted and measured seconds, mean |measured/predicted - 1|, total ratio.",
+)
+
+TRANSFER_BYTES_PER_STEP = Query(
+    "transfer_bytes_per_step", "Transfers per step",
+    f"""
+WITH per_src AS (
+    SELECT run_id, step, microbatch, layer, src, sum(bytes)::BIGINT AS sent
+    FROM transfer_detail WHERE {_RUN} GROUP BY ALL
+),
+fan AS (
+    SELECT run_id, step, microbatch, layer, src, expert, count(*) AS fan_out
+    FROM transfer_detail WHERE {_RUN} GROUP BY ALL
+)
+SELECT t.run_id, t.step, count(*) AS transfers, sum(t.bytes)::BIGINT AS bytes,
+       sum(t.measured_s) AS measured_s,
+       (SELECT max(sent) FROM per_src p WHERE p.run_id = t.run_id AND p.step = t.step) AS busiest_sender_bytes,
+       (SELECT max(fan_out) FROM fan f WHERE f.run_id = t.run_id AND f.step = t.step) AS max_fan_out
+FROM transfer_detail t WHERE {_RUN}
+GROUP BY t.run_id, t.step
+ORDER BY t.run_id, t.step
+""",
+    doc="Per step: transfers, bytes, the most bytes one rank sent in one layer-microbatch (busiest sender), "
+        "and the largest fan-out (copies of one expert one rank sent in one layer-microbatch).",
+)
+
+TRANSFER_SUMMARY = Query(
+    "transfer_summary", "Transfers per layer",
+    f"""
+SELECT run_id, layer, count(*) AS transfers, sum(bytes)::BIGINT AS bytes,
+       count(DISTINCT (step, microbatch)) AS planned_microbatches,
+       sum(bytes) FILTER (WHERE stage = 1)::BIGINT AS relay_bytes,
+       count(measured_s) AS measured, sum(measured_s) AS measured_s,
+       sum(bytes) FILTER (WHERE measured_s > 0) / nullif(sum(measured_s), 0) AS bandwidth_Bps
+FROM transfer_detail WHERE {_RUN}
+GROUP BY run_id, layer
+ORDER BY run_id, layer
+""",
+    doc="Per layer: transfers, bytes (and relay share), measured seconds and effective bandwidth.",
+)
+
+POLICY_COMPARISON = Query(
+    "policy_comparison", "Policies compared",
+    f"""
+WITH b AS (SELECT * FROM layer_balance WHERE {_RUN}),
+t AS (SELECT run_id, step, microbatch, layer, sum(bytes)::BIGINT AS bytes FROM transfer_detail WHERE {_RUN} GROUP BY ALL),
+m AS ({_MEASURED})
+SELECT b.run_id, b.policy, count(*) AS plans,
+       count(*) / sum(count(*)) OVER (PARTITION BY b.run_id) AS share,
+       avg(b.imbalance_before) AS mean_imbalance_before, avg(b.imbalance_after) AS mean_imbalance_after,
+       avg(coalesce(t.bytes, 0)) AS mean_transfer_bytes,
+       avg(m.measured_s) AS mean_measured_s, avg(m.timing_predicted_s) AS mean_predicted_s
+FROM b LEFT JOIN t USING (run_id, step, microbatch, layer) LEFT JOIN m USING (run_id, step, microbatch, layer)
+GROUP BY b.run_id, b.policy
+ORDER BY b.run_id, plans DESC
+""",
+    doc="Per policy: how often it ran and what it achieved (imbalance, bytes moved, measured time).",
+)
+
+STEP_SUMMARY = Query(
+    "step_summary", "Steps",
+    f"""
+SELECT run_id, step, avg(loss) AS loss, max(step_time_s) AS step_time_s, count(*) AS ranks, max(ts) AS ts
+FROM steps WHERE {_RUN}
+GROUP BY run_id, step
+ORDER BY run_id, step
+""",
+    doc="Per step: loss (mean over ranks), step time (slowest rank).",
+)
+
+PHASE_TIMES = Query(
+    "phase_times", "Phase times per step",
+    f"""
+WITH per_rank AS (
+    SELECT run_id, step, rank,
+           sum(plan_s) AS plan_s, sum(transfer_s) AS transfer_s, sum(dispatch_s) AS dispatch_s,
+           sum(experts_s) AS experts_s, sum(combine_s) AS combine_s, sum(backward_reduce_s) AS backward_reduce_s
+    FROM timings WHERE {_RUN} GROUP BY ALL
+)
+SELECT run_id, step, max(plan_s) AS plan_s, max(transfer_s) AS transfer_s, max(dispatch_s) AS dispatch_s,
+       max(experts_s) AS experts_s, max(combine_s) AS combine_s, max(backward_reduce_s) AS backward_reduce_s
+FROM per_rank GROUP BY run_id, step ORDER BY run_id, step
+""",
+    doc="Per step: seconds in each phase, summed over layers and microbatches (slowest rank).",
+)
+
+ALL: dict[str, Query] = {q.name: q for q in (
+    OVERVIEW, LAYER_IMBALANCE, LAYER_SUMMARY, RANK_LOAD, EXPERT_LOAD, DECISION_TIMELINE, POLICY_SHARES,
+    PREDICTED_VS_MEASURED, PREDICTION_SUMMARY, TRANSFER_BYTES_PER_STEP, TRANSFER_SUMMARY, POLICY_COMPARISON,
+    STEP_SUMMARY, PHASE_TIMES,
+)}
+
+# What `ultraep report` prints, in order.
+REPORT = (OVERVIEW, LAYER_SUMMARY, POLICY_SHARES, TRANSFER_SUMMARY, PREDICTION_SUMMARY)
+
+
+def run(con, query: Query | str, **params: Any) -> tuple[list[str], list[tuple]]:
+    """Execute a canned query; returns ``(column names, rows)``."""
+    q = ALL[query] if isinstance(query, str) else query
+    cur = con.execute(q.sql, q.bind(**params))
+    cols = [d[0] for d in cur.description]
+    return cols, cur.fetchall()
+
+
+def arrow(con, query: Query | str, **params: Any):
+    """Execute a canned query; returns a ``pyarrow.Table``."""
+    q = ALL[query] if isinstance(query, str) else query
+    rel = con.sql(q.sql, params=q.bind(**params))
+    fn = getattr(rel, "to_arrow_table", None) or rel.arrow  # DuckDB 2.x / 1.x
+    return fn()
