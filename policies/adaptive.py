@@ -1,0 +1,226 @@
+"""``adaptive``: per layer, predict every candidate policy's time with the cost model and take the cheapest.
+
+No peer decides per layer whether balancing pays off; this policy does, from measured-and-modelled
+overheads. Every decision carries the predictions of all candidates and a reason, in
+``plan.info["adaptive"]`` (the engine records it through telemetry).
+
+Legend: R ranks, E experts.
+
+Steps (one layer, one microbatch):
+
+    Step 1: screen: a stateless balancing candidate (``quota``) whose *fixed* overhead (its planner time)
+            already exceeds the most any plan could gain over ``none`` (none's time minus the
+            force-balanced ideal, a lower bound for every plan) is not planned at all.
+    Step 2: plan every remaining candidate (pure; the planners would run side by side: the GPU quota
+            planner, FEPLB's CPU thread, EPLB's cached placement, HybridEP's closed choice).
+    Step 3: predict each plan's layer time with the cost model, including its planning and transfer
+            overhead. A historical placement (``eplb``) that is not resident because another policy ran
+            last pays for sending all of its replicas.
+    Step 4: late plans: with ``deadline_s``, a candidate whose planning + weight sync exceeds the
+            deadline is dropped; if nothing else is left, ``none`` (always on time) is taken.
+    Step 5: hysteresis: keep the current policy unless the cheapest is faster by more than ``margin``
+            (relative) for ``patience`` consecutive decisions, or by more than ``switch_now`` at once.
+    Step 6: the chosen plan is returned as policy ``adaptive`` with the engine's exposed overhead
+            (``info["engine_s"]``: decision time plus the planning of candidates slower than the chosen
+            one's own planner, since they ran before the choice).
+
+History (the current policy, the pending switch) advances only in :meth:`commit`; with
+``owns_candidates`` the candidates' own histories advance there too (from the memoised candidate plans,
+or by re-planning ``plan.load_RE`` when a recorded plan is replayed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from ultraep.plan import Plan
+from ultraep.topology import Topology
+
+#: candidates that keep no history, so skipping their plan for a step is harmless
+SCREENABLE = ("quota",)
+DEFAULT_CANDIDATES = ("none", "quota", "eplb", "feplb", "hybridep")
+
+
+class AdaptivePolicy:
+    """Cost-model-driven choice among candidate policies, with hysteresis and a deadline fallback.
+
+    Options:
+        candidates: policy names to choose from (must include ``none``, the fallback).
+        margin: relative gain below which the current policy is kept (0.005 = 0.5 %).
+        patience: consecutive decisions the same better policy must win before a switch.
+        switch_now: relative gain that switches at once, without waiting for ``patience``.
+        deadline_s: a plan whose planning + weight sync exceeds this (seconds) arrives too late.
+        screen: skip planning stateless candidates that cannot pay for their own planner (Step 1).
+        candidate_options: per-candidate option dicts, e.g. ``{"quota": {"balance_eps": 0.02}}``.
+        cost_model: the :class:`~ultraep.cost.CostModel` (not a config value; engine/simulator pass it).
+        policies: ready candidate instances (shared with a caller, e.g. the simulator).
+        owns_candidates: commit the candidates' histories in :meth:`commit` (False when shared).
+    """
+
+    name = "adaptive"
+
+    def __init__(self, candidates=DEFAULT_CANDIDATES, margin: float = 0.005, patience: int = 2,
+                 switch_now: float = 0.02, deadline_s: float | None = None, screen: bool = True,
+                 candidate_options: dict | None = None, cost_model=None, policies: dict | None = None,
+                 owns_candidates: bool = True) -> None:
+        from ultraep.errors import ConfigError
+
+        names = list(policies) if policies is not None else list(candidates)
+        if "none" not in names:
+            raise ConfigError("adaptive.candidates", f"must include 'none' (the fallback), got {names}", names)
+        if "adaptive" in names:
+            raise ConfigError("adaptive.candidates", "cannot include 'adaptive' itself", names)
+        if policies is None:
+            from . import make_policy
+
+            opts = candidate_options or {}
+            unknown = sorted(set(opts) - set(names))
+            if unknown:
+                raise ConfigError(f"adaptive.candidate_options.{unknown[0]}", f"is not a candidate ({names})", unknown[0])
+            policies = {}
+            for n in names:
+                o = dict(opts.get(n, {}))
+                if n == "hybridep" and cost_model is not None:
+                    o.setdefault("cost_model", cost_model)
+                policies[n] = make_policy(n, **o)
+        self.policies = dict(policies)
+        self.margin = float(margin)
+        self.patience = max(1, int(patience))
+        self.switch_now = float(switch_now)
+        self.deadline_s = deadline_s
+        self.screen = bool(screen)
+        self.cost_model = cost_model
+        self.owns_candidates = bool(owns_candidates)
+        self._models: dict = {}
+        self._current: str | None = None
+        self._pending: tuple[str, int] | None = None
+        self._memo: tuple[Plan, dict] | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def _cost(self, topology: Topology):
+        if self.cost_model is not None and self.cost_model.topology == topology:
+            return self.cost_model
+        cm = self._models.get(topology)
+        if cm is None:
+            from ultraep.cost import CostModel
+
+            base = self.cost_model
+            cm = self._models[topology] = CostModel(
+                topology, base.hardware if base else None, base.expert if base else None, base.params if base else None
+            )
+        return cm
+
+    @staticmethod
+    def exposed_planner_s(cm, name: str) -> float:
+        """Planner latency on the critical path (FEPLB plans on a CPU thread under static compute)."""
+        if name == "feplb":
+            return 0.0
+        return cm.params.planner_s.get(name, 0.0) * cm.params.plan_scale
+
+    def screened(self, load_RE: np.ndarray, topology: Topology) -> list[str]:
+        """Step 1: stateless candidates whose planner time exceeds the largest possible gain."""
+        if not self.screen:
+            return []
+        cm = self._cost(topology)
+        todo = [n for n in self.policies if n in SCREENABLE]
+        if not todo:
+            return []
+        from .base import identity_plan
+
+        gain_ub = cm.predict(identity_plan("none", topology, load_RE)).total_s - cm.ideal(load_RE).total_s
+        return [n for n in todo if self.exposed_planner_s(cm, n) >= gain_ub]
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, load_RE: np.ndarray, topology: Topology) -> Plan:
+        t0 = time.perf_counter()
+        skip = set(self.screened(load_RE, topology))
+        plans = {n: p.plan(load_RE, topology) for n, p in self.policies.items() if n not in skip}
+        plan = self.decide(plans, topology, screened=sorted(skip))
+        object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
+        return plan
+
+    def decide(self, plans: dict[str, Plan], topology: Topology | None = None, screened=()) -> Plan:
+        """Steps 3-6 on ready candidate plans ``{name: plan}`` (all of the same load and topology)."""
+        any_plan = next(iter(plans.values()))
+        topology = topology or any_plan.topology
+        cm = self._cost(topology)
+        predictions: dict[str, float] = {}
+        breakdowns = {}
+        for name, pl in plans.items():  # Step 3
+            sync = cm.full_sync_time(pl) if (name == "eplb" and self._current != "eplb") else None
+            bd = cm.predict(pl, sync_s=sync)
+            breakdowns[name] = bd
+            predictions[name] = bd.total_s
+        # Step 4: late plans.
+        late = []
+        if self.deadline_s is not None:
+            for name, bd in breakdowns.items():
+                if name != "none" and self.exposed_planner_s(cm, name) + bd.weight_sync_s > self.deadline_s:
+                    late.append(name)
+        feasible = {n: v for n, v in predictions.items() if n not in late}
+        if not feasible:  # pragma: no cover - none is never late
+            feasible = {"none": predictions["none"]}
+        best = min(feasible, key=lambda n: (feasible[n], n != "none"))
+        cur = self._current
+        pending = None
+        # Step 5: hysteresis.
+        if cur is None or cur not in feasible:
+            chosen = best
+            if cur is not None and cur in late:
+                reason = f"late: {cur} planning + weight sync exceeds deadline {self.deadline_s:g} s; took {best}"
+            elif late and best == "none":
+                reason = f"late: {', '.join(late)} would arrive after the deadline; fallback none"
+            else:
+                reason = "cheapest"
+        elif best == cur:
+            chosen, reason = cur, "cheapest (kept)"
+        else:
+            gain = (feasible[cur] - feasible[best]) / feasible[cur] if feasible[cur] > 0 else 0.0
+            count = self._pending[1] + 1 if (self._pending and self._pending[0] == best) else 1
+            if gain > self.switch_now or (gain > self.margin and count >= self.patience):
+                chosen, reason = best, f"switch {cur} -> {best}: {gain:.2%} faster"
+            elif gain > self.margin:
+                chosen, reason = cur, f"hysteresis: {best} {gain:.2%} faster, {count}/{self.patience} decisions"
+                pending = (best, count)
+            else:
+                chosen, reason = cur, f"hysteresis: {best} only {gain:.2%} faster (margin {self.margin:.2%})"
+        # Step 6: the engine's exposed overhead.
+        planned_max = max((self.exposed_planner_s(cm, n) for n in plans), default=0.0)
+        engine_s = cm.params.engine_overhead_s + max(0.0, planned_max - self.exposed_planner_s(cm, chosen))
+        src = plans[chosen]
+        info = dict(src.info)
+        info["engine_s"] = engine_s
+        info["plan_s"] = float(src.info.get("plan_s", cm.params.planner_s.get(chosen, 0.0)))
+        info["adaptive"] = {
+            "chosen": chosen,
+            "reason": reason,
+            "predictions": {n: float(v) for n, v in predictions.items()},
+            "predicted_s": float(predictions[chosen] + engine_s),
+            "late": late,
+            "screened": list(screened),
+            "previous": cur,
+            "pending": list(pending) if pending else None,
+        }
+        if chosen == "eplb" and cur != "eplb":
+            info["sync_s"] = breakdowns["eplb"].weight_sync_s
+        plan = dataclasses.replace(src, policy=self.name, info=info)
+        self._memo = (plan, plans)
+        return plan
+
+    def commit(self, plan: Plan) -> None:
+        a = plan.info["adaptive"]
+        self._current = a["chosen"]
+        self._pending = tuple(a["pending"]) if a.get("pending") else None
+        if not self.owns_candidates:
+            return
+        if self._memo is not None and self._memo[0] is plan:
+            plans = self._memo[1]
+        else:  # a replayed plan: re-plan the candidates from its load
+            plans = {n: p.plan(plan.load_RE, plan.topology) for n, p in self.policies.items()
+                     if n not in a.get("screened", [])}
+        for n, pl in plans.items():
+            self.policies[n].commit(pl)
+        self._memo = None

@@ -1,0 +1,178 @@
+"""``hybridep``: hybrid expert/token transmission for low-bandwidth links (HybridEP, Yang et al.,
+arXiv 2510.19470, §III-IV). Independent implementation of the published model.
+
+HybridEP is not a load balancer. Across slow links (between datacenters) it moves part of the
+expert-parallel traffic as **expert weights** instead of tokens: scale-out domains (DCs) are grouped into
+*expert domains* of ``S`` consecutive domains; inside an expert domain every rank fetches (all-gathers)
+the experts of its peers with the same in-domain offset and computes its own DC's tokens for them
+locally; only tokens for experts outside the expert domain cross the slow link as an all-to-all.
+
+Stream model (paper Eq. 3-12): token all-to-all volume per GPU ≈ D·(G−1)/G, roughly constant in the
+number of GPUs G; an expert all-gather moves P_E·(|G_AG| − 1), linear in it; fetching one expert removes
+D/G of token traffic and adds P_E of weight traffic. ``p`` = fraction of a GPU's outgoing chunks still
+sent as tokens; ``p = 1`` is plain EP. The closed-form optimum (:func:`stream_p_star`) is reported for
+reference; the policy itself evaluates every feasible expert-domain size with ultraep's cost model on the
+*actual* load (the paper assumes a uniform gate) and keeps the cheapest, preferring the smaller domain
+on ties, so it reduces to plain EP wherever bandwidth is plentiful.
+
+**Mapping onto ultraep's Plan.** Replicas never leave their master's scale-up domain in a Plan, so a
+HybridEP decision is an *overlay*: the Plan is the plain-EP identity plan (``phy2log``, ``routes`` as
+logical destinations), and ``plan.info["hybridep"]`` carries ``expert_domain_size`` (S), ``p``, the number
+of scale-out domains and the predicted time of every candidate. The cost model reads the overlay and
+computes the traffic with :func:`hybrid_traffic` (tokens served by fetched copies in the source's own
+DC) plus the weight all-gather (:func:`allgather_bytes_per_rank`), hidden behind the pre-expert window.
+
+Legend: R ranks, E experts, M masters per rank, D ranks per scale-up domain (one DC), G = R / D scale-out
+domains, S expert-domain size in scale-out domains (S divides G).
+
+Steps:
+
+    Step 1: candidates S ∈ divisors of G (or the configured ``domain_sizes``).
+    Step 2: for each S, route every (source DC a, expert e) pair: if e's home DC is in a's expert domain,
+            the tokens go to the rank of DC a with e's home offset (a fetched copy), else to e's home.
+    Step 3: predict each candidate with the cost model (token all-to-all per link level, expert compute,
+            all-gather exposed beyond the prefetch window, gradients of fetched experts returned in
+            backward); choose the minimum (ties → smaller S).
+
+Worked example (``tests/test_hybridep.py``): R = 4, D = 2 → G = 2 DCs; expert e homed on rank 3 (DC 1,
+offset 1). With S = 2 both DCs form one expert domain, so DC 0's tokens for e are computed on rank
+0·2 + 1 = 1 (a fetched copy) and never cross the slow link; with S = 1 they go to rank 3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from ultraep.plan import Plan
+from ultraep.topology import Topology
+
+from .base import identity_plan
+
+
+def paper_p(S: int, G: int) -> float:
+    """HybridEP's transmission ratio for expert-domain size S out of G (paper: S_ED ∈ {8, 4, 2, 1} ↔
+    p ∈ {0, 0.5, 0.75, 1} at G = 8, i.e. ``1 − S/G`` for S ≥ 2 and 1 for plain EP)."""
+    return 1.0 if S <= 1 else 1.0 - S / G
+
+
+def stream_p_star(D_bytes: float, P_E: float, G: int, B: float, lat_pe: float) -> float:
+    """Closed-form optimum of the stream model (paper Eq. 10-12), assuming a uniform gate.
+
+    ``D_bytes`` data per GPU, ``P_E`` expert bytes, ``G`` GPUs (DCs), ``B`` bytes/s, ``lat_pe`` the
+    pre-expert compute that can hide the all-gather. Case 2.2 (2D ≥ G·P_E): p* = 0 (experts only);
+    otherwise p* = 1 − B·lat_pe / (P_E·(G − 1)), clipped to [0, 1].
+    """
+    if G <= 1 or P_E <= 0:
+        return 1.0
+    bound = min(1.0, max(0.0, 1.0 - B * lat_pe / (P_E * (G - 1))))
+    return 0.0 if 2.0 * D_bytes - G * P_E >= 0 else bound
+
+
+def hybrid_destinations(topology: Topology, S: int) -> np.ndarray:
+    """Step 2: ``[G, E]`` rank that computes DC ``a``'s tokens for expert ``e`` with expert-domain size S."""
+    t = topology
+    D, G = t.D, t.num_domains
+    home = t.home_E
+    hdc, hoff = home // D, home % D
+    a = np.arange(G)[:, None]
+    same = (a // S) == (hdc // S)[None, :]
+    return np.where(same, a * D + hoff[None, :], home[None, :])
+
+
+def hybrid_traffic(cost_model, load_RE: np.ndarray, S: int):
+    """The cost model's :class:`~ultraep.cost.Traffic` of the HybridEP overlay with expert-domain size S."""
+    t = cost_model.topology
+    R, E = load_RE.shape
+    dst_RE = hybrid_destinations(t, S)[t.domain_R]  # [R, E]
+    flat_load = load_RE.ravel().astype(np.float64)
+    pair = (np.arange(R)[:, None] * R + dst_RE).ravel()
+    tok_RR = np.bincount(pair, weights=flat_load, minlength=R * R).reshape(R, R)
+    inst = np.bincount((dst_RE * E + np.arange(E)[None, :]).ravel(), weights=flat_load, minlength=R * E).reshape(R, E)
+    return cost_model.traffic_from_flows(tok_RR, inst.sum(axis=1), (inst > 0).sum(axis=1))
+
+
+def allgather_bytes_per_rank(cost_model, S: int, compression: float = 1.0) -> np.ndarray:
+    """``[R]`` weight bytes every rank fetches over the scale-out link: the masters of its S − 1 peers
+    (same offset, other DCs of its expert domain), divided by the compression ratio."""
+    t = cost_model.topology
+    nbytes = (S - 1) * t.num_masters * cost_model.expert_bytes / max(compression, 1e-9)
+    return np.full(t.num_ranks, float(nbytes))
+
+
+class HybridEPPolicy:
+    """Hybrid expert/token transmission (HybridEP).
+
+    Options:
+        domain_sizes: candidate expert-domain sizes in scale-out domains (default: every divisor of G).
+        compression: expert compression ratio for the all-gather (the paper's SR compression reaches 50×;
+            default 1 = uncompressed).
+        cost_model: a :class:`~ultraep.cost.CostModel` (not a config value; the simulator and engine pass
+            theirs). Default: one built from the topology's preset.
+    """
+
+    name = "hybridep"
+
+    def __init__(self, domain_sizes: list[int] | None = None, compression: float = 1.0, cost_model=None) -> None:
+        self.domain_sizes = None if domain_sizes is None else [int(s) for s in domain_sizes]
+        self.compression = float(compression)
+        self.cost_model = cost_model
+        self._models: dict = {}
+
+    def _cost(self, topology: Topology):
+        if self.cost_model is not None and self.cost_model.topology == topology:
+            return self.cost_model
+        cm = self._models.get(topology)
+        if cm is None:
+            from ultraep.cost import CostModel
+
+            params = self.cost_model.params if self.cost_model is not None else None
+            hw = self.cost_model.hardware if self.cost_model is not None else None
+            ex = self.cost_model.expert if self.cost_model is not None else None
+            cm = self._models[topology] = CostModel(topology, hw, ex, params)
+        return cm
+
+    def candidates(self, topology: Topology) -> list[int]:
+        G = topology.num_domains
+        divisors = [s for s in range(1, G + 1) if G % s == 0]
+        if self.domain_sizes is None:
+            return divisors
+        return sorted({s for s in self.domain_sizes if s in divisors} | {1})
+
+    def plan(self, load_RE: np.ndarray, topology: Topology) -> Plan:
+        t0 = time.perf_counter()
+        t = topology
+        cm = self._cost(t)
+        base = identity_plan(self.name, t, load_RE)
+        G = t.num_domains
+        predicted: dict[int, float] = {}
+        best_S, best_t = 1, float("inf")
+        for S in self.candidates(t):  # Step 1
+            info = {"hybridep": {"expert_domain_size": S, "compression": self.compression}}
+            total = cm.predict(dataclasses.replace(base, info=info)).total_s  # Steps 2-3
+            predicted[S] = total
+            if total < best_t * (1 - 1e-12):
+                best_S, best_t = S, total
+        send_bytes = float(load_RE.sum(axis=1).mean()) * cm.token_bytes
+        info = {
+            "hybridep": {
+                "expert_domain_size": best_S,
+                "p": paper_p(best_S, G),
+                "num_scale_out_domains": G,
+                "compression": self.compression,
+                "predicted_s": {str(s): v for s, v in predicted.items()},
+                "stream_p_star": stream_p_star(
+                    send_bytes, cm.expert_bytes / max(self.compression, 1e-9), G,
+                    float(t.scale_out.bandwidth_GBps) * 1e9, cm.prefetch_window,
+                ),
+                "mode": "plain-ep" if best_S == 1 else "expert-transmission",
+            }
+        }
+        plan = dataclasses.replace(base, info=info)
+        object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
+        return plan
+
+    def commit(self, plan: Plan) -> None:
+        return None

@@ -1,0 +1,437 @@
+"""Cost model: the predicted time of one MoE layer (one microbatch) under a plan.
+
+Legend: R ranks, E experts, M masters per rank, S slots per rank, L link levels (0 = scale-up, the
+NVLink domain; 1 = scale-out, between domains).
+
+What is modelled (UltraEP arXiv 2606.04101 Eq. 1-5 and §6; HybridEP arXiv 2510.19470 §III; FEPLB
+arXiv 2604.19654 §2; the terms are listed in ``docs/simulator.md`` with the numbers they were fitted to):
+
+    compute_fwd  = max_r  Σ_{instances i on r} (n_i + h·[n_i > 0]) · F / (C · η)
+                   grouped GEMM with efficiency η·n/(n + h): every active instance costs h extra tokens
+    dispatch     = max_levels max_r max(send_r, recv_r) · token_bytes / (B_level · a2a_eff) + latency
+    a2a_fwd      = 2 · dispatch                      (dispatch + combine move the same bytes)
+    weight_sync  = Σ_relay stages max_r max(send_r, recv_r) / (B_up · copy_eff) + latency
+    plan         = planner time of the policy (model figures from the papers, or measured)
+    engine       = the adaptive engine's decision overhead (``plan.info["engine_s"]``), else 0
+    fwd          = engine + plan + weight_sync + a2a_fwd + compute_fwd + non_moe_fwd   (UltraEP Eq. 1)
+                   FEPLB: plan + copies overlap the static-expert compute; only the excess is exposed
+                   HybridEP: expert all-gather is prefetched behind the pre-expert window; excess exposed
+    compute_bwd  = backward_compute_factor · compute_fwd                       (≈ 2×, UltraEP Eq. 2)
+    a2a_bwd      = backward_a2a_factor · a2a_fwd
+    restore      = replica weights re-sent before expert backward (buffers are shared across layers),
+                   hidden behind the non-MoE backward, excess exposed
+    grad_reduce  = replica weight-gradients reduced into the masters (fp32), hidden behind the backward
+                   compute window (compute_bwd + non_moe_bwd), excess exposed
+    total        = fwd + bwd   (``mode="prefill"``: fwd only)
+
+**Calibration.** Each modelled term has a multiplicative scale in :class:`CostParams` (``compute_scale``,
+``a2a_scale``, ...). :class:`Calibrator` updates them from measured timings with an exponentially weighted
+moving average of the log ratio ``measured / unscaled prediction`` (weight ``alpha`` on the newest
+observation): a geometric EWMA, insensitive to units, one number per term. Every observation returns (and
+can record through the telemetry recorder) the prediction next to the measurement.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from ultraep.plan import Plan, Transfers
+from ultraep.presets import PRESETS, ExpertSpec, HardwareSpec
+from ultraep.topology import Topology
+
+#: Planner latency on the critical path per policy, seconds. quota: UltraEP GPU planner 0.07 ms + reroute
+#: 0.04 ms at EP64 (README); eplb and hybridep decide off the critical path (history / closed form);
+#: feplb: CPU greedy ~50 µs (FEPLB §2), hidden behind static-expert compute by the overlap rule.
+DEFAULT_PLANNER_S: dict[str, float] = {
+    "none": 0.0, "quota": 1.1e-4, "eplb": 0.0, "feplb": 5.0e-5, "hybridep": 0.0,
+}
+
+
+class CostParams(BaseModel):
+    """Coefficients of the cost model; the ``*_scale`` fields are what calibration learns."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Literal["training", "prefill"] = Field(
+        default="training", description="training = forward + backward; prefill = forward only."
+    )
+    compute_scale: float = Field(default=1.0, gt=0, description="Calibrated multiplier of expert compute.")
+    a2a_scale: float = Field(default=1.0, gt=0, description="Calibrated multiplier of the token all-to-all.")
+    weight_sync_scale: float = Field(default=1.0, gt=0, description="Calibrated multiplier of weight sync.")
+    grad_reduce_scale: float = Field(default=1.0, gt=0, description="Calibrated multiplier of grad reduction.")
+    plan_scale: float = Field(default=1.0, gt=0, description="Calibrated multiplier of planner latency.")
+    backward_compute_factor: float = Field(
+        default=2.0, gt=0, description="Expert backward compute / forward compute (UltraEP: ≈ 2)."
+    )
+    backward_a2a_factor: float = Field(default=1.0, gt=0, description="Backward all-to-all / forward all-to-all.")
+    non_moe_fwd_s: float = Field(
+        default=0.0, ge=0, description="Per-layer forward time outside the MoE block (attention etc.), seconds."
+    )
+    non_moe_bwd_s: float = Field(default=0.0, ge=0, description="Per-layer backward time outside the MoE block, s.")
+    prefetch_window_s: float | None = Field(
+        default=None, ge=0,
+        description="Time an asynchronous expert prefetch (HybridEP all-gather) can hide behind; default "
+        "non_moe_fwd_s (the pre-expert compute of HybridEP's stream model).",
+    )
+    restore_in_backward: bool = Field(
+        default=True, description="Replica weights are re-sent before expert backward (shared slot buffers)."
+    )
+    planner_s: dict[str, float] = Field(
+        default_factory=lambda: dict(DEFAULT_PLANNER_S),
+        description="Planner latency per policy, seconds (policies not listed: 0).",
+    )
+    engine_overhead_s: float = Field(
+        default=5e-6, ge=0, description="Decision overhead of the adaptive engine per layer, seconds."
+    )
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What a plan makes every rank do. ``send_RL``/``recv_RL`` count token–expert assignments crossing
+    each link level (self-traffic excluded); ``tokens_R`` assignments computed; ``instances_R`` active
+    expert instances; ``static_tokens_R`` tokens of instances that need no transfer (FEPLB overlap)."""
+
+    tokens_R: np.ndarray
+    instances_R: np.ndarray
+    send_RL: np.ndarray
+    recv_RL: np.ndarray
+    static_tokens_R: np.ndarray | None = None
+    static_instances_R: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class CostBreakdown:
+    """Predicted seconds of every term for one layer and microbatch (see the module docstring)."""
+
+    engine_s: float = 0.0
+    plan_s: float = 0.0
+    weight_sync_s: float = 0.0
+    sync_exposed_s: float = 0.0
+    a2a_fwd_s: float = 0.0
+    compute_fwd_s: float = 0.0
+    hybrid_ag_s: float = 0.0
+    hybrid_ag_exposed_s: float = 0.0
+    non_moe_fwd_s: float = 0.0
+    fwd_s: float = 0.0
+    compute_bwd_s: float = 0.0
+    a2a_bwd_s: float = 0.0
+    restore_exposed_s: float = 0.0
+    grad_reduce_s: float = 0.0
+    grad_reduce_exposed_s: float = 0.0
+    non_moe_bwd_s: float = 0.0
+    bwd_s: float = 0.0
+    total_s: float = 0.0
+    gemm_straggler_s: float = 0.0
+    token_straggler: float = 0.0
+    imbalance: float = 1.0
+    rank_tokens_R: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    def as_dict(self) -> dict[str, float]:
+        """JSON-ready floats (the per-rank array left out)."""
+        d = asdict(self)
+        d.pop("rank_tokens_R")
+        return {k: float(v) for k, v in d.items()}
+
+
+class CostModel:
+    """Predicts one layer's time under a plan on a given cluster.
+
+    Args:
+        topology: the EP group (ranks, domains, link specs, ``expert_bytes``).
+        hardware: accelerator figures; default: the preset named ``topology.name``, else H100 figures.
+        expert: expert geometry (FLOPs and bytes per token); ``topology.expert_bytes`` wins for weights
+            when it is set.
+        params: calibration coefficients and modelling choices.
+    """
+
+    def __init__(self, topology: Topology, hardware: HardwareSpec | None = None, expert: ExpertSpec | None = None,
+                 params: CostParams | None = None) -> None:
+        preset = PRESETS.get(topology.name)
+        self.topology = topology
+        self.hardware = hardware or (preset.hardware if preset else PRESETS["h100-8x-ib"].hardware)
+        self.expert = expert or (preset.expert if preset else ExpertSpec())
+        self.params = params or CostParams()
+        self._cache()
+
+    def with_params(self, params: CostParams) -> "CostModel":
+        return CostModel(self.topology, self.hardware, self.expert, params)
+
+    def _cache(self) -> None:
+        t, hw, ex, p = self.topology, self.hardware, self.expert, self.params
+        self.expert_bytes = float(t.expert_bytes or ex.expert_bytes)
+        self.grad_bytes = self.expert_bytes * ex.grad_bytes / ex.weight_bytes
+        self.token_bytes = float(ex.token_bytes)
+        self.sec_per_token = ex.flops_per_token / (hw.gemm_tflops * 1e12 * hw.gemm_efficiency)
+        self.half_tokens = float(hw.gemm_half_tokens)
+        self.bw_L = np.array([t.scale_up.bandwidth_GBps, t.scale_out.bandwidth_GBps]) * 1e9
+        self.lat_L = np.array([t.scale_up.latency_us, t.scale_out.latency_us]) * 1e-6
+        self.a2a_eff = hw.a2a_efficiency
+        self.copy_bw = self.bw_L[0] * hw.copy_efficiency
+        self.grad_bw = self.bw_L[0] * hw.grad_reduce_efficiency
+        dom = t.domain_R
+        self.same_dom_RR = dom[:, None] == dom[None, :]
+        self.cross_RR = ~self.same_dom_RR
+        self.up_RR = self.same_dom_RR & ~np.eye(t.num_ranks, dtype=bool)
+        self.prefetch_window = p.prefetch_window_s if p.prefetch_window_s is not None else p.non_moe_fwd_s
+
+    # ------------------------------------------------------------------ traffic
+    def traffic_from_flows(self, tok_RR: np.ndarray, tokens_R, instances_R, static_tokens_R=None,
+                           static_instances_R=None) -> Traffic:
+        """``tok_RR[src, dst]``: assignments src sends to dst (the diagonal stays local)."""
+        up = np.where(self.up_RR, tok_RR, 0)
+        out = np.where(self.cross_RR, tok_RR, 0)
+        send = np.stack([up.sum(axis=1), out.sum(axis=1)], axis=1)
+        recv = np.stack([up.sum(axis=0), out.sum(axis=0)], axis=1)
+        return Traffic(np.asarray(tokens_R), np.asarray(instances_R), send, recv, static_tokens_R, static_instances_R)
+
+    def traffic(self, plan: Plan) -> Traffic:
+        """Traffic of a plan; a HybridEP plan (``plan.info["hybridep"]``) uses its expert-domain routing."""
+        hyb = plan.info.get("hybridep")
+        if hyb and hyb.get("expert_domain_size", 1) > 1:
+            from ultraep.policies.hybridep import hybrid_traffic
+
+            return hybrid_traffic(self, plan.load_RE, int(hyb["expert_domain_size"]))
+        q = plan.quota_RS
+        tok_RR = plan.routes_RRS.sum(axis=2)
+        static_t = static_i = None
+        if plan.info.get("overlap") == "static_compute":
+            M = self.topology.num_masters
+            static_t = q[:, :M].sum(axis=1)
+            static_i = (q[:, :M] > 0).sum(axis=1)
+        return self.traffic_from_flows(tok_RR, q.sum(axis=1), (q > 0).sum(axis=1), static_t, static_i)
+
+    # ------------------------------------------------------------------ terms
+    def compute_time_R(self, tokens_R, instances_R) -> np.ndarray:
+        """``[R]`` forward expert compute seconds per rank (grouped-GEMM efficiency curve)."""
+        return (np.asarray(tokens_R, dtype=np.float64) + self.half_tokens * np.asarray(instances_R)) * (
+            self.sec_per_token * self.params.compute_scale
+        )
+
+    def dispatch_time(self, tr: Traffic) -> float:
+        """One direction of the token all-to-all: the slowest link level (levels run concurrently)."""
+        worst = np.maximum(tr.send_RL, tr.recv_RL).max(axis=0) * self.token_bytes  # [L] bytes
+        t = np.where(worst > 0, worst / (self.bw_L * self.a2a_eff) + self.lat_L, 0.0)
+        return float(t.max()) * self.params.a2a_scale
+
+    def weight_sync_time(self, plan: Plan) -> float:
+        """Replica weight copies of ``plan`` (see :meth:`transfers_time`)."""
+        return self.transfers_time(plan.transfers)
+
+    def transfers_time(self, tr: Transfers) -> float:
+        """Per relay stage, the busiest sender or receiver over the scale-up link; stages in sequence."""
+        if len(tr) == 0:
+            return 0.0
+        R = self.topology.num_ranks
+        total = 0.0
+        for stage in np.unique(tr.stage):
+            sel = tr.stage == stage
+            send = np.bincount(tr.src[sel], weights=tr.bytes[sel], minlength=R)
+            recv = np.bincount(tr.dst[sel], weights=tr.bytes[sel], minlength=R)
+            total += max(send.max(), recv.max()) / self.copy_bw + self.lat_L[0]
+        return total * self.params.weight_sync_scale
+
+    def full_sync_time(self, plan: Plan) -> float:
+        """Weight sync if every replica of ``plan`` had to be sent (a placement that is not resident)."""
+        from ultraep.policies.transfers import RELAY_MODES, schedule_transfers
+
+        t = self.topology
+        M = t.num_masters
+        held = plan.phy2log_RS[:, M:]
+        rr, ss = np.nonzero(held >= 0)
+        if rr.size == 0:
+            return 0.0
+        ee = held[rr, ss]
+        order = np.argsort(ee, kind="stable")
+        ptr = np.zeros(t.num_experts + 1, dtype=np.int64)
+        np.cumsum(np.bincount(ee, minlength=t.num_experts), out=ptr[1:])
+        te, ts, td, tb, tg = schedule_transfers(
+            t.home_E, ptr, np.ascontiguousarray(rr[order].astype(np.int64)), int(self.expert_bytes),
+            t.num_ranks, t.D, RELAY_MODES["auto"],
+        )
+        return self.transfers_time(Transfers(te, ts, td, tb, tg))
+
+    def grad_reduce_time(self, plan: Plan) -> float:
+        """Replica gradients into masters: busiest master (receives) or replica host (sends)."""
+        t = self.topology
+        M = t.num_masters
+        held = plan.phy2log_RS[:, M:]
+        mask = held >= 0
+        if not mask.any():
+            return 0.0
+        hosts = np.nonzero(mask)[0]
+        owners = t.home_E[held[mask]]
+        send = np.bincount(hosts, minlength=t.num_ranks)
+        recv = np.bincount(owners, minlength=t.num_ranks)
+        return float(max(send.max(), recv.max())) * self.grad_bytes / self.grad_bw * self.params.grad_reduce_scale
+
+    def planner_time(self, plan: Plan) -> float:
+        if "plan_s" in plan.info:
+            return float(plan.info["plan_s"]) * self.params.plan_scale
+        return self.params.planner_s.get(plan.policy, 0.0) * self.params.plan_scale
+
+    # ------------------------------------------------------------------ prediction
+    def predict(self, plan: Plan, *, sync_s: float | None = None) -> CostBreakdown:
+        """Predicted time of ``plan``. ``sync_s`` overrides the weight-sync term (e.g. a switch to a
+        placement whose replicas are not resident, see :meth:`full_sync_time`)."""
+        tr = self.traffic(plan)
+        hyb = plan.info.get("hybridep") or {}
+        ag_bytes_R = None
+        if hyb.get("expert_domain_size", 1) > 1:
+            from ultraep.policies.hybridep import allgather_bytes_per_rank
+
+            ag_bytes_R = allgather_bytes_per_rank(self, int(hyb["expert_domain_size"]), float(hyb.get("compression", 1.0)))
+        if sync_s is None:
+            sync_s = plan.info.get("sync_s")
+        wsync = self.weight_sync_time(plan) if sync_s is None else float(sync_s)
+        return self._assemble(
+            tr, plan_s=self.planner_time(plan), wsync=wsync,
+            grad_s=self.grad_reduce_time(plan) if self.params.mode == "training" else 0.0,
+            overlap_static=plan.info.get("overlap") == "static_compute", ag_bytes=ag_bytes_R,
+            engine_s=float(plan.info.get("engine_s", 0.0)),
+        )
+
+    def ideal(self, load_RE: np.ndarray) -> CostBreakdown:
+        """The force-balanced ideal of the same step: every source keeps its token count, tokens spread
+        uniformly over all experts (so every rank receives exactly the mean), no balancing overhead."""
+        t = self.topology
+        R = t.num_ranks
+        T_src = np.asarray(load_RE, dtype=np.float64).sum(axis=1)
+        tok_RR = np.repeat((T_src / R)[:, None], R, axis=1)
+        per_rank = T_src.sum() / R
+        inst = np.full(R, float(t.num_masters) if per_rank > 0 else 0.0)
+        tr = self.traffic_from_flows(tok_RR, np.full(R, per_rank), inst)
+        return self._assemble(tr, plan_s=0.0, wsync=0.0, grad_s=0.0, overlap_static=False, ag_bytes=None)
+
+    def _assemble(self, tr: Traffic, *, plan_s: float, wsync: float, grad_s: float, overlap_static: bool,
+                  ag_bytes, engine_s: float = 0.0) -> CostBreakdown:
+        p = self.params
+        comp_R = self.compute_time_R(tr.tokens_R, tr.instances_R)
+        compute = float(comp_R.max()) if comp_R.size else 0.0
+        a2a = 2.0 * self.dispatch_time(tr)
+        # Pre-dispatch critical path: planning, then replica weights (dispatch waits for them).
+        if overlap_static and tr.static_tokens_R is not None:
+            # FEPLB: CPU planning and copy-engine transfers run while static experts compute; the
+            # receiving ranks wait only for what exceeds their static compute.
+            static_R = self.compute_time_R(tr.static_tokens_R, tr.static_instances_R)
+            window = float(static_R[tr.tokens_R > tr.static_tokens_R].min()) if (tr.tokens_R > tr.static_tokens_R).any() else float("inf")
+            sync_exposed = max(0.0, plan_s + wsync - window) if wsync > 0 else 0.0
+            plan_exposed = 0.0
+        else:
+            sync_exposed = wsync
+            plan_exposed = plan_s
+        ag_s = ag_exposed = 0.0
+        if ag_bytes is not None:
+            ag_s = float(ag_bytes.max()) / (self.bw_L[1] * self.a2a_eff) + self.lat_L[1] if ag_bytes.max() > 0 else 0.0
+            ag_s *= p.a2a_scale
+            ag_exposed = max(0.0, ag_s - self.prefetch_window)
+        fwd = engine_s + plan_exposed + sync_exposed + a2a + compute + ag_exposed + p.non_moe_fwd_s
+        if p.mode == "training":
+            comp_b = p.backward_compute_factor * compute
+            a2a_b = p.backward_a2a_factor * a2a
+            restore = max(0.0, wsync - p.non_moe_bwd_s) if (p.restore_in_backward and wsync > 0) else 0.0
+            window = comp_b + p.non_moe_bwd_s
+            if ag_bytes is not None and ag_s > 0:  # fetched experts' gradients return over the slow link
+                grad_s = grad_s + ag_s * self.expert.grad_bytes / self.expert.weight_bytes
+            grad_exposed = max(0.0, grad_s - window)
+            bwd = comp_b + a2a_b + restore + grad_exposed + p.non_moe_bwd_s
+        else:
+            comp_b = a2a_b = restore = grad_exposed = 0.0
+            grad_s = 0.0
+            bwd = 0.0
+        tokens = np.asarray(tr.tokens_R, dtype=np.float64)
+        mean = tokens.mean() if tokens.size else 0.0
+        return CostBreakdown(
+            engine_s=engine_s, plan_s=plan_s, weight_sync_s=wsync, sync_exposed_s=sync_exposed, a2a_fwd_s=a2a, compute_fwd_s=compute,
+            hybrid_ag_s=ag_s, hybrid_ag_exposed_s=ag_exposed, non_moe_fwd_s=p.non_moe_fwd_s, fwd_s=fwd,
+            compute_bwd_s=comp_b, a2a_bwd_s=a2a_b, restore_exposed_s=restore, grad_reduce_s=grad_s,
+            grad_reduce_exposed_s=grad_exposed, non_moe_bwd_s=p.non_moe_bwd_s if p.mode == "training" else 0.0,
+            bwd_s=bwd, total_s=fwd + bwd,
+            gemm_straggler_s=float(comp_R.max() - comp_R.mean()) if comp_R.size else 0.0,
+            token_straggler=float(tokens.max() - mean) if tokens.size else 0.0,
+            imbalance=float(tokens.max() / mean) if mean > 0 else 1.0,
+            rank_tokens_R=tokens,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+#: measured timing key → the CostParams scale it calibrates
+CALIBRATED_TERMS: dict[str, str] = {
+    "compute_fwd_s": "compute_scale",
+    "a2a_fwd_s": "a2a_scale",
+    "weight_sync_s": "weight_sync_scale",
+    "grad_reduce_s": "grad_reduce_scale",
+    "plan_s": "plan_scale",
+}
+
+
+class Calibrator:
+    """Learns the per-term scales of :class:`CostParams` from measured timings.
+
+    Estimator (per term k with a measurement): ``log s_k ← (1 - α) · log s_k + α · log(m_k / u_k)`` where
+    ``u_k`` is the *unscaled* model prediction (``predicted_k / s_k``) and ``m_k`` the measurement: an EWMA
+    of the log ratio. ``compute_bwd_s`` measurements update ``backward_compute_factor`` the same way
+    (ratio to the forward compute). Terms predicted or measured as 0 are skipped.
+
+    Args:
+        model: the cost model whose params are calibrated (a new model is kept in :attr:`model`).
+        alpha: weight of the newest observation (0 < alpha <= 1).
+        recorder: optional telemetry recorder; every observation is recorded with ``record_timings``
+            as ``predicted.<term>`` next to ``measured.<term>``.
+    """
+
+    def __init__(self, model: CostModel, alpha: float = 0.2, recorder=None) -> None:
+        if not 0.0 < alpha <= 1.0:
+            from ultraep.errors import ConfigError
+
+            raise ConfigError("calibration.alpha", f"alpha ({alpha}) must be in (0, 1]", alpha)
+        self.model = model
+        self.alpha = float(alpha)
+        self.recorder = recorder
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def params(self) -> CostParams:
+        return self.model.params
+
+    def observe(self, predicted: CostBreakdown, measured: dict[str, float], *, step: int = 0, microbatch: int = 0,
+                layer: int = 0) -> list[dict[str, Any]]:
+        """Fold one layer's measured timings in; return the rows ``term, predicted_s, measured_s, ratio``."""
+        p = self.model.params
+        pred = predicted.as_dict()
+        updates: dict[str, float] = {}
+        rows = []
+        for key, value in measured.items():
+            if key == "compute_bwd_s":
+                base = pred.get("compute_fwd_s", 0.0)
+                if base > 0 and value > 0:
+                    old = p.backward_compute_factor
+                    ratio = value / base
+                    updates["backward_compute_factor"] = math.exp((1 - self.alpha) * math.log(old) + self.alpha * math.log(ratio))
+                    rows.append({"term": key, "predicted_s": pred.get("compute_bwd_s", 0.0), "measured_s": float(value),
+                                 "ratio": float(value / pred["compute_bwd_s"]) if pred.get("compute_bwd_s") else float("nan")})
+                continue
+            scale_name = CALIBRATED_TERMS.get(key)
+            pv = pred.get(key, 0.0)
+            if scale_name is None:
+                rows.append({"term": key, "predicted_s": pv, "measured_s": float(value), "ratio": float("nan")})
+                continue
+            rows.append({"term": key, "predicted_s": pv, "measured_s": float(value),
+                         "ratio": float(value / pv) if pv > 0 else float("nan")})
+            if pv <= 0 or value <= 0:
+                continue
+            old = getattr(p, scale_name)
+            unscaled = pv / old
+            updates[scale_name] = math.exp((1 - self.alpha) * math.log(old) + self.alpha * math.log(value / unscaled))
+        if updates:
+            self.model = self.model.with_params(p.model_copy(update=updates))
+        self.history.extend({"step": step, "microbatch": microbatch, "layer": layer, **r} for r in rows)
+        if self.recorder is not None:
+            timings = {f"predicted.{r['term']}": r["predicted_s"] for r in rows}
+            timings.update({f"measured.{r['term']}": r["measured_s"] for r in rows})
+            self.recorder.record_timings(step, microbatch, layer, timings)
+        return rows
