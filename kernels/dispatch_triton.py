@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ultraep.kernels._triton_common import cast_rn
 from ultraep.kernels.rerouting_triton import group_rank
 
 
@@ -60,7 +61,7 @@ def gather_rows_kernel(
         x = tl.load(src_ptr + tok[:, None] * stride_src + cols[None, :], mask=m, other=0)
         if HAS_W:
             x = x.to(ACC) * w[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], cast_rn(x, out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -87,7 +88,7 @@ def combine_rows_kernel(
                 y = y * w[:, None]
             acc += y
         tl.store(
-            out_ptr + toks[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+            out_ptr + toks[:, None] * stride_out + cols[None, :], cast_rn(acc, out_ptr.dtype.element_ty),
             mask=tm[:, None] & cm[None, :],
         )
 
@@ -112,7 +113,7 @@ def row_dot_kernel(
             y = tl.load(y_ptr + p[:, None] * stride_y + cols[None, :], mask=ok[:, None] & cm[None, :], other=0)
             g = tl.load(g_ptr + toks[:, None] * stride_g + cols[None, :], mask=ok[:, None] & cm[None, :], other=0)
             acc += tl.sum(y.to(ACC) * g.to(ACC), axis=1)
-        tl.store(out_ptr + toks * K + k, acc.to(out_ptr.dtype.element_ty), mask=tm)
+        tl.store(out_ptr + toks * K + k, cast_rn(acc, out_ptr.dtype.element_ty), mask=tm)
 
 
 # ---------------------------------------------------------------------- launchers (torch tensors in, out)

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ultraep.kernels._triton_common import cast_rn
+
 
 @triton.jit
 def copy_items_kernel(items_ptr, buf_ptr, TO_BUF: tl.constexpr, T_DT: tl.constexpr, BLOCK: tl.constexpr):
@@ -37,10 +39,10 @@ def copy_items_kernel(items_ptr, buf_ptr, TO_BUF: tl.constexpr, T_DT: tl.constex
         m = offs < n
         if TO_BUF:
             v = tl.load(tptr + toff + offs, mask=m & live, other=0)
-            tl.store(buf_ptr + boff + offs, v.to(buf_ptr.dtype.element_ty), mask=m)
+            tl.store(buf_ptr + boff + offs, cast_rn(v, buf_ptr.dtype.element_ty), mask=m)
         else:
             v = tl.load(buf_ptr + boff + offs, mask=m & live, other=0)
-            tl.store(tptr + toff + offs, v.to(T_DT), mask=m & live)
+            tl.store(tptr + toff + offs, cast_rn(v, T_DT), mask=m & live)
 
 
 @triton.jit
@@ -80,7 +82,7 @@ def reduce_items_kernel(
             acc += tl.load(arena_ptr + base + offs, mask=m, other=0)
             if ZERO:
                 tl.store(arena_ptr + base + offs, tl.zeros((BLOCK,), dtype=tl.float32), mask=m)
-        tl.store(tptr + toff + offs, acc.to(T_DT), mask=m)
+        tl.store(tptr + toff + offs, cast_rn(acc, T_DT), mask=m)
 
 
 _TL = {
