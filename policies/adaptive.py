@@ -120,8 +120,10 @@ class AdaptivePolicy:
             return 0.0
         return cm.params.planner_s.get(name, 0.0) * cm.params.plan_scale
 
-    def screened(self, load_RE: np.ndarray, topology: Topology) -> list[str]:
-        """Step 1: stateless candidates whose planner time exceeds the largest possible gain."""
+    def screened(self, load_RE: np.ndarray, topology: Topology, *, none_s: float | None = None,
+                 ideal_s: float | None = None) -> list[str]:
+        """Step 1: stateless candidates whose planner time exceeds the largest possible gain. ``none_s``
+        and ``ideal_s`` (predicted totals of ``none`` and of the ideal) may be passed when known."""
         if not self.screen:
             return []
         cm = self._cost(topology)
@@ -130,7 +132,11 @@ class AdaptivePolicy:
             return []
         from .base import identity_plan
 
-        gain_ub = cm.predict(identity_plan("none", topology, load_RE)).total_s - cm.ideal(load_RE).total_s
+        if none_s is None:
+            none_s = cm.predict(identity_plan("none", topology, load_RE)).total_s
+        if ideal_s is None:
+            ideal_s = cm.ideal(load_RE).total_s
+        gain_ub = none_s - ideal_s
         return [n for n in todo if self.exposed_planner_s(cm, n) >= gain_ub]
 
     # ------------------------------------------------------------------ planning
@@ -142,16 +148,22 @@ class AdaptivePolicy:
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
         return plan
 
-    def decide(self, plans: dict[str, Plan], topology: Topology | None = None, screened=()) -> Plan:
-        """Steps 3-6 on ready candidate plans ``{name: plan}`` (all of the same load and topology)."""
+    def decide(self, plans: dict[str, Plan], topology: Topology | None = None, screened=(),
+               breakdowns: dict | None = None) -> Plan:
+        """Steps 3-6 on ready candidate plans ``{name: plan}`` (all of the same load and topology).
+        ``breakdowns``: their cost-model predictions when the caller already has them."""
         any_plan = next(iter(plans.values()))
         topology = topology or any_plan.topology
         cm = self._cost(topology)
         predictions: dict[str, float] = {}
+        known = breakdowns or {}
         breakdowns = {}
         for name, pl in plans.items():  # Step 3
-            sync = cm.full_sync_time(pl) if (name == "eplb" and self._current != "eplb") else None
-            bd = cm.predict(pl, sync_s=sync)
+            switch = name == "eplb" and self._current != "eplb"
+            if name in known and not switch:
+                bd = known[name]
+            else:
+                bd = cm.predict(pl, sync_s=cm.full_sync_time(pl) if switch else None)
             breakdowns[name] = bd
             predictions[name] = bd.total_s
         # Step 4: late plans.

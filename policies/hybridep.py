@@ -41,15 +41,17 @@ offset 1). With S = 2 both DCs form one expert domain, so DC 0's tokens for e ar
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
+from numba import njit
 
 from ultraep.plan import Plan
 from ultraep.topology import Topology
 
-from .base import identity_plan
+from .base import assemble_plan
+
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 def paper_p(S: int, G: int) -> float:
@@ -82,16 +84,42 @@ def hybrid_destinations(topology: Topology, S: int) -> np.ndarray:
     return np.where(same, a * D + hoff[None, :], home[None, :])
 
 
+@njit(cache=True)
+def _hybrid_flows(load_RE, dst_AE, domain_R):
+    """Step 2 as flows: ``(send [R, 2], recv [R, 2], tokens [R], instances [R])`` per link level."""
+    R, E = load_RE.shape
+    send = np.zeros((R, 2))
+    recv = np.zeros((R, 2))
+    tokens = np.zeros(R)
+    active = np.zeros((R, E), np.bool_)
+    for r in range(R):
+        a = domain_R[r]
+        for e in range(E):
+            x = load_RE[r, e]
+            if x == 0:
+                continue
+            d = dst_AE[a, e]
+            tokens[d] += x
+            active[d, e] = True
+            if d != r:
+                lvl = 0 if domain_R[d] == a else 1
+                send[r, lvl] += x
+                recv[d, lvl] += x
+    instances = np.zeros(R)
+    for d in range(R):
+        for e in range(E):
+            if active[d, e]:
+                instances[d] += 1
+    return send, recv, tokens, instances
+
+
 def hybrid_traffic(cost_model, load_RE: np.ndarray, S: int):
     """The cost model's :class:`~ultraep.cost.Traffic` of the HybridEP overlay with expert-domain size S."""
+    from ultraep.cost import Traffic
+
     t = cost_model.topology
-    R, E = load_RE.shape
-    dst_RE = hybrid_destinations(t, S)[t.domain_R]  # [R, E]
-    flat_load = load_RE.ravel().astype(np.float64)
-    pair = (np.arange(R)[:, None] * R + dst_RE).ravel()
-    tok_RR = np.bincount(pair, weights=flat_load, minlength=R * R).reshape(R, R)
-    inst = np.bincount((dst_RE * E + np.arange(E)[None, :]).ravel(), weights=flat_load, minlength=R * E).reshape(R, E)
-    return cost_model.traffic_from_flows(tok_RR, inst.sum(axis=1), (inst > 0).sum(axis=1))
+    send, recv, tokens, inst = _hybrid_flows(load_RE, hybrid_destinations(t, S), t.domain_R)
+    return Traffic(tokens, inst, send, recv)
 
 
 def allgather_bytes_per_rank(cost_model, S: int, compression: float = 1.0) -> np.ndarray:
@@ -145,13 +173,11 @@ class HybridEPPolicy:
         t0 = time.perf_counter()
         t = topology
         cm = self._cost(t)
-        base = identity_plan(self.name, t, load_RE)
         G = t.num_domains
         predicted: dict[int, float] = {}
         best_S, best_t = 1, float("inf")
         for S in self.candidates(t):  # Step 1
-            info = {"hybridep": {"expert_domain_size": S, "compression": self.compression}}
-            total = cm.predict(dataclasses.replace(base, info=info)).total_s  # Steps 2-3
+            total = cm.predict_hybrid(load_RE, S, self.compression).total_s  # Steps 2-3
             predicted[S] = total
             if total < best_t * (1 - 1e-12):
                 best_S, best_t = S, total
@@ -170,7 +196,7 @@ class HybridEPPolicy:
                 "mode": "plain-ep" if best_S == 1 else "expert-transmission",
             }
         }
-        plan = dataclasses.replace(base, info=info)
+        plan = assemble_plan(self.name, t, load_RE, _EMPTY, _EMPTY, _EMPTY, _EMPTY, info=info)  # masters only
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
         return plan
 

@@ -17,6 +17,8 @@ from ultraep.errors import UltraEPError, format_pydantic_error
 COMMANDS = [
     "ultraep.cli_plan",
     "ultraep.telemetry.cli",
+    "ultraep.cli_simulate",
+    "ultraep.cli_trace",
 ]
 
 

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+from numba import njit
 from pydantic import BaseModel, ConfigDict, Field
 
 from ultraep.plan import Plan, Transfers
@@ -88,6 +89,59 @@ class CostParams(BaseModel):
     engine_overhead_s: float = Field(
         default=5e-6, ge=0, description="Decision overhead of the adaptive engine per layer, seconds."
     )
+
+
+@njit(cache=True)
+def _route_flows(routes_RRS, domain_R):
+    """``[R, R, S]`` routes → ``(send [R, 2], recv [R, 2])`` assignments per link level (self excluded)."""
+    R, _, S = routes_RRS.shape
+    send = np.zeros((R, 2))
+    recv = np.zeros((R, 2))
+    for src in range(R):
+        for dst in range(R):
+            if dst == src:
+                continue
+            x = 0
+            for s in range(S):
+                x += routes_RRS[src, dst, s]
+            if x:
+                lvl = 0 if domain_R[src] == domain_R[dst] else 1
+                send[src, lvl] += x
+                recv[dst, lvl] += x
+    return send, recv
+
+
+@njit(cache=True)
+def _home_flows(load_RE, home_E, domain_R):
+    """Masters-only routing: ``(send [R, 2], recv [R, 2])`` per link level (self excluded)."""
+    R, E = load_RE.shape
+    send = np.zeros((R, 2))
+    recv = np.zeros((R, 2))
+    for src in range(R):
+        for e in range(E):
+            x = load_RE[src, e]
+            d = home_E[e]
+            if x != 0 and d != src:
+                lvl = 0 if domain_R[src] == domain_R[d] else 1
+                send[src, lvl] += x
+                recv[d, lvl] += x
+    return send, recv
+
+
+@njit(cache=True)
+def _level_flows(tok_RR, domain_R):
+    """``[R, R]`` flows → ``(send [R, 2], recv [R, 2])`` per link level (self excluded)."""
+    R = tok_RR.shape[0]
+    send = np.zeros((R, 2))
+    recv = np.zeros((R, 2))
+    for src in range(R):
+        for dst in range(R):
+            x = tok_RR[src, dst]
+            if dst != src and x != 0:
+                lvl = 0 if domain_R[src] == domain_R[dst] else 1
+                send[src, lvl] += x
+                recv[dst, lvl] += x
+    return send, recv
 
 
 @dataclass(frozen=True)
@@ -173,20 +227,13 @@ class CostModel:
         self.a2a_eff = hw.a2a_efficiency
         self.copy_bw = self.bw_L[0] * hw.copy_efficiency
         self.grad_bw = self.bw_L[0] * hw.grad_reduce_efficiency
-        dom = t.domain_R
-        self.same_dom_RR = dom[:, None] == dom[None, :]
-        self.cross_RR = ~self.same_dom_RR
-        self.up_RR = self.same_dom_RR & ~np.eye(t.num_ranks, dtype=bool)
         self.prefetch_window = p.prefetch_window_s if p.prefetch_window_s is not None else p.non_moe_fwd_s
 
     # ------------------------------------------------------------------ traffic
     def traffic_from_flows(self, tok_RR: np.ndarray, tokens_R, instances_R, static_tokens_R=None,
                            static_instances_R=None) -> Traffic:
         """``tok_RR[src, dst]``: assignments src sends to dst (the diagonal stays local)."""
-        up = np.where(self.up_RR, tok_RR, 0)
-        out = np.where(self.cross_RR, tok_RR, 0)
-        send = np.stack([up.sum(axis=1), out.sum(axis=1)], axis=1)
-        recv = np.stack([up.sum(axis=0), out.sum(axis=0)], axis=1)
+        send, recv = _level_flows(np.ascontiguousarray(tok_RR, dtype=np.float64), self.topology.domain_R)
         return Traffic(np.asarray(tokens_R), np.asarray(instances_R), send, recv, static_tokens_R, static_instances_R)
 
     def traffic(self, plan: Plan) -> Traffic:
@@ -197,13 +244,17 @@ class CostModel:
 
             return hybrid_traffic(self, plan.load_RE, int(hyb["expert_domain_size"]))
         q = plan.quota_RS
-        tok_RR = plan.routes_RRS.sum(axis=2)
+        if plan.num_replicas == 0:  # masters only: every token goes home (no routes needed)
+            t = self.topology
+            send, recv = _home_flows(plan.load_RE, t.home_E, t.domain_R)
+            return Traffic(q.sum(axis=1), (q > 0).sum(axis=1), send, recv)
+        send, recv = _route_flows(plan.routes_RRS, self.topology.domain_R)
         static_t = static_i = None
         if plan.info.get("overlap") == "static_compute":
             M = self.topology.num_masters
             static_t = q[:, :M].sum(axis=1)
             static_i = (q[:, :M] > 0).sum(axis=1)
-        return self.traffic_from_flows(tok_RR, q.sum(axis=1), (q > 0).sum(axis=1), static_t, static_i)
+        return Traffic(q.sum(axis=1), (q > 0).sum(axis=1), send, recv, static_t, static_i)
 
     # ------------------------------------------------------------------ terms
     def compute_time_R(self, tokens_R, instances_R) -> np.ndarray:
@@ -278,8 +329,10 @@ class CostModel:
     def predict(self, plan: Plan, *, sync_s: float | None = None) -> CostBreakdown:
         """Predicted time of ``plan``. ``sync_s`` overrides the weight-sync term (e.g. a switch to a
         placement whose replicas are not resident, see :meth:`full_sync_time`)."""
-        tr = self.traffic(plan)
         hyb = plan.info.get("hybridep") or {}
+        if hyb.get("expert_domain_size", 1) > 1 and "engine_s" not in plan.info:
+            return self.predict_hybrid(plan.load_RE, int(hyb["expert_domain_size"]), float(hyb.get("compression", 1.0)))
+        tr = self.traffic(plan)
         ag_bytes_R = None
         if hyb.get("expert_domain_size", 1) > 1:
             from ultraep.policies.hybridep import allgather_bytes_per_rank
@@ -295,16 +348,28 @@ class CostModel:
             engine_s=float(plan.info.get("engine_s", 0.0)),
         )
 
+    def predict_hybrid(self, load_RE: np.ndarray, expert_domain_size: int, compression: float = 1.0) -> CostBreakdown:
+        """Predicted time of a HybridEP overlay (no replicas, no planner on the critical path)."""
+        from ultraep.policies.hybridep import allgather_bytes_per_rank, hybrid_traffic
+
+        S = int(expert_domain_size)
+        tr = hybrid_traffic(self, load_RE, S)
+        ag = allgather_bytes_per_rank(self, S, compression) if S > 1 else None
+        return self._assemble(tr, plan_s=0.0, wsync=0.0, grad_s=0.0, overlap_static=False, ag_bytes=ag)
+
     def ideal(self, load_RE: np.ndarray) -> CostBreakdown:
         """The force-balanced ideal of the same step: every source keeps its token count, tokens spread
         uniformly over all experts (so every rank receives exactly the mean), no balancing overhead."""
         t = self.topology
-        R = t.num_ranks
+        R, D = t.num_ranks, t.D
         T_src = np.asarray(load_RE, dtype=np.float64).sum(axis=1)
-        tok_RR = np.repeat((T_src / R)[:, None], R, axis=1)
-        per_rank = T_src.sum() / R
+        total = T_src.sum()
+        dom_T = np.repeat(T_src.reshape(-1, D).sum(axis=1), D)  # [R] tokens sourced in each rank's domain
+        send = np.stack([T_src * (D - 1) / R, T_src * (R - D) / R], axis=1)
+        recv = np.stack([(dom_T - T_src) / R, (total - dom_T) / R], axis=1)
+        per_rank = total / R
         inst = np.full(R, float(t.num_masters) if per_rank > 0 else 0.0)
-        tr = self.traffic_from_flows(tok_RR, np.full(R, per_rank), inst)
+        tr = Traffic(np.full(R, per_rank), inst, send, recv)
         return self._assemble(tr, plan_s=0.0, wsync=0.0, grad_s=0.0, overlap_static=False, ag_bytes=None)
 
     def _assemble(self, tr: Traffic, *, plan_s: float, wsync: float, grad_s: float, overlap_static: bool,

@@ -1,0 +1,383 @@
+"""The simulator: replay a routing trace through every policy with the cost model.
+
+One code path plans online and offline: the simulator calls the same policy classes (``plan`` then
+``commit``, per layer, in step order) and the same :class:`~ultraep.cost.CostModel` the engine uses, and
+writes the same telemetry records (one run per policy, ``kind="simulation"``).
+
+Per (step, microbatch, layer) and policy it keeps: imbalance before/after (max/mean of rank load; after =
+what the cost model sees the ranks compute), replicas in use, bytes of expert state moved, the predicted
+layer time and its terms, and the force-balanced ideal of the same step (:meth:`CostModel.ideal`).
+Summaries per policy (:func:`summarise`): mean and p99 imbalance, replicas, transfer bytes, predicted time
+per layer, % of the ideal (Σ ideal / Σ time, i.e. a throughput ratio) and speed-up over ``none``
+(Σ time of none / Σ time).
+
+**Plan budget.** Planning dominates the cost (the quota planner takes ~0.1-1 ms per plan at EP64-256 on
+this CPU; every policy plans every replayed layer-step, ``adaptive`` reuses the other policies' plans).
+``max_plans`` (default :data:`DEFAULT_MAX_PLANS`) caps the replayed layer-steps per policy by replaying
+every ``k``-th (step, microbatch) point of each layer. Historical EPLB's ``interval`` and ``window`` are
+counted in replayed points, so they are divided by ``k`` to keep covering the same stretch of the trace.
+
+**Parallelism.** Layers are independent (every policy keeps per-layer history), so layers are split over
+``workers`` forked processes; the progress bar counts replayed layer-steps.
+
+Legend: R ranks, E experts, S slots per rank, P replayed points per layer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ultraep.cost import CostModel, CostParams
+from ultraep.errors import ConfigError
+from ultraep.plan import Plan
+from ultraep.presets import get_preset
+from ultraep.traces import Trace
+
+ALL_POLICIES = ("none", "eplb", "quota", "feplb", "hybridep", "adaptive")
+DEFAULT_MAX_PLANS = 30_000
+ROW_FIELDS = ("step", "microbatch", "layer", "imbalance_before", "imbalance_after", "replicas", "transfer_bytes",
+              "time_s", "ideal_s", "fwd_s", "bwd_s", "compute_fwd_s", "a2a_fwd_s", "weight_sync_s", "plan_s",
+              "grad_reduce_exposed_s", "gemm_straggler_s", "token_straggler")
+
+
+def build_cost_model(preset: str, num_ranks: int, num_experts: int, num_redundant_slots: int = 2, *,
+                     overrides: dict | None = None, params: CostParams | None = None) -> CostModel:
+    """Preset (with overrides) → topology for the EP group → cost model."""
+    pre = get_preset(preset, overrides)
+    topo = pre.topology(num_ranks, num_experts, num_redundant_slots)
+    return CostModel(topo, pre.hardware, pre.expert, params)
+
+
+@dataclass
+class SimulationResult:
+    """Rows per policy (``{policy: {field: [n] array}}``), adaptive decisions, summaries, settings."""
+
+    policies: list[str]
+    rows: dict[str, dict[str, np.ndarray]]
+    decisions: dict[str, list] = field(default_factory=dict)
+    plans: dict[str, list] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> list[dict[str, Any]]:
+        return summarise(self.rows, self.policies)
+
+    def per_layer(self, metric: str = "time_s") -> dict[str, dict[int, float]]:
+        """``{policy: {layer: Σ metric}}``."""
+        out = {}
+        for pol in self.policies:
+            r = self.rows[pol]
+            layers = np.unique(r["layer"])
+            out[pol] = {int(l): float(r[metric][r["layer"] == l].sum()) for l in layers}
+        return out
+
+
+def summarise(rows: dict[str, dict[str, np.ndarray]], policies) -> list[dict[str, Any]]:
+    """One dict per policy with the headline figures (see the module docstring)."""
+    base = rows.get("none")
+    out = []
+    for pol in policies:
+        r = rows[pol]
+        n = len(r["time_s"])
+        t = float(r["time_s"].sum())
+        out.append({
+            "policy": pol,
+            "layer_steps": n,
+            "imbalance_before": float(r["imbalance_before"].mean()) if n else 1.0,
+            "imbalance_before_p99": float(np.percentile(r["imbalance_before"], 99)) if n else 1.0,
+            "imbalance_after": float(r["imbalance_after"].mean()) if n else 1.0,
+            "imbalance_after_p99": float(np.percentile(r["imbalance_after"], 99)) if n else 1.0,
+            "replicas": float(r["replicas"].mean()) if n else 0.0,
+            "transfer_bytes": float(r["transfer_bytes"].sum()),
+            "transfer_bytes_per_layer": float(r["transfer_bytes"].mean()) if n else 0.0,
+            "time_per_layer_ms": t / n * 1e3 if n else 0.0,
+            "ideal_per_layer_ms": float(r["ideal_s"].sum()) / n * 1e3 if n else 0.0,
+            "pct_of_ideal": 100.0 * float(r["ideal_s"].sum()) / t if t > 0 else 100.0,
+            "speedup_vs_none": float(base["time_s"].sum()) / t if (base is not None and t > 0) else float("nan"),
+            "gemm_straggler_ms": float(r["gemm_straggler_s"].mean()) * 1e3 if n else 0.0,
+            "token_straggler": float(r["token_straggler"].mean()) if n else 0.0,
+        })
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- replay
+def _make_policies(names, cm: CostModel, stride: int, policy_options: dict | None):
+    from ultraep.policies import make_policy
+    from ultraep.policies.adaptive import DEFAULT_CANDIDATES, AdaptivePolicy
+
+    opts = {k: dict(v) for k, v in (policy_options or {}).items()}
+    want_adaptive = "adaptive" in names
+    a_opts = opts.pop("adaptive", {})
+    candidates = tuple(a_opts.pop("candidates", DEFAULT_CANDIDATES)) if want_adaptive else ()
+    base_names = [n for n in dict.fromkeys(["none", *names, *candidates]) if n != "adaptive"]
+    pols = {}
+    for n in base_names:
+        o = dict(opts.get(n, {}))
+        if n == "eplb" and stride > 1:
+            o["interval"] = max(1, round(o.get("interval", 50) / stride))
+            o["window"] = max(1, round(o.get("window", 50) / stride))
+        if n == "hybridep":
+            o.setdefault("cost_model", cm)
+        pols[n] = make_policy(n, **o)
+    adaptive = None
+    if want_adaptive:
+        adaptive = AdaptivePolicy(policies={c: pols[c] for c in candidates}, cost_model=cm, owns_candidates=False,
+                                  **a_opts)
+    return pols, adaptive
+
+
+def _row(plan: Plan, bd, ideal, transfer_bytes: float, step: int, mb: int, layer: int) -> tuple:
+    return (step, mb, layer, plan.imbalance_before, bd.imbalance, plan.num_replicas, transfer_bytes, bd.total_s,
+            ideal.total_s, bd.fwd_s, bd.bwd_s, bd.compute_fwd_s, bd.a2a_fwd_s, bd.weight_sync_s,
+            bd.plan_s + bd.engine_s, bd.grad_reduce_exposed_s, bd.gemm_straggler_s, bd.token_straggler)
+
+
+def _transfer_bytes(plan: Plan, cm: CostModel) -> float:
+    hyb = plan.info.get("hybridep") or {}
+    S = int(hyb.get("expert_domain_size", 1))
+    if S > 1:
+        from ultraep.policies.hybridep import allgather_bytes_per_rank
+
+        return float(allgather_bytes_per_rank(cm, S, float(hyb.get("compression", 1.0))).sum())
+    if "sync_s" in plan.info:  # a switch to a non-resident placement: every replica moves
+        return float(plan.num_replicas * cm.expert_bytes)
+    return float(plan.transfers.bytes.sum()) if len(plan.transfers) else 0.0
+
+
+def replay_layer(trace: Trace, layer: int, cm: CostModel, names, *, stride: int = 1, policy_options=None,
+                 keep_plan_every: int = 0, tick: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Replay one layer of ``trace`` through ``names``; return its rows, decisions and kept plans."""
+    t = cm.topology
+    pols, adaptive = _make_policies(names, cm, stride, policy_options)
+    rows = {n: [] for n in names}
+    decisions = {"adaptive": []} if adaptive else {}
+    kept = {n: [] for n in names}
+    count = 0
+    pending = 0
+    for i, (step, mb, load) in enumerate(trace.layer_loads(layer, t.num_ranks, point_stride=stride)):
+        plans = {n: p.plan(load, t) for n, p in pols.items()}
+        ideal = cm.ideal(load)
+        keep = keep_plan_every > 0 and i % keep_plan_every == 0
+        bds = {n: cm.predict(pl) for n, pl in plans.items()}
+        for n in names:
+            if n == "adaptive":
+                continue
+            pl = plans[n]
+            rows[n].append(_row(pl, bds[n], ideal, _transfer_bytes(pl, cm), step, mb, layer))
+            if keep:
+                kept[n].append((step, mb, layer, pl))
+        if adaptive is not None:
+            skip = set(adaptive.screened(load, t, none_s=bds["none"].total_s, ideal_s=ideal.total_s))
+            ap = adaptive.decide({c: plans[c] for c in adaptive.policies if c not in skip}, t, screened=sorted(skip),
+                                 breakdowns=bds)
+            bd = cm.predict(ap)
+            rows["adaptive"].append(_row(ap, bd, ideal, _transfer_bytes(ap, cm), step, mb, layer))
+            a = ap.info["adaptive"]
+            decisions["adaptive"].append((step, mb, layer, a["chosen"], a["reason"], a["predictions"], bd.total_s))
+            if keep:
+                kept["adaptive"].append((step, mb, layer, ap))
+            adaptive.commit(ap)
+        for n, p in pols.items():
+            p.commit(plans[n])
+        count += 1
+        pending += 1
+        if tick is not None and pending >= 8:
+            tick(pending)
+            pending = 0
+    if tick is not None and pending:
+        tick(pending)
+    out_rows = {}
+    for n in names:
+        arr = np.asarray(rows[n], dtype=np.float64).reshape(-1, len(ROW_FIELDS))
+        out_rows[n] = {f: arr[:, j] for j, f in enumerate(ROW_FIELDS)}
+        for f in ("step", "microbatch", "layer", "replicas"):
+            out_rows[n][f] = out_rows[n][f].astype(np.int64)
+    return {"layer": layer, "rows": out_rows, "decisions": decisions, "plans": kept, "count": count}
+
+
+# ---------------------------------------------------------------------------------------------- driver
+_WORK: dict[str, Any] = {}
+
+
+def _worker(layer: int) -> dict[str, Any]:
+    w = _WORK
+    q = w.get("queue")
+    return replay_layer(w["trace"], layer, w["cm"], w["names"], stride=w["stride"], policy_options=w["options"],
+                        keep_plan_every=w["keep"], tick=(lambda n: q.put(n)) if q is not None else None)
+
+
+def plan_stride(num_points: int, num_layers: int, max_plans: int | None) -> int:
+    """Smallest point stride that keeps ``points / stride * layers <= max_plans``."""
+    if not max_plans or num_points * num_layers <= max_plans:
+        return 1
+    return int(math.ceil(num_points * num_layers / max_plans))
+
+
+def simulate(trace: Trace, cm: CostModel, policies=ALL_POLICIES, *, layers=None, max_plans: int | None = DEFAULT_MAX_PLANS,
+             stride: int | None = None, workers: int = 1, policy_options: dict | None = None,
+             keep_plans: int = 0, progress: bool | Callable = False) -> SimulationResult:
+    """Replay ``trace`` through ``policies`` on the cluster of ``cm``.
+
+    Args:
+        layers: layer ids to replay (default all).
+        max_plans: replayed layer-steps per policy at most (sets the point stride; ignored with ``stride``).
+        stride: replay every ``stride``-th (step, microbatch) point.
+        workers: forked processes (layers are split among them).
+        policy_options: ``{policy: {option: value}}`` (``adaptive`` accepts ``candidates`` and its options).
+        keep_plans: keep about this many plans per policy (evenly spread) for recording (0 = none).
+        progress: ``True`` for a rich progress bar, or a callable ``f(done, total)``.
+    """
+    names = list(dict.fromkeys(policies))
+    unknown = [n for n in names if n not in ALL_POLICIES]
+    if unknown:
+        raise ConfigError("policies", f"unknown policy {unknown[0]!r}; available: {', '.join(ALL_POLICIES)}", unknown[0])
+    if "none" not in names:
+        names = ["none", *names]  # the baseline of speed-up figures
+        report = [n for n in names if n != "none"]
+    else:
+        report = names
+    t = cm.topology
+    if trace.meta.num_experts != t.num_experts:
+        raise ConfigError("experts", f"the trace has {trace.meta.num_experts} experts but the topology "
+                          f"{t.num_experts}", t.num_experts)
+    all_layers = [int(x) for x in trace.layers]
+    if layers is not None:
+        missing = sorted(set(int(x) for x in layers) - set(all_layers))
+        if missing:
+            raise ConfigError("layers", f"layer {missing[0]} is not in the trace (layers: {all_layers[:10]}...)",
+                              missing[0])
+        all_layers = [int(x) for x in layers]
+    n_points = len(trace.points())
+    if stride is None:
+        stride = plan_stride(n_points, len(all_layers), max_plans)
+    stride = max(1, int(stride))
+    per_layer = len(range(0, n_points, stride))
+    total = per_layer * len(all_layers)
+    keep_every = max(1, math.ceil(total / keep_plans)) if keep_plans else 0
+    t0 = time.perf_counter()
+    results = []
+    bar, advance = _progress(progress, total)
+    try:
+        workers = max(1, min(int(workers), len(all_layers)))
+        if workers == 1:
+            for layer in all_layers:
+                results.append(replay_layer(trace, layer, cm, names, stride=stride, policy_options=policy_options,
+                                            keep_plan_every=keep_every, tick=advance))
+        else:
+            results = _run_pool(trace, cm, names, stride, policy_options, keep_every, all_layers, workers, advance)
+    finally:
+        if bar is not None:
+            bar.stop()
+    results.sort(key=lambda r: r["layer"])
+    rows = {n: {f: np.concatenate([r["rows"][n][f] for r in results]) for f in ROW_FIELDS} for n in names}
+    decisions = {k: [d for r in results for d in r["decisions"].get(k, [])] for k in ("adaptive",) if "adaptive" in names}
+    plans = {n: [p for r in results for p in r["plans"][n]] for n in names}
+    settings = {
+        "topology": t.name, "num_ranks": t.num_ranks, "num_experts": t.num_experts,
+        "num_redundant_slots": t.num_redundant_slots, "domain_size": t.D, "layers": all_layers,
+        "points": n_points, "stride": stride, "layer_steps_per_policy": total, "workers": workers,
+        "wall_s": time.perf_counter() - t0, "mode": cm.params.mode, "max_plans": max_plans,
+        "reported": report,
+    }
+    return SimulationResult(names, rows, decisions, plans, settings)
+
+
+def _progress(progress, total):
+    if callable(progress):
+        done = [0]
+
+        def adv(n):
+            done[0] += n
+            progress(done[0], total)
+        return None, adv
+    if not progress:
+        return None, None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TextColumn("layer-steps"),
+                   TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+    task = bar.add_task("sim", total=total)
+    bar.start()
+    return bar, (lambda n: bar.advance(task, n))
+
+
+def _run_pool(trace, cm, names, stride, options, keep_every, layers, workers, advance):
+    import multiprocessing as mp
+    import queue as _queue
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue() if advance is not None else None
+    _WORK.update(trace=trace, cm=cm, names=names, stride=stride, options=options, keep=keep_every, queue=q)
+    try:
+        with ctx.Pool(workers) as pool:
+            pending = pool.map_async(_worker, layers, chunksize=1)
+            while not pending.ready():
+                if q is not None:
+                    try:
+                        advance(q.get(timeout=0.2))
+                    except _queue.Empty:
+                        pass
+                else:
+                    pending.wait(0.2)
+            results = pending.get()
+            if q is not None:
+                while True:
+                    try:
+                        advance(q.get_nowait())
+                    except _queue.Empty:
+                        break
+    finally:
+        _WORK.clear()
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- recording
+def record(result: SimulationResult, runs_dir, *, run_name: str | None = None, trace_path: str | None = None,
+           model: str | None = None, topology=None) -> list[str]:
+    """Write one telemetry run per reported policy (``kind="simulation"``); return the run ids."""
+    from ultraep.telemetry import Recorder
+    from ultraep.telemetry.recorder import new_run_id
+
+    base = run_name or ("sim-" + new_run_id())
+    summary = {s["policy"]: s for s in result.summary()}
+    ids = []
+    for pol in result.settings.get("reported", result.policies):
+        r = result.rows[pol]
+        cfg = {"policy": pol, "trace": trace_path, **{k: v for k, v in result.settings.items() if k != "reported"}}
+        rec = Recorder.open(runs_dir, f"{base}-{pol}", kind="simulation", config=cfg, topology=topology, model=model,
+                            extra={"summary": summary[pol]}, flush_interval_s=None, flush_every=8192,
+                            max_pending=1 << 22)
+        try:
+            for i in range(len(r["time_s"])):
+                s, mb, layer = int(r["step"][i]), int(r["microbatch"][i]), int(r["layer"][i])
+                rec.record_timings(s, mb, layer, {
+                    "predicted_s": float(r["time_s"][i]), "plan_s": float(r["plan_s"][i]),
+                    "transfer_s": float(r["weight_sync_s"][i]), "dispatch_s": float(r["a2a_fwd_s"][i]) / 2,
+                    "combine_s": float(r["a2a_fwd_s"][i]) / 2, "experts_s": float(r["compute_fwd_s"][i]),
+                    "backward_reduce_s": float(r["grad_reduce_exposed_s"][i]), "ideal_s": float(r["ideal_s"][i]),
+                    "fwd_s": float(r["fwd_s"][i]), "bwd_s": float(r["bwd_s"][i]),
+                    "imbalance_before": float(r["imbalance_before"][i]),
+                    "imbalance_after": float(r["imbalance_after"][i]),
+                })
+                if pol != "adaptive":
+                    rec.record_decision(s, mb, layer, policy=pol, reason="fixed policy (simulation)",
+                                        predictions={pol: float(r["time_s"][i])},
+                                        chosen_predicted_s=float(r["time_s"][i]))
+            for s, mb, layer, chosen, reason, preds, t_pred in result.decisions.get(pol, []):
+                rec.record_decision(s, mb, layer, policy=chosen, reason=reason, predictions=preds,
+                                    chosen_predicted_s=t_pred)
+            for s, mb, layer, plan in result.plans.get(pol, []):
+                rec.record_plan(s, mb, layer, plan)
+            steps, inv = np.unique(r["step"], return_inverse=True)
+            t_step = np.bincount(inv, weights=r["time_s"], minlength=len(steps))
+            i_step = np.bincount(inv, weights=r["ideal_s"], minlength=len(steps))
+            for k, s in enumerate(steps):  # predicted time of the replayed layers of the step
+                rec.record_step(int(s), step_time_s=float(t_step[k]), extra={"ideal_s": float(i_step[k])})
+        finally:
+            rec.close()
+        ids.append(rec.run_id)
+    return ids

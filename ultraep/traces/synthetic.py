@@ -1,0 +1,181 @@
+"""Synthetic routing traces: target initial imbalance, drift, bursts and domain shifts, vectorised.
+
+Popularity follows :func:`ultraep.workload.power_law_popularity` (UltraEP's recipe: a power law over a
+random order of home ranks and over each rank's local experts). Each token includes expert ``e`` with
+probability ``π_e = 1 − exp(−c·w_e)``, with ``c`` solved so that ``Σ_e π_e = k`` (top-k without
+replacement, the inclusion approximation of the UltraEP generator); counts are binomial draws, so a
+1000-step, 60-layer EP256 trace takes seconds. The exponent of every layer is found by bisection on the
+*expected* rank-level imbalance, so layer ``l`` starts near its target.
+
+Non-stationarity, per layer and step ``t`` (all deterministic given ``seed``):
+
+* **drift**: the popularity pattern moves by ``drift`` ranks per step (in whole-rank jumps at
+  ``floor(drift · t)``, which keeps every step's imbalance at the layer's target), so the hot experts
+  wander from rank to rank and a placement made from past load goes stale;
+* **bursts**: with probability ``burst_prob`` per step a random expert's weight is multiplied by
+  ``burst_factor`` for ``burst_len`` steps;
+* **domain shifts**: every ``domain_shift_every`` steps the popularity of the ranks' expert blocks is
+  re-dealt by a new random permutation of the ranks (a new data domain with other hot experts, as
+  OLMoE's per-domain counts show), again keeping the imbalance level.
+
+Microbatches of a step share the popularity and differ by sampling noise.
+
+Legend: T steps, B microbatches, L layers, R source ranks, E experts, k top-k.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ultraep.errors import ConfigError
+from ultraep.workload import power_law_popularity
+
+from . import Trace, TraceMeta
+
+
+class SyntheticSpec(BaseModel):
+    """Settings of a synthetic trace."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_ranks: int = Field(ge=1, description="Source ranks (R).")
+    num_experts: int = Field(ge=1, description="Logical experts per layer (E); a multiple of num_ranks.")
+    num_layers: int = Field(default=1, ge=1, description="MoE layers (L).")
+    num_steps: int = Field(default=100, ge=1, description="Steps (T).")
+    microbatches: int = Field(default=1, ge=1, description="Microbatches per step (B).")
+    top_k: int = Field(default=8, ge=1, description="Experts per token (k).")
+    tokens_per_rank: int = Field(default=8192, ge=1, description="Tokens each source rank routes per microbatch.")
+    imbalance: tuple[float, float] = Field(
+        default=(2.0, 2.0), description="Initial rank-level imbalance targets (max/mean), spread over the layers."
+    )
+    drift: float = Field(default=0.0, ge=0.0, description="Ranks the popularity pattern moves per step.")
+    burst_prob: float = Field(default=0.0, ge=0.0, le=1.0, description="Chance per step and layer of a burst.")
+    burst_factor: float = Field(default=8.0, ge=1.0, description="Weight multiplier of a bursting expert.")
+    burst_len: int = Field(default=5, ge=1, description="Steps a burst lasts.")
+    domain_shift_every: int = Field(default=0, ge=0, description="Steps between domain shifts (0 = never).")
+    per_source: bool = Field(default=False, description="Record per-source-rank counts (else global counts).")
+    seed: int = Field(default=0, description="Random seed.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SyntheticSpec":
+        if self.num_experts % self.num_ranks:
+            raise ConfigError("synthetic.num_experts", f"num_experts ({self.num_experts}) must be a multiple of "
+                              f"num_ranks ({self.num_ranks})", self.num_experts)
+        if self.top_k > self.num_experts:
+            raise ConfigError("synthetic.top_k", f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})",
+                              self.top_k)
+        lo, hi = self.imbalance
+        if not 1.0 <= lo <= hi:
+            raise ConfigError("synthetic.imbalance", f"needs 1.0 <= low <= high, got {self.imbalance}", self.imbalance)
+        cells = self.num_steps * self.microbatches * self.num_layers * self.num_experts
+        if self.per_source and cells * self.num_ranks > 400_000_000:
+            raise ConfigError("synthetic.per_source", f"per-source counts would hold {cells * self.num_ranks:,} "
+                              "cells (> 4e8); use global counts (per_source=False)", True)
+        return self
+
+
+def solve_inclusion(w_TE: np.ndarray, k: int, iters: int = 60) -> np.ndarray:
+    """``[T, E] -> [T, E]`` inclusion probabilities ``1 − exp(−c_t · w)`` with ``Σ_e = k`` per row
+    (bisection on ``log c``, vectorised over rows)."""
+    w = np.maximum(np.asarray(w_TE, dtype=np.float64), 1e-300)
+    E = w.shape[1]
+    if k >= E:
+        return np.ones_like(w)
+    lo = np.full(w.shape[0], -60.0)
+    hi = np.full(w.shape[0], 60.0)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        s = (-np.expm1(-np.exp(mid)[:, None] * w)).sum(axis=1)
+        big = s > k
+        hi = np.where(big, mid, hi)
+        lo = np.where(big, lo, mid)
+    return -np.expm1(-np.exp((lo + hi) / 2)[:, None] * w)
+
+
+def _expected_imbalance(pi_E: np.ndarray, num_ranks: int) -> float:
+    per_rank = pi_E.reshape(num_ranks, -1).sum(axis=1)
+    return float(per_rank.max() / per_rank.mean())
+
+
+def _popularity(spec: SyntheticSpec, target: float, seed: int) -> np.ndarray:
+    """``[E]`` base popularity whose expected rank-level imbalance is close to ``target``."""
+    R, E, k = spec.num_ranks, spec.num_experts, spec.top_k
+
+    def at(alpha):
+        return power_law_popularity(R, E, alpha, np.random.default_rng(seed))
+
+    lo, hi = 0.0, 12.0
+    if _expected_imbalance(solve_inclusion(at(hi)[None], k)[0], R) < target:
+        return at(hi)  # the top-k cap makes the target unreachable: take the most skewed
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if _expected_imbalance(solve_inclusion(at(mid)[None], k)[0], R) < target:
+            lo = mid
+        else:
+            hi = mid
+    return at((lo + hi) / 2)
+
+
+def layer_weights(spec: SyntheticSpec, layer: int, target: float) -> np.ndarray:
+    """``[T, E]`` popularity of one layer over the steps (drift, bursts, domain shifts applied)."""
+    T, E, R = spec.num_steps, spec.num_experts, spec.num_ranks
+    M = E // R
+    rng = np.random.default_rng([spec.seed, layer, 1])
+    base = _popularity(spec, target, seed=int(rng.integers(2**31)))
+    t = np.arange(T)
+    # Rank block each step reads its experts' weights from: domain shift permutation, then drift.
+    if spec.domain_shift_every > 0:
+        seg = t // spec.domain_shift_every
+        perms = np.stack([np.arange(R)] + [rng.permutation(R) for _ in range(int(seg.max()))])[seg]  # [T, R]
+    else:
+        perms = np.broadcast_to(np.arange(R), (T, R))
+    shift = np.floor(spec.drift * t).astype(np.int64) if spec.drift > 0 else np.zeros(T, dtype=np.int64)
+    src_rank = np.take_along_axis(perms, (np.arange(R)[None, :] - shift[:, None]) % R, axis=1)  # [T, R]
+    idx = (src_rank[:, :, None] * M + np.arange(M)[None, None, :]).reshape(T, E)
+    w = base[idx]
+    # Bursts.
+    if spec.burst_prob > 0:
+        starts = np.flatnonzero(rng.random(T) < spec.burst_prob)
+        experts = rng.integers(E, size=starts.size)
+        boost = np.ones((T, E))
+        for t0, e in zip(starts, experts):
+            boost[t0:t0 + spec.burst_len, e] *= spec.burst_factor
+        w = w * boost
+    return w / w.sum(axis=1, keepdims=True)
+
+
+def layer_targets(spec: SyntheticSpec) -> np.ndarray:
+    """``[L]`` initial imbalance target of every layer: evenly spaced in the range, shuffled by seed."""
+    lo, hi = spec.imbalance
+    targets = np.linspace(lo, hi, spec.num_layers)
+    return np.random.default_rng([spec.seed, 7]).permutation(targets)
+
+
+def synthetic_trace(spec: SyntheticSpec) -> Trace:
+    """Generate the trace described by ``spec``."""
+    T, B, L, R, E, k = (spec.num_steps, spec.microbatches, spec.num_layers, spec.num_ranks, spec.num_experts,
+                        spec.top_k)
+    targets = layer_targets(spec)
+    P = T * B
+    if spec.per_source:
+        counts = np.empty((P, L, R, E), dtype=np.int64)
+    else:
+        counts = np.empty((P, L, E), dtype=np.int64)
+    for layer in range(L):
+        pi = solve_inclusion(layer_weights(spec, layer, float(targets[layer])), k)  # [T, E]
+        pi_P = np.repeat(pi, B, axis=0)
+        rng = np.random.default_rng([spec.seed, layer, 2])
+        if spec.per_source:
+            counts[:, layer] = rng.binomial(spec.tokens_per_rank, np.broadcast_to(pi_P[:, None, :], (P, R, E)))
+        else:
+            counts[:, layer] = rng.binomial(spec.tokens_per_rank * R, pi_P)
+    meta = TraceMeta(
+        num_experts=E, num_ranks=R if spec.per_source else None, top_k=k, source="synthetic",
+        description="synthetic: " + spec.model_dump_json(), extra={"layer_targets": targets.tolist()},
+    )
+    steps = np.repeat(np.arange(T), B)
+    mbs = np.tile(np.arange(B), T)
+    if spec.per_source:
+        return Trace.from_rank_counts(counts, meta, steps=steps, microbatches=mbs)
+    return Trace.from_global_counts(counts, meta, steps=steps, microbatches=mbs)
