@@ -23,7 +23,13 @@ _LAZY = {
     "UltraEPError": "ultraep.errors",
     "ConfigError": "ultraep.errors",
     "LoadError": "ultraep.errors",
+    "wrap": "ultraep.runtime",
+    "unwrap": "ultraep.runtime",
+    "runtime_of": "ultraep.runtime",
+    "register_experts": "ultraep.adapters",
 }
+
+_MODULES = {"metrics"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from ultraep import metrics
@@ -33,6 +39,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ultraep.plan import Plan, Transfers
     from ultraep.planning import plan_layer
     from ultraep.topology import LinkSpec, Topology
+    from ultraep.runtime import runtime_of, unwrap, wrap
+    from ultraep.adapters import register_experts
 
 
 def __getattr__(name: str) -> Any:
@@ -40,7 +48,7 @@ def __getattr__(name: str) -> Any:
     if mod is None:
         raise AttributeError(f"module 'ultraep' has no attribute {name!r}")
     module = import_module(mod)
-    value = module if mod.endswith("." + name) else getattr(module, name)
+    value = module if name in _MODULES else getattr(module, name)
     globals()[name] = value
     return value
 

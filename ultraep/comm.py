@@ -1,0 +1,83 @@
+"""Communication for the EP runtime over torch.distributed (gloo on CPU, NCCL on GPU).
+
+Legend: R ranks, E experts, N rows, H hidden size.
+
+* :func:`gather_load`: every rank's per-expert counts ``[E]`` → the exact load matrix ``[R, E]`` on all ranks.
+* :class:`AllToAll`: ``all_to_all_single`` with split sizes, differentiable (backward is the reverse
+  exchange). Split sizes come from the plan, so no count exchange is needed.
+* :func:`exchange`: a batch of point-to-point sends and receives, all posted before any is waited on, so
+  two ranks that send to each other never deadlock whatever order they list their messages in.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; both take a flat R * numel output.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def gather_load(counts_E: torch.Tensor, group=None) -> np.ndarray:
+    """All-gather per-rank expert counts ``[E]`` (int64) into the load matrix ``λ[R, E]`` (numpy int64)."""
+    R = dist.get_world_size(group)
+    E = counts_E.shape[0]
+    out = torch.empty(R * E, dtype=torch.int64, device=counts_E.device)  # flat: gloo wants R * numel
+    _all_gather(out, counts_E.to(torch.int64).contiguous(), group=group)
+    return out.view(R, E).cpu().numpy()
+
+
+def all_gather_bytes(payload: bytes, group=None) -> list[bytes]:
+    """All-gather a short byte string (e.g. a plan digest) from every rank."""
+    R = dist.get_world_size(group)
+    t = torch.zeros(64, dtype=torch.uint8)
+    data = payload[:63]
+    t[0] = len(data)
+    t[1:1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = torch.empty(R * 64, dtype=torch.uint8)
+    _all_gather(out, t, group=group)
+    out = out.view(R, 64)
+    return [bytes(out[r, 1:1 + int(out[r, 0])].tolist()) for r in range(R)]
+
+
+def _a2a(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group) -> torch.Tensor:
+    out = x.new_empty((int(sum(out_splits)),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows ``[sum(in_splits), ...]`` → ``[sum(out_splits), ...]``; rows to rank r are the r-th block."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits = (list(out_splits), list(in_splits))
+        ctx.group = group
+        return _a2a(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], group=None,
+             tag: int = 0) -> None:
+    """Send each ``(peer, tensor)`` of ``sends`` and fill each ``(peer, tensor)`` of ``recvs`` (group ranks).
+
+    Messages between the same pair of ranks are matched in the order listed on both sides.
+    """
+    if not sends and not recvs:
+        return
+    to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    reqs = []
+    for peer, buf in recvs:
+        reqs.append(dist.irecv(buf, src=to_global(peer), group=group, tag=tag))
+    for peer, buf in sends:
+        reqs.append(dist.isend(buf.contiguous(), dst=to_global(peer), group=group, tag=tag))
+    for r in reqs:
+        r.wait()

@@ -1,0 +1,172 @@
+"""``ultraep.wrap`` / ``ultraep.unwrap``: turn an MoE model into a balanced expert-parallel one and back.
+
+Every rank builds the same model, then calls ``wrap`` under an initialised process group (the EP group).
+Each experts container the adapters recognise is replaced by a :class:`~ultraep.ep.BalancedExperts` that
+keeps only this rank's masters; ``wrap`` returns the model and reports which layers it balanced. A model
+with no recognised experts raises with the list of supported ones (never a silent no-op).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch import nn
+
+from ultraep.adapters import UnsupportedModelError, adapter_for, supported
+from ultraep.config import BalancerConfig
+from ultraep.errors import UltraEPError
+
+log = logging.getLogger("ultraep")
+
+_ATTR = "_ultraep_runtime"
+
+
+@dataclass
+class WrapReport:
+    """What ``wrap`` did: balanced layers (index, module path, policy, adapter)."""
+
+    layers: list[tuple[int, str, str, str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        rows = [f"  layer {i}: {path} ({adapter}) -> {policy}" for i, path, policy, adapter in self.layers]
+        return f"ultraep balanced {len(self.layers)} MoE layer(s):\n" + "\n".join(rows)
+
+
+class EPRuntime:
+    """Per-model runtime state shared by the balanced layers: group, config, buffers, counters, recorder."""
+
+    def __init__(self, config: BalancerConfig, group, recorder=None) -> None:
+        self.config = config
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        from ultraep.ep import ReplicaBuffers
+
+        self.buffers = ReplicaBuffers()
+        self.recorder = recorder
+        self.layers: list = []
+        self.report = WrapReport()
+        self.step = 0
+        self.microbatch = -1
+        self.backward_s: dict[int, float] = {}
+        self.recording_errors = 0
+
+    # ------------------------------------------------------------------ step bookkeeping
+    def next_step(self, loss: float | None = None, step_time_s: float | None = None) -> None:
+        """Close the current training step (call once per optimizer step); records the step if recording."""
+        if self.recorder is not None:
+            self._safe(self.recorder.record_step, self.step, loss=loss, step_time_s=step_time_s)
+        self.step += 1
+        self.microbatch = -1
+
+    def enter_layer(self, layer: int) -> None:
+        if layer == 0:
+            self.microbatch += 1
+
+    def note_backward(self, layer: int, seconds: float) -> None:
+        self.backward_s[layer] = self.backward_s.get(layer, 0.0) + seconds
+
+    # ------------------------------------------------------------------ telemetry (never breaks training)
+    def _safe(self, fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:  # recording must never stop a training step
+            self.recording_errors += 1
+            if self.recording_errors == 1:
+                log.warning("ultraep: recording failed (%s: %s); training continues", type(exc).__name__, exc)
+
+    def record_layer(self, layer, plan, timings: dict, job) -> None:
+        rec = self.recorder
+        if rec is None:
+            return
+        step, mb = self.step, max(self.microbatch, 0)
+        if self.rank == 0:  # plans are identical on every rank: one copy is enough
+            self._safe(rec.record_plan, step, mb, layer.layer, plan)
+            self._safe(rec.record_decision, step, mb, layer.layer, policy=plan.policy,
+                       reason=plan.info.get("reason", f"configured policy {layer.policy_name!r}"),
+                       predictions=plan.info.get("predictions"))
+        t = dict(timings)
+        t["backward_reduce_s"] = self.backward_s.pop(layer.layer, 0.0)
+        if job is not None:
+            t["transfer_bytes"] = float(job.bytes_sent)
+        self._safe(rec.record_timings, step, mb, layer.layer, t)
+
+
+def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=None, *, recorder=None) -> nn.Module:
+    """Balance every MoE layer of ``model`` across the ranks of ``group`` (default: WORLD).
+
+    Args:
+        model: the same model on every rank (same weights).
+        config: :class:`~ultraep.BalancerConfig` (or a dict validated into one).
+        group: the EP process group.
+        recorder: an ``ultraep.telemetry`` recorder for this rank (optional).
+
+    Returns the model (modified in place); ``runtime_of(model).report`` lists the balanced layers.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise UltraEPError("torch.distributed", "wrap() needs an initialised process group "
+                           "(torch.distributed.init_process_group or ultraep.launch)")
+    if config is None:
+        config = BalancerConfig()
+    elif isinstance(config, dict):
+        config = BalancerConfig.model_validate(config)
+    if getattr(model, _ATTR, None) is not None:
+        raise UltraEPError("model", "is already wrapped by ultraep")
+    found = [(name, mod) for name, mod in model.named_modules() if adapter_for(mod) is not None]
+    if not found:
+        raise UnsupportedModelError(
+            "model", f"{type(model).__name__} has no experts container ultraep can balance; supported: "
+            + "; ".join(supported()))
+    runtime = EPRuntime(config, group, recorder)
+    R = runtime.world_size
+    from ultraep.ep import BalancedExperts
+
+    for layer, (name, mod) in enumerate(found):
+        adapter = adapter_for(mod)
+        E = adapter.num_experts(mod)
+        if E % R:
+            raise UltraEPError(f"{name}.num_experts", f"{E} experts cannot be split over {R} ranks "
+                               f"(experts must be divisible by the EP group size)", E)
+        config.validate_for(R, E // R)
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        balanced = BalancedExperts(mod, adapter, layer, name, runtime)
+        setattr(parent, attr, balanced)
+        runtime.layers.append(balanced)
+        runtime.report.layers.append((layer, name, balanced.policy_name, adapter.name))
+    object.__setattr__(model, _ATTR, runtime)
+    if runtime.rank == 0:
+        log.info("%s", runtime.report)
+    return model
+
+
+def runtime_of(model: nn.Module) -> EPRuntime:
+    """The :class:`EPRuntime` of a wrapped model."""
+    rt = getattr(model, _ATTR, None)
+    if rt is None:
+        raise UltraEPError("model", "is not wrapped by ultraep (call ultraep.wrap first)")
+    return rt
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Gather every layer's masters back into full ``[E, ...]`` parameters and restore the original
+    experts containers (e.g. before saving a plain checkpoint). Collective: call on every rank."""
+    import torch
+
+    from ultraep.comm import _all_gather
+
+    rt = runtime_of(model)
+    for layer in rt.layers:
+        for n in layer.adapter.param_names:
+            p = getattr(layer, n)
+            flat = torch.empty(p.numel() * rt.world_size, dtype=p.dtype, device=p.device)
+            _all_gather(flat, p.detach().contiguous().view(-1), group=rt.group)
+            full = flat.view(p.shape[0] * rt.world_size, *p.shape[1:])
+            setattr(layer.container, n, nn.Parameter(full, requires_grad=p.requires_grad))
+        parent_name, _, attr = layer.name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, layer.container)
+    object.__delattr__(model, _ATTR)
+    return model
