@@ -257,11 +257,16 @@ class Recorder:
                 }, __version__)
             except Exception as exc:
                 self._fail("OpenTelemetry set-up", exc)
-        self._write_run_row(status="running")
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._interval = flush_interval_s
-        if flush_interval_s is not None:
+        # The opening runs_log row is the flusher's first write (so open() does not pay pyarrow's first-use
+        # import, which also pulls in pandas where it is installed); without a thread it is written now.
+        self._run_row_pending = True
+        if flush_interval_s is None:
+            self._write_run_row(status="running")
+        else:
+            self._wake.set()
             self._thread = threading.Thread(target=self._loop, name=f"ultraep-telemetry-r{self.rank}", daemon=True)
             self._thread.start()
         _LIVE.add(self)
@@ -468,6 +473,8 @@ class Recorder:
         from ultraep.telemetry import batches as bt
 
         with self._flush_lock:
+            if self._run_row_pending:
+                self._write_run_row(status="running")
             # Steps first: every plan/timing recorded before a step row is then already in its list.
             steps = _take(self._steps)
             plans = _take(self._plans)
@@ -612,6 +619,7 @@ class Recorder:
 
     # ------------------------------------------------------------------ run rows, flush, close
     def _write_run_row(self, status: str, ended_ns: int | None = None) -> None:
+        self._run_row_pending = False
         try:
             from ultraep.telemetry.batches import rows_table
 
