@@ -72,4 +72,4 @@ def triton_module(name: str, kernel: str) -> ModuleType:
 
 def is_interpreted(device: torch.device) -> bool:
     """True when a Triton launch on ``device`` runs in the interpreter (the launch grid is then kept small)."""
-    return device.type != "cuda"
+    return device.type != "cuda" or interpreting()

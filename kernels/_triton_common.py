@@ -15,13 +15,12 @@ import triton.language as tl
 def cast_rn(x, DT: tl.constexpr):
     """``x`` (any float block) -> ``DT``, rounding to nearest even; NaN stays NaN."""
     if DT == tl.bfloat16:
-        if x.dtype == tl.bfloat16:
-            return x
-        xf = x.to(tl.float32)
+        xf = x.to(tl.float32)  # exact for bf16/fp16/fp32 inputs
         bits = xf.to(tl.uint32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         quiet = (bits >> 16) | 0x40
         hi = tl.where(xf != xf, quiet, rounded)
-        return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        out = hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
-        return x.to(DT)
+        out = x.to(DT)
+    return out

@@ -171,7 +171,7 @@ def unpack_tiles_reference(tiles: torch.Tensor, targets, layout: ExpertLayout, f
 
 def forward_tiles_reference(arena: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Pure-torch :func:`forward_tiles`."""
-    return out.copy_(arena[index])
+    return torch.index_select(arena, 0, index, out=out)
 
 
 # ---------------------------------------------------------------------------------------------- item tables

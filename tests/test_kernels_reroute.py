@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import ultraep
 from ultraep.kernels import KernelInputError, RerouteTable, reroute, reroute_reference, reroute_table
@@ -151,3 +152,31 @@ def test_reroute_cuda_auto_runs_triton_and_matches():
     table = reroute_table(plan, 0, device="cuda")
     got = reroute(ids[0].cuda(), table)
     assert torch.equal(got.cpu(), reroute_reference(ids[0], table.to("cpu")))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    data=st.data(),
+    ranks=st.integers(1, 3),
+    slots=st.integers(1, 3),
+    K=st.integers(1, 3),
+    interleave=st.booleans(),
+)
+def test_reroute_property_random_tables(data, ranks, slots, K, interleave):
+    # Any placement and any per-instance counts: ids holding exactly the planned counts of each expert, in any
+    # order, map to exactly those counts per instance, and Triton equals the reference.
+    G = ranks * slots
+    E = data.draw(st.integers(1, G))
+    p = np.array(data.draw(st.permutations(list(range(E)) + [data.draw(st.integers(-1, E - 1)) for _ in range(G - E)])))
+    counts = np.array(data.draw(st.lists(st.integers(0, 9), min_size=G, max_size=G)))
+    counts[p < 0] = 0
+    table = RerouteTable.from_arrays(p.reshape(ranks, slots), counts.reshape(ranks, slots), interleave=interleave)
+    per_e = np.bincount(np.where(p >= 0, p, 0), weights=counts, minlength=E).astype(np.int64)
+    flat = np.repeat(np.arange(E), per_e)
+    pad = (-flat.size) % K
+    flat = np.concatenate([flat, np.full(pad, -1)])  # dropped ids fill the last row
+    order = data.draw(st.permutations(range(flat.size))) if flat.size else []
+    ids = torch.as_tensor(flat[list(order)].reshape(-1, K) if flat.size else np.zeros((0, K), np.int64))
+    ref = reroute_reference(ids, table)
+    assert np.array_equal(np.bincount(ref[ref >= 0].numpy(), minlength=G), counts)
+    assert torch.equal(reroute(ids, table, backend="triton", block=16), ref)

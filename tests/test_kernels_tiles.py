@@ -239,3 +239,15 @@ def test_schedule_errors():
         reduce_replica_grads([[torch.zeros(4)]], layout.empty(1), [[0]], layout.with_dtype(torch.bfloat16))
     with pytest.raises(KernelInputError, match=r"contributions\.0: tile 1 \(\+1 tiles\) is outside the arena of 1"):
         reduce_replica_grads([[torch.zeros(4)]], layout.empty(1), [[1]], layout)
+
+
+def test_unpack_downcast_rounds_to_nearest_even():
+    # fp32 tiles unpacked into bf16 tensors round like torch (to nearest, ties to even), also interpreted,
+    # where Triton's own fp32 -> bf16 cast truncates. Ties: 1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6.
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-12, 3.0e38, -1e-40, 0.0])
+    vals = torch.cat([ties, torch.randn(57, generator=torch.Generator().manual_seed(2)) * 1e3])
+    layout = ExpertLayout.of([vals], tile_bytes=64)
+    tiles = pack_tiles([[vals]], layout, backend="triton")
+    got = [torch.full(vals.shape, float("nan"), dtype=torch.bfloat16)]
+    unpack_tiles(tiles, [got], layout, backend="triton")
+    assert torch.equal(got[0].view(torch.int16), vals.bfloat16().view(torch.int16))
