@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks.common` importable from the repo root
@@ -30,7 +29,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from benchmarks.common import machine, row, write_rows  # noqa: E402
+from benchmarks.common import machine, row, time_calls, write_rows  # noqa: E402
 from ultraep.kernels import (  # noqa: E402
     ExpertLayout, dispatch_layout, forward_tiles, pack_tiles, permute, reduce_replica_grads, reroute, reroute_table,
     unpack_tiles, unpermute,
@@ -62,17 +61,7 @@ def timer(device: torch.device):
             out[i] = a.elapsed_time(b) / 1e3
         return out
 
-    def cpu_time(fn, repeat: int, warmup: int = 2) -> np.ndarray:
-        for _ in range(warmup):
-            fn()
-        out = np.empty(repeat)
-        for i in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            out[i] = time.perf_counter() - t0
-        return out
-
-    return cuda_time if device.type == "cuda" else cpu_time
+    return cuda_time if device.type == "cuda" else time_calls
 
 
 def workload(size: dict, device: torch.device, seed: int = 0):

@@ -21,20 +21,14 @@ import triton
 import triton.language as tl
 
 from ultraep.kernels._triton_common import cast_rn
-from ultraep.kernels.rerouting_triton import group_rank
+from ultraep.kernels.rerouting_triton import group_rank, ranked_block
 
 
 @triton.jit
 def place_kernel(keys_ptr, rank_ptr, base_ptr, pos_ptr, pair_ptr, n, num_bins, num_rows, BLOCK: tl.constexpr):
     """``pos[i] = base[block, key[i]] + rank[i]`` (``-1`` for keys outside ``[0, G)``) and the inverse
     ``pair[pos[i]] = i``. keys/pos ``[n]``, rank ``[n]`` int32, base ``[NB, G]`` int64, pair ``[N]`` int64."""
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    key = tl.load(keys_ptr + offs, mask=m, other=-1).to(tl.int64)
-    valid = m & (key >= 0) & (key < num_bins)
-    ks = tl.where(valid, key, 0)
-    r = tl.load(rank_ptr + offs, mask=valid, other=0).to(tl.int64)
+    pid, offs, m, valid, ks, r = ranked_block(keys_ptr, rank_ptr, n, num_bins, BLOCK)
     p = tl.load(base_ptr + pid * num_bins + ks, mask=valid, other=0) + r
     ok = valid & (p < num_rows)
     tl.store(pos_ptr + offs, tl.where(ok, p, -1), mask=m)
@@ -44,12 +38,12 @@ def place_kernel(keys_ptr, rank_ptr, base_ptr, pos_ptr, pair_ptr, n, num_bins, n
 @triton.jit
 def gather_rows_kernel(
     src_ptr, pair_ptr, w_ptr, out_ptr, N, H, K, stride_src, stride_out,
-    HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """``out[p, :] = src[pair[p] // K, :]``, times ``w[pair[p]]`` when ``HAS_W``.
     src ``[T, H]``, pair ``[N]`` int64, w ``[n]``, out ``[N, H]``."""
     pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     rm = rows < N
     pair = tl.load(pair_ptr + rows, mask=rm, other=0)
     tok = pair // K
@@ -67,17 +61,17 @@ def gather_rows_kernel(
 @triton.jit
 def combine_rows_kernel(
     y_ptr, pos_ptr, w_ptr, out_ptr, T, H, K, stride_y, stride_out,
-    HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_W: tl.constexpr, ACC: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """``out[t, :] = Σ_k w[t, k] * y[pos[t, k], :]`` over ``pos >= 0`` (``w = 1`` without ``HAS_W``),
     summed in k order. y ``[N, H]``, pos ``[T, K]`` int64, w ``[T, K]``, out ``[T, H]``."""
     pid = tl.program_id(0).to(tl.int64)
-    toks = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    toks = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     tm = toks < T
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         cm = cols < H
-        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=ACC)
+        acc = tl.zeros((BLOCK_ROWS, BLOCK_H), dtype=ACC)
         for k in range(0, K):
             p = tl.load(pos_ptr + toks * K + k, mask=tm, other=-1)
             ok = tm & (p >= 0)
@@ -96,17 +90,17 @@ def combine_rows_kernel(
 @triton.jit
 def row_dot_kernel(
     y_ptr, g_ptr, pos_ptr, out_ptr, T, H, K, stride_y, stride_g,
-    ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """``out[t, k] = Σ_h y[pos[t, k], h] * g[t, h]`` (0 where ``pos < 0``).
     y ``[N, H]``, g ``[T, H]``, pos ``[T, K]`` int64, out ``[T, K]``."""
     pid = tl.program_id(0).to(tl.int64)
-    toks = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    toks = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     tm = toks < T
     for k in range(0, K):
         p = tl.load(pos_ptr + toks * K + k, mask=tm, other=-1)
         ok = tm & (p >= 0)
-        acc = tl.zeros((BLOCK_T,), dtype=ACC)
+        acc = tl.zeros((BLOCK_ROWS,), dtype=ACC)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             cm = cols < H
@@ -145,39 +139,31 @@ def layout(keys: torch.Tensor, num_bins: int, num_rows: int | None, block: int):
     return pos, pair, total
 
 
+def _launch_rows(kernel, rows: int, H: int, interpreted: bool, *args, **meta) -> None:
+    """One program per ``BLOCK_ROWS`` rows; the H loop runs inside the program."""
+    block = _block_rows(interpreted)
+    kernel[(triton.cdiv(rows, block),)](*args, **meta, BLOCK_ROWS=block, BLOCK_H=_block_h(H, interpreted))
+
+
 def gather_rows(src, pair, w, K: int, out, interpreted: bool):
     N, H = out.shape
-    if N == 0 or H == 0:
-        return out
-    block_n = _block_rows(interpreted)
-    gather_rows_kernel[(triton.cdiv(N, block_n),)](
-        src, pair, w if w is not None else pair, out, N, H, K, src.stride(0), out.stride(0),
-        HAS_W=w is not None, ACC=_acc(out.dtype), BLOCK_N=block_n, BLOCK_H=_block_h(H, interpreted),
-    )
+    if N and H:
+        _launch_rows(gather_rows_kernel, N, H, interpreted, src, pair, w if w is not None else pair, out, N, H, K,
+                     src.stride(0), out.stride(0), HAS_W=w is not None, ACC=_acc(out.dtype))
     return out
 
 
 def combine_rows(y, pos, w, out, interpreted: bool):
     T, H = out.shape
-    K = pos.shape[1]
-    if T == 0 or H == 0:
-        return out
-    block_t = _block_rows(interpreted)
-    combine_rows_kernel[(triton.cdiv(T, block_t),)](
-        y, pos, w if w is not None else pos, out, T, H, K, y.stride(0), out.stride(0),
-        HAS_W=w is not None, ACC=_acc(out.dtype), BLOCK_T=block_t, BLOCK_H=_block_h(H, interpreted),
-    )
+    if T and H:
+        _launch_rows(combine_rows_kernel, T, H, interpreted, y, pos, w if w is not None else pos, out, T, H,
+                     pos.shape[1], y.stride(0), out.stride(0), HAS_W=w is not None, ACC=_acc(out.dtype))
     return out
 
 
 def row_dot(y, g, pos, out, interpreted: bool):
     T, K = pos.shape
-    H = g.shape[1]
-    if T == 0 or K == 0:
-        return out
-    block_t = _block_rows(interpreted)
-    row_dot_kernel[(triton.cdiv(T, block_t),)](
-        y, g, pos, out, T, H, K, y.stride(0), g.stride(0),
-        ACC=_acc(out.dtype), BLOCK_T=block_t, BLOCK_H=_block_h(H, interpreted),
-    )
+    if T and K:
+        _launch_rows(row_dot_kernel, T, g.shape[1], interpreted, y, g, pos, out, T, g.shape[1], K, y.stride(0),
+                     g.stride(0), ACC=_acc(out.dtype))
     return out

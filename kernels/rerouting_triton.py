@@ -41,6 +41,20 @@ def group_rank_kernel(keys_ptr, rank_ptr, counts_ptr, n, num_bins, BLOCK: tl.con
 
 
 @triton.jit
+def ranked_block(keys_ptr, rank_ptr, n, num_bins, BLOCK: tl.constexpr):
+    """This program's block after :func:`group_rank_kernel`: ``(pid, offs, in range, valid, key, rank)`` with
+    keys outside ``[0, G)`` marked invalid and clamped to 0; key and rank as int64 ``[B]``."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    key = tl.load(keys_ptr + offs, mask=m, other=-1).to(tl.int64)
+    valid = m & (key >= 0) & (key < num_bins)
+    ks = tl.where(valid, key, 0)
+    r = tl.load(rank_ptr + offs, mask=valid, other=0).to(tl.int64)
+    return pid, offs, m, valid, ks, r
+
+
+@triton.jit
 def reroute_kernel(
     ids_ptr, rank_ptr, boff_ptr, cum_ptr, gid_ptr, total_ptr, stride_ptr, offset_ptr, out_ptr,
     n, E, I, BLOCK: tl.constexpr, I_PAD: tl.constexpr,
@@ -53,13 +67,7 @@ def reroute_kernel(
     ids ``[n]``, rank ``[n]`` int32, boff ``[NB, E]`` int64, cum/gid ``[E, I]`` int64,
     total/stride/offset ``[E]`` int64, out ``[n]`` int64.
     """
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    e = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int64)
-    valid = m & (e >= 0) & (e < E)
-    es = tl.where(valid, e, 0)
-    r = tl.load(rank_ptr + offs, mask=valid, other=0).to(tl.int64)
+    pid, offs, m, valid, es, r = ranked_block(ids_ptr, rank_ptr, n, E, BLOCK)
     j = tl.load(boff_ptr + pid * E + es, mask=valid, other=0) + r
     total = tl.load(total_ptr + es, mask=valid, other=0)
     stride = tl.load(stride_ptr + es, mask=valid, other=1)
