@@ -10,7 +10,8 @@ Steps (one layer, one microbatch):
 
     Step 1: screen: a stateless balancing candidate (``quota``) whose *fixed* overhead (its planner time)
             already exceeds the most any plan could gain over ``none`` (none's time minus the
-            force-balanced ideal, a lower bound for every plan) is not planned at all.
+            force-balanced ideal, a lower bound for every plan) is not planned at all — unless it is the
+            current policy, which hysteresis must compare against.
     Step 2: plan every remaining candidate (pure; the planners would run side by side: the GPU quota
             planner, FEPLB's CPU thread, EPLB's cached placement, HybridEP's closed choice).
     Step 3: predict each plan's layer time with the cost model, including its planning and transfer
@@ -127,7 +128,7 @@ class AdaptivePolicy:
         if not self.screen:
             return []
         cm = self._cost(topology)
-        todo = [n for n in self.policies if n in SCREENABLE]
+        todo = [n for n in self.policies if n in SCREENABLE and n != self._current]  # hysteresis needs it
         if not todo:
             return []
         from .base import identity_plan

@@ -20,8 +20,9 @@ arXiv 2604.19654 §2; the terms are listed in ``docs/simulator.md`` with the num
     a2a_bwd      = backward_a2a_factor · a2a_fwd
     restore      = replica weights re-sent before expert backward (buffers are shared across layers),
                    hidden behind the non-MoE backward, excess exposed
-    grad_reduce  = replica weight-gradients reduced into the masters (fp32), hidden behind the backward
-                   compute window (compute_bwd + non_moe_bwd), excess exposed
+    grad_reduce  = replica weight-gradients (fp32) reduced into the masters along the copy tree reversed,
+                   at the SM-limited reduction bandwidth, hidden behind the backward compute window
+                   (compute_bwd + non_moe_bwd), excess exposed
     total        = fwd + bwd   (``mode="prefill"``: fwd only)
 
 **Calibration.** Each modelled term has a multiplicative scale in :class:`CostParams` (``compute_scale``,
@@ -274,7 +275,10 @@ class CostModel:
         return self.transfers_time(plan.transfers)
 
     def transfers_time(self, tr: Transfers) -> float:
-        """Per relay stage, the busiest sender or receiver over the scale-up link; stages in sequence."""
+        """Weight copies: per relay stage, the busiest sender or receiver; stages in sequence."""
+        return self._tree_time(tr, 1.0, self.copy_bw) * self.params.weight_sync_scale
+
+    def _tree_time(self, tr: Transfers, byte_scale: float, bandwidth: float) -> float:
         if len(tr) == 0:
             return 0.0
         R = self.topology.num_ranks
@@ -283,19 +287,20 @@ class CostModel:
             sel = tr.stage == stage
             send = np.bincount(tr.src[sel], weights=tr.bytes[sel], minlength=R)
             recv = np.bincount(tr.dst[sel], weights=tr.bytes[sel], minlength=R)
-            total += max(send.max(), recv.max()) / self.copy_bw + self.lat_L[0]
-        return total * self.params.weight_sync_scale
+            total += max(send.max(), recv.max()) * byte_scale / bandwidth + self.lat_L[0]
+        return total
 
-    def full_sync_time(self, plan: Plan) -> float:
-        """Weight sync if every replica of ``plan`` had to be sent (a placement that is not resident)."""
+    def replica_tree(self, plan: Plan) -> Transfers:
+        """The copy tree of *every* replica of ``plan`` (``plan.transfers`` holds only the copies this
+        step needs, e.g. a historical placement moves weights only when it changes)."""
+        if len(plan.transfers) >= plan.num_replicas:
+            return plan.transfers
         from ultraep.policies.transfers import RELAY_MODES, schedule_transfers
 
         t = self.topology
         M = t.num_masters
         held = plan.phy2log_RS[:, M:]
         rr, ss = np.nonzero(held >= 0)
-        if rr.size == 0:
-            return 0.0
         ee = held[rr, ss]
         order = np.argsort(ee, kind="stable")
         ptr = np.zeros(t.num_experts + 1, dtype=np.int64)
@@ -304,21 +309,21 @@ class CostModel:
             t.home_E, ptr, np.ascontiguousarray(rr[order].astype(np.int64)), int(self.expert_bytes),
             t.num_ranks, t.D, RELAY_MODES["auto"],
         )
-        return self.transfers_time(Transfers(te, ts, td, tb, tg))
+        return Transfers(te, ts, td, tb, tg)
+
+    def full_sync_time(self, plan: Plan) -> float:
+        """Weight sync if every replica of ``plan`` had to be sent (a placement that is not resident)."""
+        if plan.num_replicas == 0:
+            return 0.0
+        return self.transfers_time(self.replica_tree(plan))
 
     def grad_reduce_time(self, plan: Plan) -> float:
-        """Replica gradients into masters: busiest master (receives) or replica host (sends)."""
-        t = self.topology
-        M = t.num_masters
-        held = plan.phy2log_RS[:, M:]
-        mask = held >= 0
-        if not mask.any():
+        """Replica gradients (fp32) reduced into the masters along the copy tree reversed: per stage the
+        busiest rank, at the SM-limited reduction bandwidth."""
+        if plan.num_replicas == 0:
             return 0.0
-        hosts = np.nonzero(mask)[0]
-        owners = t.home_E[held[mask]]
-        send = np.bincount(hosts, minlength=t.num_ranks)
-        recv = np.bincount(owners, minlength=t.num_ranks)
-        return float(max(send.max(), recv.max())) * self.grad_bytes / self.grad_bw * self.params.grad_reduce_scale
+        tree = self.replica_tree(plan)
+        return self._tree_time(tree, self.grad_bytes / self.expert_bytes, self.grad_bw) * self.params.grad_reduce_scale
 
     def planner_time(self, plan: Plan) -> float:
         if "plan_s" in plan.info:

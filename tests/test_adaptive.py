@@ -1,0 +1,145 @@
+"""Adaptive engine: none on tiny skew, quota on large skew, no flapping, deadline fallback, recording."""
+
+import numpy as np
+import pytest
+
+from ultraep.config import AdaptiveOptions, BalancerConfig
+from ultraep.cost import CostModel, CostParams
+from ultraep.engine import Engine
+from ultraep.policies import AdaptivePolicy, make_policy
+from ultraep.presets import get_preset
+from ultraep.workload import power_law_popularity
+
+
+def _cm(params=None):
+    pre = get_preset("gb200-nvl72")
+    return CostModel(pre.topology(32, 64, 2), pre.hardware, pre.expert, params)
+
+
+def _load(skew: float, seed: int = 0, R: int = 32, E: int = 64) -> np.ndarray:
+    """Expected-value load (no sampling noise) of 8192 tokens x top-8 per rank, power-law popularity."""
+    p = power_law_popularity(R, E, skew, np.random.default_rng(seed))
+    return np.rint(np.outer(np.full(R, 8192 * 8), p)).astype(np.int64)
+
+
+def test_tiny_skew_picks_none_and_skips_the_quota_planner():
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm)
+    plan = pol.plan(_load(0.001), cm.topology)
+    a = plan.info["adaptive"]
+    assert a["chosen"] == "none" and a["reason"] == "cheapest"
+    assert "quota" in a["screened"]  # cannot pay for its own planner
+    assert plan.num_replicas == 0
+    assert a["predicted_s"] == pytest.approx(cm.predict(plan).total_s)
+
+
+def test_large_skew_picks_quota_with_every_prediction_recorded():
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm)
+    plan = pol.plan(_load(2.0), cm.topology)
+    plan.check()
+    a = plan.info["adaptive"]
+    assert a["chosen"] == "quota" and plan.policy == "adaptive"
+    assert set(a["predictions"]) == {"none", "quota", "eplb", "feplb", "hybridep"}
+    assert a["predictions"]["quota"] == min(a["predictions"].values())
+    assert cm.predict(plan).total_s == pytest.approx(a["predictions"]["quota"] + plan.info["engine_s"])
+
+
+def test_constant_workload_does_not_flap():
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm)
+    chosen = []
+    for _ in range(25):
+        plan = pol.plan(_load(1.0), cm.topology)
+        chosen.append(plan.info["adaptive"]["chosen"])
+        pol.commit(plan)
+    assert len(set(chosen)) == 1
+
+
+def test_hysteresis_keeps_the_current_policy_on_small_gains():
+    cm = _cm()
+    # margin 50 %: alternating loads whose best policy differs never beat the current one by that much
+    pol = AdaptivePolicy(cost_model=cm, margin=0.5, switch_now=1.0, candidates=("none", "quota"))
+    chosen = []
+    for i in range(10):
+        plan = pol.plan(_load(0.001 if i % 2 else 0.6), cm.topology)
+        chosen.append(plan.info["adaptive"]["chosen"])
+        pol.commit(plan)
+    assert len(set(chosen)) == 1
+    # patience 3: a switch needs three consecutive wins
+    pol = AdaptivePolicy(cost_model=cm, margin=0.0, switch_now=1.0, patience=3, candidates=("none", "quota"))
+    seq = []
+    for load in [_load(0.001)] + [_load(2.0)] * 4:
+        plan = pol.plan(load, cm.topology)
+        seq.append(plan.info["adaptive"]["chosen"])
+        pol.commit(plan)
+    assert seq == ["none", "none", "none", "quota", "quota"]
+
+
+def test_late_plans_fall_back_to_none():
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm, deadline_s=1e-6, candidates=("none", "quota"), screen=False)
+    plan = pol.plan(_load(2.0), cm.topology)
+    a = plan.info["adaptive"]
+    assert a["chosen"] == "none" and a["late"] == ["quota"] and a["reason"].startswith("late")
+
+
+def test_commit_of_a_replayed_plan_advances_candidate_history():
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "eplb"))
+    load = _load(1.5)
+    plan = pol.plan(load, cm.topology)
+    pol._memo = None  # as if the plan came back from a recording
+    pol.commit(plan)
+    assert len(pol.policies["eplb"]._history) == 1
+
+
+def test_candidates_must_include_none():
+    from ultraep.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="must include 'none'"):
+        AdaptivePolicy(candidates=("quota",))
+    with pytest.raises(ConfigError, match="candidate_options.feplb"):
+        AdaptivePolicy(candidates=("none", "quota"), candidate_options={"feplb": {}})
+
+
+def test_engine_records_decisions_and_calibrates():
+    class Rec:
+        def __init__(self):
+            self.plans, self.decisions, self.timings = [], [], []
+
+        def record_plan(self, *a, **k):
+            self.plans.append(a)
+
+        def record_decision(self, step, mb, layer, **k):
+            self.decisions.append((step, mb, layer, k))
+
+        def record_timings(self, step, mb, layer, timings):
+            self.timings.append((step, mb, layer, timings))
+
+    cm = _cm()
+    cfg = BalancerConfig(policy="adaptive", layers={1: AdaptiveOptions(candidates=("none", "quota"))})
+    rec = Rec()
+    eng = Engine(cfg, cm.topology, cost_model=cm, recorder=rec)
+    d0 = eng.decide(0, 0, 0, _load(2.0))
+    d1 = eng.decide(0, 0, 1, _load(0.001))
+    assert (d0.chosen, d1.chosen) == ("quota", "none") and d0.configured == "adaptive"
+    assert set(d1.predictions) == {"none"} or set(d1.predictions) == {"none", "quota"}
+    eng.commit(d0)
+    eng.commit(d1)
+    assert rec.decisions[0][3]["policy"] == "quota" and "predictions" in rec.decisions[0][3]
+    rows = eng.observe(0, 0, 0, {"compute_fwd_s": 3 * d0.predicted.compute_fwd_s})
+    assert rows[0]["term"] == "compute_fwd_s" and rows[0]["ratio"] == pytest.approx(3.0)
+    assert eng.cost_model.params.compute_scale > 1.0
+    assert rec.timings[-1][3]["measured.compute_fwd_s"] == pytest.approx(3 * d0.predicted.compute_fwd_s)
+    # the calibrated model reaches the adaptive policy of every layer
+    assert eng.policy_for(0).cost_model.params.compute_scale == eng.cost_model.params.compute_scale
+
+
+def test_engine_fixed_policy_and_prefill_mode():
+    cm = _cm(CostParams(mode="prefill"))
+    eng = Engine(BalancerConfig(policy="feplb"), cm.topology, cost_model=cm)
+    d = eng.decide(3, 1, 0, _load(1.5))
+    assert d.chosen == "feplb" and d.reason == "configured policy feplb" and d.predicted.bwd_s == 0
+    d.plan.check()
+    assert isinstance(make_policy("adaptive"), AdaptivePolicy)

@@ -1,0 +1,167 @@
+"""Cost model: unit sanity (hand-derived seconds), monotonicity, overlap rules, calibration, presets."""
+
+import math
+
+import numpy as np
+import pytest
+
+from ultraep.cost import Calibrator, CostModel, CostParams
+from ultraep.errors import ConfigError
+from ultraep.policies import make_policy
+from ultraep.policies.base import assemble_plan, identity_plan
+from ultraep.presets import PRESETS, get_preset, parse_overrides
+from ultraep.topology import LinkSpec
+
+
+def _cm(preset="gb200-nvl72", R=64, E=128, N=2, params=None, **ov):
+    pre = get_preset(preset, ov or None)
+    return CostModel(pre.topology(R, E, N), pre.hardware, pre.expert, params)
+
+
+def _uniform(R, E, per_rank_tokens):
+    # every source sends the same count to every expert
+    return np.full((R, E), per_rank_tokens // E, dtype=np.int64)
+
+
+def test_ideal_matches_hand_derived_seconds():
+    # gb200: peak 2500 TFLOP/s, efficiency 0.53, half tokens 128; Qwen3-235B expert 3*4096*1536 params.
+    cm = _cm()
+    R, E = 64, 128
+    load = _uniform(R, E, 65536)  # 8192 tokens x top-8 per rank
+    bd = cm.ideal(load)
+    flops = 2 * 3 * 4096 * 1536
+    per_rank = 65536.0
+    expected_compute = (per_rank + 128 * 2) * flops / (2500e12 * 0.53)  # 2 masters per rank, all active
+    assert bd.compute_fwd_s == pytest.approx(expected_compute, rel=1e-9)
+    # all ranks in one NVLink domain: each sends 63/64 of its assignments, 8 KiB each, at 0.7 x 900 GB/s.
+    sent = per_rank * 63 / 64 * 4096 * 2
+    expected_dispatch = sent / (900e9 * 0.7) + 3e-6
+    assert bd.a2a_fwd_s == pytest.approx(2 * expected_dispatch, rel=1e-9)
+    # the UltraEP paper's Qwen3-235B ideal (Fig. 13): 1.89 ms compute, 1.68 ms all-to-all per layer forward
+    assert bd.compute_fwd_s == pytest.approx(1.89e-3, rel=0.02)
+    assert bd.a2a_fwd_s == pytest.approx(1.68e-3, rel=0.02)
+    assert bd.total_s == pytest.approx(bd.fwd_s + bd.bwd_s)
+    assert bd.compute_bwd_s == pytest.approx(2 * bd.compute_fwd_s)
+    assert bd.imbalance == pytest.approx(1.0)
+
+
+def test_identity_plan_equals_ideal_on_uniform_load():
+    cm = _cm()
+    load = _uniform(64, 128, 65536)
+    plan = identity_plan("none", cm.topology, load)
+    assert cm.predict(plan).total_s == pytest.approx(cm.ideal(load).total_s, rel=1e-9)
+
+
+def test_compute_increases_with_hot_rank_load():
+    cm = _cm()
+    load = _uniform(64, 128, 65536)
+    prev = cm.predict(identity_plan("none", cm.topology, load)).total_s
+    for extra in (1000, 10000, 100000):
+        hot = load.copy()
+        hot[:, 0] += extra // 64  # expert 0 lives on rank 0
+        t = cm.predict(identity_plan("none", cm.topology, hot)).total_s
+        assert t > prev
+        prev = t
+
+
+def test_more_bandwidth_never_slower_and_bigger_experts_sync_longer():
+    load = _uniform(16, 64, 16384)
+    load[:, 0] *= 8
+    times = []
+    for bw in (10.0, 50.0, 200.0):
+        cm = _cm("h100-8x-ib", 16, 64, 2, scale_out={"bandwidth_GBps": bw})
+        times.append(cm.predict(identity_plan("none", cm.topology, load)).total_s)
+    assert times[0] > times[1] > times[2]
+    syncs = []
+    for hidden in (1024, 2048, 4096):
+        cm = _cm("h100-8x-ib", 16, 64, 2, expert={"hidden_size": hidden})
+        plan = make_policy("quota").plan(load, cm.topology)
+        assert plan.num_replicas > 0
+        syncs.append(cm.predict(plan).weight_sync_s)
+    assert syncs[0] < syncs[1] < syncs[2]
+
+
+def test_weight_sync_is_busiest_sender_per_stage():
+    cm = _cm()
+    t = cm.topology
+    load = _uniform(64, 128, 65536)
+    # expert 0 (home rank 0) replicated on ranks 1..3: rank 0 sends 3 copies directly (domain of 64 > 8
+    # ranks, but 3 replicas < 4 use no relay).
+    e = np.zeros(3, dtype=np.int64)
+    r = np.array([1, 2, 3])
+    s = np.full(3, t.num_masters)
+    q = np.full(3, 100)
+    plan = assemble_plan("quota", t, load, e, r, s, q)
+    expected = 3 * t.expert_bytes / (900e9 * 0.78) + 3e-6
+    assert cm.predict(plan).weight_sync_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_prefill_has_no_backward_and_grad_reduce_hides_behind_backward():
+    load = _uniform(64, 128, 65536)
+    load[:, :4] *= 6
+    plan = make_policy("quota").plan(load, _cm().topology)
+    train = _cm().predict(plan)
+    prefill = _cm(params=CostParams(mode="prefill")).predict(plan)
+    assert prefill.bwd_s == 0 and prefill.total_s == pytest.approx(prefill.fwd_s)
+    assert train.grad_reduce_s > 0 and train.grad_reduce_exposed_s == 0  # hidden behind backward compute
+    slow = _cm(params=CostParams(grad_reduce_scale=1000.0)).predict(plan)
+    assert slow.grad_reduce_exposed_s > 0 and slow.total_s > train.total_s
+
+
+def test_feplb_copies_hide_behind_static_compute():
+    cm = _cm("h100-8x-ib", 8, 32, 1)
+    load = _uniform(8, 32, 32768)
+    load[:, 0] *= 4
+    plan = make_policy("feplb").plan(load, cm.topology)
+    assert plan.info["overlap"] == "static_compute" and plan.num_replicas > 0
+    bd = cm.predict(plan)
+    assert bd.weight_sync_s > 0
+    assert bd.sync_exposed_s < bd.weight_sync_s  # the static experts' compute covers most of the copy
+
+
+def test_calibration_ewma_of_log_ratio_and_records_pairs():
+    class FakeRecorder:
+        def __init__(self):
+            self.rows = []
+
+        def record_timings(self, step, mb, layer, timings):
+            self.rows.append((step, mb, layer, timings))
+
+    cm = _cm()
+    load = _uniform(64, 128, 65536)
+    bd = cm.ideal(load)
+    rec = FakeRecorder()
+    cal = Calibrator(cm, alpha=0.5, recorder=rec)
+    rows = cal.observe(bd, {"compute_fwd_s": 2 * bd.compute_fwd_s, "a2a_fwd_s": bd.a2a_fwd_s}, step=3, layer=1)
+    # log s = 0.5 * log 1 + 0.5 * log 2 -> s = sqrt(2); a2a measured = predicted -> unchanged
+    assert cal.params.compute_scale == pytest.approx(math.sqrt(2))
+    assert cal.params.a2a_scale == pytest.approx(1.0)
+    assert {r["term"] for r in rows} == {"compute_fwd_s", "a2a_fwd_s"}
+    step, mb, layer, timings = rec.rows[0]
+    assert (step, layer) == (3, 1)
+    assert timings["measured.compute_fwd_s"] == pytest.approx(2 * timings["predicted.compute_fwd_s"])
+    # repeated observations converge on the true ratio
+    for _ in range(30):
+        bd = cal.model.ideal(load)
+        cal.observe(bd, {"compute_fwd_s": 2 * cm.ideal(load).compute_fwd_s})
+    assert cal.params.compute_scale == pytest.approx(2.0, rel=1e-6)
+    with pytest.raises(ConfigError, match="alpha"):
+        Calibrator(cm, alpha=0.0)
+
+
+def test_presets_overrides_and_errors():
+    assert set(PRESETS) >= {"h100-8x-ib", "gb200-nvl72", "cross-dc"}
+    assert PRESETS["cross-dc"].scale_out.bandwidth_GBps == pytest.approx(1.25)  # 10 Gb/s
+    assert PRESETS["gb200-nvl72"].domain_for(256) == 64 and PRESETS["gb200-nvl72"].domain_for(64) == 64
+    t = PRESETS["h100-8x-ib"].topology(32, 64, 2)
+    assert t.D == 8 and t.scale_out == LinkSpec(bandwidth_GBps=50.0, latency_us=8.0)
+    assert t.expert_bytes == 3 * 4096 * 1536 * 2
+    pre = get_preset("cross-dc", parse_overrides(["scale_out.bandwidth_GBps=5", "expert.hidden_size=512"]))
+    assert pre.scale_out.bandwidth_GBps == 5 and pre.expert.hidden_size == 512
+    with pytest.raises(ConfigError, match="unknown preset 'nvl9'.*available: cross-dc, gb200-nvl72, h100-8x-ib"):
+        get_preset("nvl9")
+    with pytest.raises(ConfigError) as exc:
+        get_preset("cross-dc", {"scale_out": {"bandwidth_GBps": -1}})
+    assert exc.value.path == "topology.scale_out.bandwidth_GBps" and exc.value.value == -1
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_overrides(["scale_out.bandwidth_GBps"])
