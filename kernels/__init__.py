@@ -36,8 +36,6 @@ _LAZY = {
     "KernelUnavailableError": "_backend", "KernelInputError": "_backend", "INSTALL_HINT": "_backend",
 }
 
-_SUBMODULES = ("rerouting", "dispatch", "tiles", "grad_reduce")
-
 
 def __getattr__(name: str) -> Any:
     mod = _LAZY.get(name)
