@@ -41,7 +41,8 @@ def __getattr__(name: str) -> Any:
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'ultraep.kernels' has no attribute {name!r}")
-    # A function and its module share some names (reroute, permute): the function wins.
+    # Modules are named apart from their functions (rerouting / reroute, dispatch / permute), so importing a
+    # submodule, which binds its name on this package, never hides a function.
     value = getattr(import_module(f"ultraep.kernels.{mod}"), name)
     globals()[name] = value
     return value
