@@ -19,6 +19,7 @@ COMMANDS = [
     "ultraep.telemetry.cli",
     "ultraep.cli_simulate",
     "ultraep.cli_trace",
+    "ultraep.cli_demo",
 ]
 
 

@@ -71,8 +71,13 @@ class ReplicaJob:
         from ultraep.kernels import ExpertLayout, GradReduceSchedule, StreamSchedule
 
         self.layer = layer
-        self.plan = plan
         t = plan.topology
+        if len(plan.transfers) != plan.num_replicas:
+            # Historical policies list only *new* replicas (what a deployment with persistent replica buffers
+            # must move). Here weights change every optimizer step and the buffers are shared by all layers,
+            # so every replica is streamed again: schedule them all.
+            plan = _with_all_transfers(plan)
+        self.plan = plan
         self.M, self.S, self.me = t.num_masters, t.num_slots, layer.runtime.rank
         like = [p[0].detach() for p in layer.master_params()]
         self.layout = ExpertLayout.of(like)
@@ -132,8 +137,9 @@ class ReplicaJob:
         gx, wgrads = [], {}
         gchunks = dict(self._chunks(grad))
         for i, xs in self._chunks(x_rep):
-            if xs.shape[0] == 0:
+            if xs.shape[0] == 0:  # a replica that got no rows still reports a (zero) gradient to its master
                 gx.append(torch.zeros_like(xs))
+                wgrads[self.M + i] = [torch.zeros_like(w) for w in self.slots[i]]
                 continue
             with torch.enable_grad():
                 xr = xs.detach().requires_grad_(True)
@@ -160,6 +166,18 @@ class ReplicaJob:
         first = self.layer.first_expert
         reduce_received(gs, arena, {e: [f[e - first] for f in full] for e in gs.contributions}, lay)
         return full
+
+
+def _with_all_transfers(plan):
+    import dataclasses
+
+    from ultraep.plan import Transfers
+    from ultraep.policies.transfers import RELAY_MODES, schedule_transfers
+
+    t = plan.topology
+    cols = schedule_transfers(t.home_E, plan.replicas.ptr, plan.replicas.rank, t.expert_bytes, t.num_ranks, t.D,
+                              RELAY_MODES["auto"])
+    return dataclasses.replace(plan, transfers=Transfers(*cols))
 
 
 class _ReplicaExperts(torch.autograd.Function):
@@ -228,6 +246,38 @@ class BalancedExperts(nn.Module):
         self.policy_name = opts.kind
         self.policy = make_policy(opts.kind, **opts.policy_options())
         self.last_plan = None
+        self.calibrator = None
+        if hasattr(self.policy, "cost_model"):  # adaptive: a cost model of this machine, calibrated as we go
+            self.calibrator = self._local_calibrator(like)
+
+    def _local_calibrator(self, like: list[torch.Tensor]):
+        """A cost model seeded with rough CPU/gloo figures; measured timings correct it every microbatch."""
+        from ultraep.cost import Calibrator, CostModel
+        from ultraep.presets import ExpertSpec, HardwareSpec
+        from ultraep.topology import LinkSpec
+
+        H = int(min(min(t.shape) for t in like if t.dim() == 2))
+        weights = sum(t.numel() for t in like if t.dim() == 2)
+        size = like[0].element_size()
+        expert = ExpertSpec(hidden_size=H, ffn_size=max(1, weights // (3 * H)), num_matrices=3, weight_bytes=size,
+                            activation_bytes=size)
+        cuda = like[0].is_cuda
+        hw = HardwareSpec(name="local-gpu" if cuda else "local-cpu", gemm_tflops=100.0 if cuda else 0.05)
+        link = LinkSpec(bandwidth_GBps=100.0 if cuda else 2.0, latency_us=10.0 if cuda else 100.0)
+        topo = self.topology.model_copy(update={"scale_up": link, "scale_out": link})
+        cm = CostModel(topo, hw, expert)
+        self.policy.cost_model = cm
+        return Calibrator(cm, recorder=self.runtime.recorder)
+
+    def _calibrate(self, plan, timings: dict[str, float]) -> None:
+        cal = self.calibrator
+        predicted = cal.model.predict(plan)
+        cal.observe(predicted, {"compute_fwd_s": timings["experts_s"],
+                                "a2a_fwd_s": timings["dispatch_s"] + timings["combine_s"],
+                                "weight_sync_s": timings["transfer_s"], "plan_s": timings["plan_s"]},
+                    step=self.runtime.step, microbatch=max(self.runtime.microbatch, 0), layer=self.layer)
+        self.policy.cost_model = cal.model
+        timings["predicted_s"] = predicted.fwd_s if hasattr(predicted, "fwd_s") else predicted.total_s
 
     def master_params(self) -> list[torch.Tensor]:
         return [getattr(self, n) for n in self.adapter.param_names]
@@ -285,6 +335,8 @@ class BalancedExperts(nn.Module):
         replica_s = job.seconds if job is not None else 0.0
         timings.update(load_s=t1 - t0, plan_s=t2 - t1, reroute_s=t3 - t2, dispatch_s=t4 - t3,
                        transfer_s=replica_s, experts_s=t5 - t4 - replica_s, combine_s=t6 - t5, measured_s=t6 - t0)
+        if self.calibrator is not None:
+            rt._safe(self._calibrate, plan, timings)
         rt.record_layer(self, plan, timings, job)
         return out.to(hidden_states.dtype)
 
@@ -308,6 +360,10 @@ class BalancedExperts(nn.Module):
             job = ReplicaJob(self, plan, counts_S)
             outs.append(_ReplicaExperts.apply(x[at:], job, *params))
         y_sorted = torch.cat(outs) if outs else x[:0]
+        if not counts_S[:M].any() and torch.is_grad_enabled():
+            # No row reached this rank's masters: tie them into the graph with a zero term so they still get a
+            # (zero) gradient, as the unbalanced model's full parameters do, and optimizers treat them alike.
+            y_sorted = y_sorted + sum((p.reshape(-1)[:1] * 0).sum() for p in params).to(y_sorted.dtype)
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
         return y_sorted.index_select(0, inv), job

@@ -52,6 +52,8 @@ class EPRuntime:
         self.microbatch = -1
         self.backward_s: dict[int, float] = {}
         self.recording_errors = 0
+        #: (step, layer, policy, imbalance before, after, replicas, plan s, transfer s, layer fwd s) per call
+        self.history: list[tuple] = []
 
     # ------------------------------------------------------------------ step bookkeeping
     def next_step(self, loss: float | None = None, step_time_s: float | None = None) -> None:
@@ -78,6 +80,8 @@ class EPRuntime:
                 log.warning("ultraep: recording failed (%s: %s); training continues", type(exc).__name__, exc)
 
     def record_layer(self, layer, plan, timings: dict, job) -> None:
+        self.history.append((self.step, layer.layer, plan.policy, plan.imbalance_before, plan.imbalance_after,
+                             plan.num_replicas, timings["plan_s"], timings["transfer_s"], timings["measured_s"]))
         rec = self.recorder
         if rec is None:
             return

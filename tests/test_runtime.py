@@ -1,0 +1,274 @@
+"""The balanced runtime on real gloo process groups: the wrapped model computes what the unwrapped one does.
+
+For each model family and policy: every rank feeds its own batch whose few token ids make the routing
+skewed (so the planners create replicas — asserted), and checks that
+  * the wrapped model's logits on that rank equal the unwrapped model's on the same batch, and
+  * each master's gradient equals the sum over ranks of the unwrapped expert's gradient
+(fp32 tolerance). EPLB plans from history, so those runs take a warm-up step first.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import transformers  # noqa: F401 - imported before fork so ranks start fast
+
+from dist_utils import run_ranks
+from ultraep.models import FAMILIES, build_model, preload
+
+preload()
+
+CONFIGS = {
+    "none": {"policy": "none"},
+    "quota": {"policy": "quota", "num_redundant_slots": 2},
+    "eplb": {"policy": "eplb", "num_redundant_slots": 2, "eplb": {"interval": 1, "window": 1}},
+    "feplb": {"policy": "feplb", "num_redundant_slots": 2},
+}
+
+
+def _batch(rank: int, step: int = 0):
+    g = torch.Generator().manual_seed(1000 * step + 17 * rank + 1)
+    return torch.randint(0, 3, (2, 12), generator=g)  # 3 token ids: concentrated routing
+
+
+def _equivalence(rank, world, family, config, steps):
+    import torch.distributed as dist
+
+    import ultraep
+
+    model = build_model(family, num_experts=8 if world <= 2 else 8)
+    ref = copy.deepcopy(model)
+    ultraep.wrap(model, config)
+    rt = ultraep.runtime_of(model)
+    for step in range(steps):
+        ids = _batch(rank, step)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        out = model(input_ids=ids).logits
+        ref_out = ref(input_ids=ids).logits
+        (out.float().pow(2).mean()).backward()
+        (ref_out.float().pow(2).mean()).backward()
+        rt.next_step()
+    logits_diff = float((out - ref_out).detach().abs().max())
+    grad_diff = 0.0
+    for layer in rt.layers:
+        refmod = ref.get_submodule(layer.name)
+        M = layer.topology.num_masters
+        for n in layer.adapter.param_names:
+            g = getattr(refmod, n).grad.clone()
+            dist.all_reduce(g)
+            grad_diff = max(grad_diff, float((getattr(layer, n).grad - g[rank * M:(rank + 1) * M]).abs().max()))
+            scale = float(g.abs().max())
+    # non-expert parameters: same local gradient as the reference (no data-parallel reduction here)
+    ref_params = dict(ref.named_parameters())
+    other = max(float((p.grad - ref_params[n].grad).abs().max()) for n, p in model.named_parameters()
+                if p.grad is not None and ".experts." not in n)
+    return {
+        "logits": logits_diff, "grad": grad_diff, "scale": scale, "other": other,
+        "replicas": [layer.last_plan.num_replicas for layer in rt.layers],
+        "imbalance": [(layer.last_plan.imbalance_before, layer.last_plan.imbalance_after) for layer in rt.layers],
+        "restorations": rt.buffers.restorations,
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("policy", list(CONFIGS))
+def test_wrapped_equals_unwrapped_two_ranks(family, policy):
+    steps = 2 if policy == "eplb" else 1
+    results = run_ranks(_equivalence, 2, family, CONFIGS[policy], steps)
+    for r in results:
+        assert r["logits"] < 1e-5, r
+        assert r["grad"] < 1e-5 * max(1.0, r["scale"]), r
+        assert r["other"] < 1e-5, r
+    if policy != "none":
+        assert max(max(r["replicas"]) for r in results) > 0, f"{policy} made no replicas: {results[0]}"
+        if policy == "quota":  # the exact-load planner never makes the busiest rank busier
+            for before, after in results[0]["imbalance"]:
+                assert after <= before
+    else:
+        assert all(max(r["replicas"]) == 0 for r in results)
+
+
+@pytest.mark.parametrize("policy", ["quota", "eplb", "feplb"])
+def test_wrapped_equals_unwrapped_four_ranks(policy):
+    steps = 2 if policy == "eplb" else 1
+    results = run_ranks(_equivalence, 4, "qwen3-moe", CONFIGS[policy], steps)
+    for r in results:
+        assert r["logits"] < 1e-5 and r["grad"] < 1e-5 * max(1.0, r["scale"]), r
+    assert max(max(r["replicas"]) for r in results) > 0
+    # two layers share the replica buffers: the first layer's replicas were restored before its backward
+    if policy == "quota":
+        assert results[0]["restorations"] >= 1
+
+
+def _training(rank, world, family, config, steps):
+    import torch.distributed as dist
+
+    import ultraep
+
+    model = build_model(family)
+    ref = copy.deepcopy(model)
+    if config is not None:
+        ultraep.wrap(model, config)
+    target = model if config is not None else ref
+    opt = torch.optim.Adam(target.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        ids = _batch(rank, step)
+        opt.zero_grad(set_to_none=True)
+        logits = target(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        loss.backward()
+        # data parallelism over the global batch: every gradient is summed over ranks, except the wrapped
+        # masters' gradients, which the balanced layer already summed over ranks.
+        for name, p in target.named_parameters():
+            if p.grad is not None and not (config is not None and ".experts." in name):
+                dist.all_reduce(p.grad)
+        opt.step()
+        if config is not None:
+            ultraep.runtime_of(model).next_step()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.parametrize("policy", ["quota", "eplb"])
+def test_training_loop_losses_match(policy):
+    cfg = CONFIGS[policy]
+    wrapped = run_ranks(_training, 2, "qwen3-moe", cfg, 4)
+    plain = run_ranks(_training, 2, "qwen3-moe", None, 4)
+    np.testing.assert_allclose(wrapped, plain, rtol=1e-4, atol=1e-5)
+
+
+class TinyExperts(torch.nn.Module):
+    """A plain PyTorch experts container (not transformers): w_in [E, F, H], w_out [E, H, F], GELU."""
+
+    def __init__(self, E=8, H=16, F=8):
+        super().__init__()
+        self.w_in = torch.nn.Parameter(torch.randn(E, F, H) * 0.2)
+        self.w_out = torch.nn.Parameter(torch.randn(E, H, F) * 0.2)
+
+    @staticmethod
+    def expert(mod, x, tensors):
+        w_in, w_out = tensors
+        return torch.nn.functional.gelu(x @ w_in.T) @ w_out.T
+
+    def forward(self, x, idx, w):
+        out = torch.zeros_like(x)
+        for e in range(self.w_in.shape[0]):
+            t, k = torch.where(idx == e)
+            if t.numel():
+                out.index_add_(0, t, self.expert(self, x[t], (self.w_in[e], self.w_out[e])) * w[t, k, None])
+        return out
+
+
+class TinyMoE(torch.nn.Module):
+    """A custom MoE block: its own softmax-top-k router feeding the experts container."""
+
+    def __init__(self, E=8, H=16, K=2):
+        super().__init__()
+        self.router = torch.nn.Linear(H, E, bias=False)
+        self.experts = TinyExperts(E, H)
+        self.K = K
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        w, idx = probs.topk(self.K, dim=-1)
+        return self.experts(x, idx, w)
+
+
+def _custom(rank, world):
+    import torch.distributed as dist
+
+    import ultraep
+
+    ultraep.register_experts(TinyExperts, ("w_in", "w_out"), TinyExperts.expert)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(TinyMoE(), TinyMoE())
+    with torch.no_grad():  # skew the routers towards experts 0 and 5
+        for blk in model:
+            blk.router.weight[0] += 0.8
+            blk.router.weight[5] += 0.4
+    ref = copy.deepcopy(model)
+    ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 2})
+    x = torch.randn(24, 16, generator=torch.Generator().manual_seed(rank)).abs()
+    out, ref_out = model(x), ref(x)
+    out.pow(2).sum().backward()
+    ref_out.pow(2).sum().backward()
+    rt = ultraep.runtime_of(model)
+    g = ref[0].experts.w_in.grad.clone()
+    dist.all_reduce(g)
+    M = rt.layers[0].topology.num_masters
+    return (float((out - ref_out).detach().abs().max()),
+            float((model[0].experts.w_in.grad - g[rank * M:(rank + 1) * M]).abs().max()),
+            [layer.last_plan.num_replicas for layer in rt.layers], str(rt.report))
+
+
+def test_custom_pytorch_block():
+    res = run_ranks(_custom, 2)
+    for logits, grad, replicas, report in res:
+        assert logits < 1e-5 and grad < 1e-4
+        assert max(replicas) > 0
+        assert "custom:TinyExperts" in report and "layer 1" in report
+
+
+def _unwrap(rank, world):
+    import ultraep
+
+    model = build_model("mixtral")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ultraep.wrap(model, {"policy": "quota"})
+    assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in before.values())
+    ultraep.unwrap(model)
+    after = dict(model.named_parameters())
+    return sorted(before) == sorted(after) and all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_unwrap_restores_full_model():
+    assert run_ranks(_unwrap, 2) == [True, True]
+
+
+def _unsupported(rank, world):
+    import ultraep
+    from ultraep.adapters import UnsupportedModelError
+
+    try:
+        ultraep.wrap(torch.nn.Linear(4, 4))
+    except UnsupportedModelError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_unsupported_model_lists_supported_ones():
+    msg = run_ranks(_unsupported, 2)[0]
+    assert "has no experts container" in msg and "MixtralExperts" in msg and "Qwen3MoeExperts" in msg
+
+
+def _divergence(rank, world):
+    import ultraep
+    import ultraep.ep as ep
+    from ultraep.ep import PlanDivergenceError
+
+    model = build_model("qwen3-moe")
+    ultraep.wrap(model, {"policy": "quota", "check_plan_hash": True})
+    model(input_ids=_batch(rank))  # agreeing ranks pass the check
+    if rank == 1:  # corrupt this rank's view of the load
+        real = ep.gather_load
+
+        def corrupted(counts, group):
+            load = real(counts, group).copy()
+            load[0, 0] += 50
+            return load
+
+        ep.gather_load = corrupted
+    try:
+        model(input_ids=_batch(rank))
+    except PlanDivergenceError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_plan_divergence_is_detected_on_every_rank():
+    msgs = run_ranks(_divergence, 2)
+    for m in msgs:
+        assert "computed a different plan than rank 0" in m and "refusing to exchange tokens" in m

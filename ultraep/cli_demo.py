@@ -1,0 +1,37 @@
+"""``ultraep demo``: the main job (see :mod:`ultraep.demo`)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from ultraep.demo import default_ranks
+
+    p = sub.add_parser("demo", help="balance a small Hugging Face MoE model on local ranks and compare with none",
+                       description="Run a real MoE model twice on local gloo ranks — no balancing, then the "
+                       "chosen policy — record both runs, and print what balancing changed and what it cost.")
+    p.add_argument("--ranks", type=int, default=default_ranks(), help="local ranks, one thread each (default: cores)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 60; 16 with --quick)")
+    p.add_argument("--mode", default="train", help="train (forward, backward, optimizer) or prefill (forward)")
+    p.add_argument("--policy", default="adaptive", help="policy of the balanced run (default adaptive)")
+    p.add_argument("--model", default="qwen3-moe", help="qwen3-moe | mixtral | deepseek-v3 | gpt-oss")
+    p.add_argument("--slots", type=int, default=2, help="redundant slots per rank")
+    p.add_argument("--out", default="runs", help="telemetry runs directory")
+    p.add_argument("--quick", action="store_true", help="smaller model and fewer steps (CI)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ultraep.demo import DemoSettings, run_demo
+    from ultraep.policies import available_policies
+
+    from ultraep.errors import ConfigError
+
+    if args.policy not in available_policies() or args.policy == "none":
+        raise ConfigError("--policy", f"unknown or trivial policy {args.policy!r}; choose from "
+                          + ", ".join(p for p in available_policies() if p != "none"), args.policy)
+    steps = args.steps if args.steps is not None else (16 if args.quick else 60)
+    return run_demo(DemoSettings(model=args.model, policy=args.policy, mode=args.mode, ranks=args.ranks, steps=steps,
+                                 out=args.out, quick=args.quick, seed=args.seed, slots=args.slots))

@@ -1,0 +1,96 @@
+"""The local launcher: run a function on N ranks of a fresh process group on this machine.
+
+``launch(fn, world_size, *args)`` forks ``world_size`` processes (fork start: ~0.1 s, versus 6-11 s for
+spawn), initialises ``torch.distributed`` on a free loopback port (gloo on CPU; NCCL with one GPU per rank
+when CUDA is available and ``backend="auto"``), runs ``fn(rank, world_size, *args)`` in each and returns
+the per-rank results in rank order. An exception on any rank is raised in the caller with that rank's
+traceback; a rank that dies (killed, crashed) is reported instead of hanging the caller. With
+``torchrun``, call ``torch.distributed.init_process_group`` yourself and use ``ultraep.wrap`` directly.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as _queue
+import socket
+import time
+import traceback
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised or died."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, backend, threads, fn, args, results, timeout_s):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        out = fn(rank, world, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the caller
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def launch(fn, world_size: int, *args, backend: str = "auto", threads_per_rank: int = 1,
+           timeout_s: float = 600.0):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return the results by rank."""
+    if backend == "auto":
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, threads_per_rank, fn, args, results,
+                                              timeout_s), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got, errors = {}, []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) < world_size and not errors:
+            try:
+                rank, ok, out = results.get(timeout=0.5)
+            except _queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode != 0 and r not in got]
+                if dead:
+                    errors.append(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                elif time.monotonic() > deadline:
+                    errors.append(f"ranks did not finish within {timeout_s:.0f} s")
+                continue
+            if ok:
+                got[rank] = out
+            else:
+                errors.append(f"rank {rank} failed:\n{out}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=1)
+    if errors:
+        raise RankFailedError("\n".join(errors))
+    return [got[r] for r in range(world_size)]
