@@ -28,7 +28,8 @@ The oracle at threshold τ:
             targets = ranks of the domain with slk > 0, a free redundant slot, not yet hosting e
             t* = target with the most slack (ties: lowest rank)
             δ = min(exc[r], slk[t*], cap)
-            floor = max(min_replica_quota, ⌈exc[r] / |targets|⌉)   (dynamic floor: at least an even share)
+            floor = max(min_replica_quota, ⌈need / |targets|⌉)  (dynamic floor: an even share of
+                                                               need = min(exc[r], cap))
             if δ < floor: stop with this expert
             replica of e on t* with quota δ; exc[r] -= δ; slk[t*] -= δ; cap -= δ
     feasible iff every exc[r] == 0
@@ -98,7 +99,7 @@ def _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst_order_RM, min_quota,
                 if fit >= 0:
                     best = fit
                 delta = min(exc[r], slk[best], cap)
-                floor = (exc[r] + n_el - 1) // n_el
+                floor = (need + n_el - 1) // n_el
                 if floor < min_quota:
                     floor = min_quota
                 if delta < floor:

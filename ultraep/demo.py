@@ -45,8 +45,8 @@ class DemoSettings:
     def shape(self) -> dict:
         """Model and batch size: big enough that expert compute dominates a step, small enough for 2 cores."""
         if self.quick:
-            return dict(num_experts=8, hidden=64, expert_hidden=128, layers=2, vocab=256, batch=2, seq=96)
-        return dict(num_experts=8, hidden=128, expert_hidden=256, layers=3, vocab=512, batch=2, seq=128)
+            return dict(num_experts=8, hidden=256, expert_hidden=512, layers=2, vocab=256, batch=2, seq=128)
+        return dict(num_experts=8, hidden=512, expert_hidden=1024, layers=3, vocab=512, batch=2, seq=128)
 
 
 def _structure(model, family: str, num_domains: int, vocab: int, strength: float, seed: int) -> None:
@@ -140,9 +140,9 @@ def _rank_main(rank: int, world: int, settings: DemoSettings, policy: str, run_n
                     loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                              ids[:, 1:].reshape(-1))
             dt = time.perf_counter() - t0
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             times.append(dt)
-            rt.next_step(loss=float(loss), step_time_s=dt)
+            rt.next_step(loss=losses[-1], step_time_s=dt)
             if progress is not None:
                 progress.advance(task)
     finally:

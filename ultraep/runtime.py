@@ -80,7 +80,9 @@ class EPRuntime:
                 log.warning("ultraep: recording failed (%s: %s); training continues", type(exc).__name__, exc)
 
     def record_layer(self, layer, plan, timings: dict, job) -> None:
-        self.history.append((self.step, layer.layer, plan.policy, plan.imbalance_before, plan.imbalance_after,
+        decision = plan.info.get("adaptive")  # the adaptive engine says what it chose and why
+        chosen = decision["chosen"] if decision else plan.policy
+        self.history.append((self.step, layer.layer, chosen, plan.imbalance_before, plan.imbalance_after,
                              plan.num_replicas, timings["plan_s"], timings["transfer_s"], timings["measured_s"]))
         rec = self.recorder
         if rec is None:
@@ -88,9 +90,12 @@ class EPRuntime:
         step, mb = self.step, max(self.microbatch, 0)
         if self.rank == 0:  # plans are identical on every rank: one copy is enough
             self._safe(rec.record_plan, step, mb, layer.layer, plan)
-            self._safe(rec.record_decision, step, mb, layer.layer, policy=plan.policy,
-                       reason=plan.info.get("reason", f"configured policy {layer.policy_name!r}"),
-                       predictions=plan.info.get("predictions"))
+            if decision:
+                self._safe(rec.record_decision, step, mb, layer.layer, policy=chosen, reason=decision["reason"],
+                           predictions=decision["predictions"], chosen_predicted_s=decision["predicted_s"])
+            else:
+                self._safe(rec.record_decision, step, mb, layer.layer, policy=chosen,
+                           reason=f"configured policy {layer.policy_name!r}")
         t = dict(timings)
         t["backward_reduce_s"] = self.backward_s.pop(layer.layer, 0.0)
         if job is not None:
