@@ -123,6 +123,40 @@ ORDER BY run_id, step, expert
     doc="Token-expert assignments of every expert of one layer, per step (summed over microbatches).",
 )
 
+RANK_LOAD_BY_EXPERT = Query(
+    "rank_load_by_expert", "Load per rank and expert",
+    f"""
+WITH p AS (
+    SELECT run_id, step, microbatch, layer, num_masters, phy2log, quota FROM plans
+    WHERE {_RUN} AND layer = $layer AND step = $step AND ($microbatch IS NULL OR microbatch = $microbatch)
+    QUALIFY row_number() OVER (PARTITION BY run_id, step, microbatch, layer ORDER BY rank, ts) = 1
+),
+l AS (
+    SELECT run_id, step, microbatch, layer, expert_load FROM layer_loads
+    WHERE {_RUN} AND layer = $layer AND step = $step AND ($microbatch IS NULL OR microbatch = $microbatch)
+    QUALIFY row_number() OVER (PARTITION BY run_id, step, microbatch, layer ORDER BY rank, ts) = 1
+),
+slot_rows AS (
+    SELECT run_id, step, microbatch, layer, num_masters, expert_load, r - 1 AS rank, phy2log[r] AS ph, quota[r] AS q
+    FROM (SELECT *, generate_subscripts(phy2log, 1) AS r FROM p JOIN l USING (run_id, step, microbatch, layer))
+),
+slots AS (
+    SELECT run_id, layer, step, rank, ph[s] AS expert, q[s] AS quota, s <= num_masters AS master, expert_load
+    FROM (SELECT *, generate_subscripts(ph, 1) AS s FROM slot_rows)
+)
+SELECT run_id, layer, step, rank, expert,
+       sum(CASE WHEN master THEN expert_load[expert + 1] ELSE 0 END)::BIGINT AS load_before,
+       sum(quota)::BIGINT AS load_after
+FROM slots WHERE expert >= 0
+GROUP BY run_id, layer, step, rank, expert
+ORDER BY run_id, rank, expert
+""",
+    params=("run_id", "layer", "step", "microbatch"),
+    doc="Tokens each rank receives from each logical expert for one layer and step (microbatch NULL = "
+        "summed): before = the expert's whole load on its master's rank, after = the quotas of the "
+        "expert's instances on that rank. Summed over experts it equals rank_load.",
+)
+
 DECISION_TIMELINE = Query(
     "decision_timeline", "Decisions",
     f"""
@@ -273,7 +307,8 @@ FROM per_rank GROUP BY run_id, step ORDER BY run_id, step
 )
 
 ALL: dict[str, Query] = {q.name: q for q in (
-    OVERVIEW, LAYER_IMBALANCE, LAYER_SUMMARY, RANK_LOAD, EXPERT_LOAD, DECISION_TIMELINE, POLICY_SHARES,
+    OVERVIEW, LAYER_IMBALANCE, LAYER_SUMMARY, RANK_LOAD, RANK_LOAD_BY_EXPERT, EXPERT_LOAD, DECISION_TIMELINE,
+    POLICY_SHARES,
     PREDICTED_VS_MEASURED, PREDICTION_SUMMARY, TRANSFER_BYTES_PER_STEP, TRANSFER_SUMMARY, POLICY_COMPARISON,
     STEP_SUMMARY, PHASE_TIMES,
 )}

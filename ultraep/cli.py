@@ -17,6 +17,7 @@ from ultraep.errors import UltraEPError, format_pydantic_error
 COMMANDS = [
     "ultraep.cli_plan",
     "ultraep.telemetry.cli",
+    "ultraep.dashboard.cli",
     "ultraep.cli_simulate",
     "ultraep.cli_trace",
     "ultraep.cli_demo",

@@ -1,0 +1,310 @@
+"""Plotly figures for the dashboard: one function per chart, DataFrames in, figures out (no Streamlit).
+
+Conventions: before balancing is always :data:`BEFORE` (red), after is :data:`AFTER` (green); each policy
+has one colour everywhere (:func:`policy_color`); every axis names its quantity in the words of
+ARCHITECTURE.md and its unit (tokens, MiB, ms, ratio).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+BEFORE = "#d62728"
+AFTER = "#2ca02c"
+RELAY = "#9467bd"
+DIRECT = "#1f77b4"
+POLICY_COLORS = {
+    "none": "#7f7f7f",
+    "quota": "#1f77b4",
+    "eplb": "#ff7f0e",
+    "feplb": "#17becf",
+    "hybridep": "#9467bd",
+    "adaptive": "#8c564b",
+}
+_EXTRA = ["#e377c2", "#bcbd22", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd"]
+IMBALANCE_AXIS = "imbalance (max / mean rank load, 1 = perfect)"
+MIB = float(1 << 20)
+HEAT = "YlOrRd"
+
+
+def policy_color(name) -> str:
+    """The colour of a policy: fixed for the built-in ones, a stable pick for any other name."""
+    name = str(name)
+    if name in POLICY_COLORS:
+        return POLICY_COLORS[name]
+    h = int(hashlib.blake2b(name.encode(), digest_size=2).hexdigest(), 16)
+    return _EXTRA[h % len(_EXTRA)]
+
+
+def _go():
+    import plotly.graph_objects as go
+
+    return go
+
+
+def _layout(fig, *, x: str, y: str, title: str | None = None, height: int = 340, legend: bool = True):
+    fig.update_layout(
+        title=title, height=height, margin=dict(l=60, r=20, t=40 if title else 16, b=50),
+        xaxis_title=x, yaxis_title=y, showlegend=legend, template="plotly_white",
+        legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
+    )
+    return fig
+
+
+def empty(message: str):
+    """A blank figure with a message (used when a chart has nothing to show yet)."""
+    go = _go()
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return fig.update_layout(height=200, template="plotly_white")
+
+
+# --------------------------------------------------------------------------- overview / layers
+def imbalance_over_steps(df, *, title: str | None = None):
+    go = _go()
+    fig = go.Figure()
+    fig.add_scatter(x=df["step"], y=df["imbalance_before"], mode="lines", name="before balancing",
+                    line=dict(color=BEFORE))
+    fig.add_scatter(x=df["step"], y=df["imbalance_after"], mode="lines", name="after balancing",
+                    line=dict(color=AFTER))
+    fig.add_hline(y=1.0, line_dash="dot", line_color="#999", annotation_text="force-balanced ideal")
+    return _layout(fig, x="step (bin start)", y=IMBALANCE_AXIS, title=title)
+
+
+def policy_shares(df):
+    go = _go()
+    fig = go.Figure(go.Bar(
+        x=100.0 * df["share"], y=df["policy"], orientation="h",
+        marker_color=[policy_color(p) for p in df["policy"]],
+        text=[f"{100 * s:.1f}%" for s in df["share"]], textposition="auto",
+        customdata=df["plans"], hovertemplate="%{y}: %{x:.1f}% (%{customdata} layer-microbatches)<extra></extra>",
+    ))
+    fig.update_yaxes(autorange="reversed")
+    return _layout(fig, x="share of layer-microbatches (%)", y="policy", height=60 + 40 * max(1, len(df)),
+                   legend=False)
+
+
+def imbalance_heatmap(df, which: str, *, zmax: float | None = None):
+    """Layer × step heatmap of ``imbalance_<which>`` (``which`` = before | after)."""
+    go = _go()
+    wide = df.pivot(index="layer", columns="step", values=f"imbalance_{which}")
+    fig = go.Figure(go.Heatmap(
+        z=wide.to_numpy(), x=wide.columns.to_numpy(), y=wide.index.to_numpy(), colorscale=HEAT,
+        zmin=1.0, zmax=zmax, colorbar=dict(title="imbalance"),
+        hovertemplate="layer %{y}, step %{x}: imbalance %{z:.3f}<extra></extra>",
+    ))
+    fig.update_yaxes(autorange="reversed")
+    word = "before" if which == "before" else "after"
+    return _layout(fig, x="step (bin start)", y="layer", title=f"imbalance {word} balancing", legend=False)
+
+
+def rank_load_stacked(df, which: str, *, ymax: float | None = None, top: int = 12):
+    """Per-rank load stacked by logical expert, ``which`` = before | after (tokens, {token})."""
+    go = _go()
+    col = f"load_{which}"
+    totals = df.groupby("expert")[["load_before", "load_after"]].sum().sum(axis=1).sort_values(ascending=False)
+    keep = list(totals.index[:top]) if len(totals) > top else list(totals.index)
+    fig = go.Figure()
+    ranks = sorted(df["rank"].unique())
+    palette = _expert_palette(len(keep))
+    for i, e in enumerate(sorted(keep)):
+        sub = df[df["expert"] == e].set_index("rank")[col].reindex(ranks, fill_value=0)
+        fig.add_bar(x=ranks, y=sub.to_numpy(), name=f"expert {e}", marker_color=palette[i],
+                    hovertemplate=f"rank %{{x}}, expert {e}: %{{y}} tokens<extra></extra>")
+    rest = df[~df["expert"].isin(keep)]
+    if len(rest):
+        sub = rest.groupby("rank")[col].sum().reindex(ranks, fill_value=0)
+        fig.add_bar(x=ranks, y=sub.to_numpy(), name="other experts", marker_color="#c7c7c7")
+    mean = df.groupby("rank")[col].sum().reindex(ranks, fill_value=0).mean() if len(df) else 0
+    fig.add_hline(y=float(mean), line_dash="dot", line_color="#444", annotation_text="mean (ideal)")
+    fig.update_layout(barmode="stack")
+    if ymax:
+        fig.update_yaxes(range=[0, ymax * 1.05])
+    fig.update_xaxes(tickmode="array", tickvals=ranks)
+    word = "before" if which == "before" else "after"
+    return _layout(fig, x="rank", y="tokens received ({token})", title=f"rank load {word} balancing")
+
+
+def _expert_palette(n: int) -> list[str]:
+    import plotly.colors as pc
+
+    base = pc.qualitative.Light24 + pc.qualitative.Dark24
+    return [base[i % len(base)] for i in range(n)]
+
+
+# --------------------------------------------------------------------------- experts
+def expert_heatmap(df, value: str, *, colorbar: str, title: str, colorscale: str = HEAT):
+    go = _go()
+    wide = df.pivot(index="expert", columns="step", values=value)
+    fig = go.Figure(go.Heatmap(
+        z=wide.to_numpy(), x=wide.columns.to_numpy(), y=wide.index.to_numpy(), colorscale=colorscale,
+        colorbar=dict(title=colorbar),
+        hovertemplate="expert %{y}, step %{x}: %{z:.1f}<extra></extra>",
+    ))
+    fig.update_yaxes(autorange="reversed")
+    return _layout(fig, x="step (bin start)", y="logical expert", title=title, legend=False, height=380)
+
+
+def expert_lines(df, experts: list[int]):
+    go = _go()
+    fig = go.Figure()
+    palette = _expert_palette(len(experts))
+    for i, e in enumerate(experts):
+        sub = df[df["expert"] == e]
+        fig.add_scatter(x=sub["step"], y=sub["load_tokens"], mode="lines", name=f"expert {e}",
+                        line=dict(color=palette[i]))
+    return _layout(fig, x="step (bin start)", y="load per step ({token})", title="hottest experts over time")
+
+
+def turnover(df):
+    go = _go()
+    fig = go.Figure(go.Scatter(x=df["step"], y=df["turnover"], mode="lines+markers", line=dict(color="#444"),
+                               customdata=df["hottest_expert"],
+                               hovertemplate="step %{x}: %{y:.2f} of the hot set changed; hottest expert "
+                                             "%{customdata}<extra></extra>"))
+    fig.update_yaxes(range=[-0.05, 1.05])
+    return _layout(fig, x="step (bin start)", y="hot-set turnover (share of top experts new)",
+                   title="drift of the hot experts", legend=False, height=260)
+
+
+# --------------------------------------------------------------------------- policies
+def decision_timeline(df):
+    """Layer × step, one marker per (layer, step bin) coloured by the most frequent decision."""
+    go = _go()
+    fig = go.Figure()
+    for pol, sub in df.groupby("policy", sort=True):
+        fig.add_scatter(
+            x=sub["step"], y=sub["layer"], mode="markers", name=str(pol),
+            marker=dict(color=policy_color(pol), symbol="square", size=9),
+            customdata=sub[["decisions", "policies"]].to_numpy(),
+            hovertemplate="layer %{y}, step %{x}: " + str(pol) + " (%{customdata[0]} decisions, "
+                          "%{customdata[1]} policies in bin)<extra></extra>",
+        )
+    fig.update_yaxes(autorange="reversed")
+    return _layout(fig, x="step (bin start)", y="layer", title="decision per layer over time", height=380)
+
+
+def predicted_vs_measured_lines(df):
+    go = _go()
+    fig = go.Figure()
+    for pol, sub in df.groupby("policy", sort=True):
+        c = policy_color(pol)
+        fig.add_scatter(x=sub["step"], y=1e3 * sub["measured_s"], mode="lines", name=f"{pol} measured",
+                        line=dict(color=c))
+        fig.add_scatter(x=sub["step"], y=1e3 * sub["predicted_s"], mode="lines", name=f"{pol} predicted",
+                        line=dict(color=c, dash="dash"))
+    return _layout(fig, x="step (bin start)", y="time per layer-microbatch (ms)",
+                   title="predicted vs measured")
+
+
+def prediction_scatter(df):
+    go = _go()
+    fig = go.Figure()
+    for pol, sub in df.groupby("policy", sort=True):
+        fig.add_scatter(x=1e3 * sub["predicted_s"], y=1e3 * sub["measured_s"], mode="markers", name=str(pol),
+                        marker=dict(color=policy_color(pol), size=5, opacity=0.6))
+    if len(df):
+        hi = 1e3 * float(max(df["predicted_s"].max(), df["measured_s"].max()))
+        fig.add_scatter(x=[0, hi], y=[0, hi], mode="lines", name="measured = predicted",
+                        line=dict(color="#999", dash="dot"))
+    return _layout(fig, x="predicted (ms)", y="measured (ms)", title="each layer-microbatch (sample)")
+
+
+def relative_error(df):
+    go = _go()
+    fig = go.Figure()
+    for pol, sub in df.groupby("policy", sort=True):
+        fig.add_scatter(x=sub["step"], y=100 * sub["rel_error"], mode="lines", name=str(pol),
+                        line=dict(color=policy_color(pol)))
+    fig.add_hline(y=0, line_dash="dot", line_color="#999")
+    return _layout(fig, x="step (bin start)", y="error: measured / predicted - 1 (%)", title="prediction error",
+                   height=280)
+
+
+def switches(df):
+    go = _go()
+    fig = go.Figure(go.Bar(x=df["layer"], y=df["switches"], marker_color="#444",
+                           hovertemplate="layer %{x}: %{y} policy changes<extra></extra>"))
+    return _layout(fig, x="layer", y="policy changes (count)", title="how often each layer switched policy",
+                   legend=False, height=260)
+
+
+# --------------------------------------------------------------------------- transfers
+def transfer_bytes(df):
+    go = _go()
+    fig = go.Figure()
+    fig.add_bar(x=df["step"], y=df["direct_bytes"] / MIB, name="direct from the master's rank", marker_color=DIRECT)
+    fig.add_bar(x=df["step"], y=df["relay_bytes"] / MIB, name="relay forward", marker_color=RELAY)
+    fig.update_layout(barmode="stack")
+    return _layout(fig, x="step (bin start)", y="expert state moved (MiB)", title="bytes per step bin")
+
+
+def busiest_sender_over_steps(df):
+    go = _go()
+    fig = go.Figure(go.Scatter(x=df["step"], y=df["busiest_sender_bytes"] / MIB, mode="lines",
+                               line=dict(color="#444"), name="busiest sender"))
+    return _layout(fig, x="step (bin start)", y="most sent by one rank in one layer-microbatch (MiB)",
+                   title="busiest sender", legend=False, height=260)
+
+
+def fanout(df, top: int = 32):
+    go = _go()
+    sub = df.head(top)
+    fig = go.Figure()
+    fig.add_bar(x=[str(e) for e in sub["expert"]], y=sub["max_fan_out"], name="max fan-out", marker_color="#444")
+    fig.add_bar(x=[str(e) for e in sub["expert"]], y=sub["mean_fan_out"], name="mean fan-out",
+                marker_color="#aaa")
+    fig.update_layout(barmode="group")
+    return _layout(fig, x="logical expert (most copied first)", y="copies sent by one rank (fan-out)",
+                   title="fan-out per expert")
+
+
+def senders(df):
+    go = _go()
+    fig = go.Figure()
+    x = [str(r) for r in df["rank"]]
+    fig.add_bar(x=x, y=df["direct_bytes"] / MIB, name="direct", marker_color=DIRECT)
+    fig.add_bar(x=x, y=df["relay_bytes"] / MIB, name="relay forward", marker_color=RELAY)
+    fig.update_layout(barmode="stack")
+    return _layout(fig, x="sending rank", y="expert state sent (MiB)", title="bytes sent per rank")
+
+
+# --------------------------------------------------------------------------- compare
+def compare_bars(df, value: str, axis: str, *, scale: float = 1.0, title: str | None = None):
+    go = _go()
+    fig = go.Figure()
+    for pol, sub in df.groupby("policy", sort=True):
+        fig.add_bar(x=sub["run_id"], y=scale * sub[value], name=str(pol), marker_color=policy_color(pol))
+    fig.update_layout(barmode="group")
+    return _layout(fig, x="run", y=axis, title=title)
+
+
+def compare_lines(df):
+    go = _go()
+    fig = go.Figure()
+    for (run, pol), sub in df.groupby(["run_id", "policy"], sort=True):
+        fig.add_scatter(x=sub["step"], y=sub["imbalance_after"], mode="lines", name=f"{run} · {pol}",
+                        line=dict(color=policy_color(pol)))
+    fig.add_hline(y=1.0, line_dash="dot", line_color="#999")
+    return _layout(fig, x="step (bin start)", y="imbalance after balancing (max / mean rank load)",
+                   title="imbalance after balancing over time")
+
+
+# --------------------------------------------------------------------------- SQL page
+def quick_chart(df, x: str, y: str, kind: str = "auto"):
+    """A line (numeric x) or bar (anything else) chart of ``y`` over ``x`` for a query result."""
+    go = _go()
+    import pandas as pd
+
+    numeric_x = pd.api.types.is_numeric_dtype(df[x]) or pd.api.types.is_datetime64_any_dtype(df[x])
+    if kind == "auto":
+        kind = "line" if numeric_x and len(df) > 1 else "bar"
+    fig = go.Figure()
+    if kind == "line":
+        sub = df.sort_values(x)
+        fig.add_scatter(x=sub[x], y=sub[y], mode="lines+markers", name=y)
+    else:
+        fig.add_bar(x=df[x].astype(str) if not numeric_x else df[x], y=df[y], name=y)
+    return _layout(fig, x=x, y=y, legend=False)

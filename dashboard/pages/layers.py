@@ -1,0 +1,50 @@
+"""Layers: imbalance heatmaps (layer × step) before and after; per-rank load stacked by expert."""
+
+import streamlit as st
+
+from ultraep.dashboard import charts, data, ui
+
+
+def body(ctx: ui.Context) -> None:
+    ui.header(ctx, "Layers")
+    m = ctx.mirror
+    bins, layers = data.layer_bins(m)
+    if bins is None:
+        ui.empty_state(ctx, "layer rows")
+        return
+    df = data.layer_step_imbalance(m, bins)
+    zmax = float(max(df["imbalance_before"].max(), df["imbalance_after"].max()))
+    left, right = st.columns(2)
+    with left:
+        ui.plot(charts.imbalance_heatmap(df, "before", zmax=zmax), "layers_heat_before")
+    with right:
+        ui.plot(charts.imbalance_heatmap(df, "after", zmax=zmax), "layers_heat_after")
+    st.caption(f"{bins.bin} step(s) per column (steps {bins.first_step}–{bins.last_step}); each cell is the mean "
+               "over its layer-microbatches; both maps share one colour scale.")
+    st.subheader("Per layer")
+    st.dataframe(data.layer_summary(m), hide_index=True, key="layers_summary")
+
+    st.subheader("Rank load by expert")
+    c = st.columns(3)
+    layer = c[0].selectbox("layer", layers, key="layers_layer")
+    step = c[1].number_input("step", min_value=bins.first_step, max_value=bins.last_step,
+                             value=bins.last_step, step=1, key="layers_step")
+    mbs = data.mirror_query(m, data.MICROBATCHES, ("layer_facts",), layer=int(layer), step=int(step))
+    options = ["all (summed)"] + [int(x) for x in mbs["microbatch"]]
+    mb = c[2].selectbox("microbatch", options, key="layers_microbatch")
+    mb = None if mb == "all (summed)" else int(mb)
+    per = data.rank_load_by_expert(ctx.run.path, ctx.run.run_id, int(layer), int(step), mb)
+    if not len(per):
+        st.info(f"No plan recorded for layer {layer} at step {step}.")
+        return
+    totals = per.groupby("rank")[["load_before", "load_after"]].sum().reset_index()
+    ymax = float(max(totals["load_before"].max(), totals["load_after"].max()))
+    left, right = st.columns(2)
+    with left:
+        ui.plot(charts.rank_load_stacked(per, "before", ymax=ymax), "layers_rank_before")
+    with right:
+        ui.plot(charts.rank_load_stacked(per, "after", ymax=ymax), "layers_rank_after")
+    st.dataframe(totals, hide_index=True, key="layers_rank_totals")
+
+
+ui.live(body, key="layers")

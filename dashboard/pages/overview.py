@@ -1,0 +1,74 @@
+"""Overview: every run (live ones marked) with its headline figures, then the selected run."""
+
+import pandas as pd
+import streamlit as st
+
+from ultraep.dashboard import charts, data, ui
+
+
+def body(ctx: ui.Context) -> None:
+    ui.header(ctx, "Overview")
+    st.subheader("Runs")
+    rows = []
+    for info in ctx.runs:
+        info = data.run_info(ui.pool().get(info.path))
+        h = ui.cached_headline(info)
+        rows.append({
+            "run": info.label, "status": info.status, "kind": info.kind, "model": info.model,
+            "EP ranks": info.world_size, "steps": h["steps"], "layers": h["layers"],
+            "layer-microbatches": h["plans"],
+            "mean imbalance before": h["mean_imbalance_before"], "mean imbalance after": h["mean_imbalance_after"],
+            "% of force-balanced ideal": h["pct_of_ideal"],
+            "planning (s)": h["plan_s"], "transfers (s)": h["transfer_s"],
+            "recording errors": info.errors, "started (UTC)": info.started_at,
+        })
+    st.dataframe(pd.DataFrame(rows), hide_index=True, key="overview_runs", column_config={
+        "mean imbalance before": st.column_config.NumberColumn(format="%.3f"),
+        "mean imbalance after": st.column_config.NumberColumn(format="%.3f"),
+        "% of force-balanced ideal": st.column_config.NumberColumn(format="%.1f%%"),
+        "planning (s)": st.column_config.NumberColumn(format="%.4f"),
+        "transfers (s)": st.column_config.NumberColumn(format="%.4f"),
+    })
+
+    m, run = ctx.mirror, ctx.run
+    h = data.headline(m)
+    st.subheader(f"Run {run.run_id}")
+    if h["plans"] == 0:
+        ui.empty_state(ctx, "layer rows")
+        st.metric("layer-microbatch rows", ui.fmt_int(0))
+        return
+    c = st.columns(6)
+    c[0].metric("layer-microbatch rows", ui.fmt_int(h["plans"]),
+                help="recorded plans, one per layer and microbatch (lowest recording rank)")
+    c[1].metric("mean imbalance before → after",
+                f"{ui.fmt_ratio(h['mean_imbalance_before'])} → {ui.fmt_ratio(h['mean_imbalance_after'])}",
+                help="max / mean rank load, averaged over layer-microbatches; 1.000 = perfect")
+    basis = {"time": "Σ ideal time / Σ time (recorded ideal_s)",
+             "load": "Σ mean rank load / Σ max rank load after balancing (no ideal_s recorded; overhead not "
+                     "counted)"}.get(h["ideal_basis"], "")
+    c[2].metric("% of force-balanced ideal", ui.fmt_pct(h["pct_of_ideal"]), help=basis)
+    plan_help = ("summed planning time" + (" (planner solve time; no timings recorded)"
+                                           if h["plan_basis"] == "solve_time" else " (timings.plan_s)"))
+    c[3].metric("planning overhead", ui.fmt_seconds(h["plan_s"]),
+                delta=None if h["plan_share"] is None else f"{100 * h['plan_share']:.1f}% of layer time",
+                delta_color="off", help=plan_help)
+    c[4].metric("transfer overhead", ui.fmt_seconds(h["transfer_s"]),
+                delta=None if h["transfer_share"] is None else f"{100 * h['transfer_share']:.1f}% of layer time",
+                delta_color="off", help=f"summed timings.transfer_s; {ui.fmt_int(h['transfers'])} transfers")
+    c[5].metric("recording errors", ui.fmt_int(run.errors),
+                help=f"{run.dropped_rows} rows lost" + (f"; first: {run.first_error}" if run.first_error else ""))
+
+    bins, _ = data.layer_bins(m)
+    left, right = st.columns([3, 2])
+    with left:
+        ui.plot(charts.imbalance_over_steps(data.imbalance_over_steps(m, bins),
+                                            title="imbalance over steps (mean over layers)"), "overview_imbalance")
+    with right:
+        shares = data.policy_shares(m)
+        st.markdown("**policy shares**")
+        ui.plot(charts.policy_shares(shares), "overview_shares")
+        st.dataframe(shares, hide_index=True, key="overview_shares_table",
+                     column_config={"share": st.column_config.NumberColumn(format="%.3f")})
+
+
+ui.live(body, key="overview")

@@ -1,0 +1,49 @@
+"""Policies: per-layer decision timeline with reasons; predicted vs measured time with the error."""
+
+import streamlit as st
+
+from ultraep.dashboard import charts, data, ui
+
+
+def body(ctx: ui.Context) -> None:
+    ui.header(ctx, "Policies")
+    m = ctx.mirror
+    bins, layers = data.layer_bins(m)
+    if bins is None:
+        ui.empty_state(ctx, "layer rows")
+        return
+    m.refresh(("decision",))
+    if m.facts("decision_facts").num_rows == 0:
+        ui.empty_state(ctx, "decisions")
+    else:
+        ui.plot(charts.decision_timeline(data.decision_map(m, bins)), "policies_timeline")
+        st.caption(f"{bins.bin} step(s) per column; each marker is the most frequent decision in its bin.")
+        left, right = st.columns(2)
+        with left:
+            ui.plot(charts.switches(data.decision_switches(m)), "policies_switches")
+        with right:
+            st.markdown("**reasons**")
+            st.dataframe(data.decision_reasons(m), hide_index=True, key="policies_reasons")
+        layer = st.selectbox("latest decisions of layer", layers, key="policies_layer")
+        st.dataframe(data.recent_decisions(m, int(layer)), hide_index=True, key="policies_recent")
+
+    st.subheader("Predicted vs measured")
+    summary = data.prediction_summary(m)
+    if not len(summary):
+        st.info("No layer-microbatch has both a measured time and a prediction yet.")
+        return
+    st.dataframe(summary, hide_index=True, key="policies_prediction_summary", column_config={
+        "mean_predicted_s": st.column_config.NumberColumn(format="%.6f"),
+        "mean_measured_s": st.column_config.NumberColumn(format="%.6f"),
+        "mean_abs_rel_error": st.column_config.NumberColumn(format="%.3f"),
+        "measured_over_predicted": st.column_config.NumberColumn(format="%.3f")})
+    over = data.prediction_over_steps(m, bins)
+    left, right = st.columns(2)
+    with left:
+        ui.plot(charts.predicted_vs_measured_lines(over), "policies_pvm")
+    with right:
+        ui.plot(charts.prediction_scatter(data.prediction_sample(m)), "policies_scatter")
+    ui.plot(charts.relative_error(over), "policies_error")
+
+
+ui.live(body, key="policies")

@@ -1,0 +1,47 @@
+"""Transfers: bytes per step, fan-out per expert, relay use, busiest sender."""
+
+import streamlit as st
+
+from ultraep.dashboard import charts, data, ui
+
+
+def body(ctx: ui.Context) -> None:
+    ui.header(ctx, "Transfers")
+    m = ctx.mirror
+    tot = data.transfer_totals(m)
+    if int(tot["transfers"]) == 0:
+        ui.empty_state(ctx, "transfers (no plan moved expert state so far)")
+        return
+    senders = data.transfer_senders(m)
+    busiest = senders.sort_values(["bytes", "rank"], ascending=[False, True]).iloc[0]
+    c = st.columns(5)
+    c[0].metric("transfers", ui.fmt_int(tot["transfers"]))
+    c[1].metric("expert state moved", ui.fmt_bytes(tot["bytes"]))
+    relay_share = float(tot["relay_bytes"]) / float(tot["bytes"]) if tot["bytes"] else 0.0
+    c[2].metric("relay share", ui.fmt_pct(100 * relay_share), help=f"{ui.fmt_int(tot['relay_transfers'])} relay "
+                "forwards (stage 1) of all transfers, by bytes")
+    c[3].metric("max fan-out", ui.fmt_int(tot["max_fan_out"]),
+                help="most copies of one expert one rank sent in one layer-microbatch")
+    c[4].metric("busiest sender", f"rank {int(busiest['rank'])}",
+                delta=f"{ui.fmt_bytes(busiest['bytes'])} sent", delta_color="off")
+    bins, _ = data.layer_bins(m)
+    over = data.transfers_over_steps(m, bins)
+    ui.plot(charts.transfer_bytes(over), "transfers_bytes")
+    st.caption(f"{bins.bin} step(s) per bar.")
+    left, right = st.columns(2)
+    with left:
+        ui.plot(charts.busiest_sender_over_steps(over), "transfers_busiest")
+    with right:
+        ui.plot(charts.senders(senders), "transfers_senders")
+    fan = data.transfer_fanout(m)
+    ui.plot(charts.fanout(fan), "transfers_fanout")
+    left, right = st.columns(2)
+    with left:
+        st.markdown("**per expert**")
+        st.dataframe(fan, hide_index=True, key="transfers_fanout_table")
+    with right:
+        st.markdown("**per layer** (bandwidth from measured transfer times, where recorded)")
+        st.dataframe(data.transfer_layers(m), hide_index=True, key="transfers_layers")
+
+
+ui.live(body, key="transfers")

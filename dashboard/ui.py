@@ -1,0 +1,228 @@
+"""Streamlit glue shared by the pages: where the runs are, the run picker, live refresh, formatting.
+
+The app (``app.py``) calls :func:`setup` once per script run; pages call :func:`context` to get the
+selected run and :func:`live` to render their body inside a fragment that re-runs itself every few
+seconds while the run is being written. Nothing here does I/O at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import streamlit as st
+
+from ultraep.dashboard import data
+
+ROOT_KEY = "ultraep_root"          # session-state override of the runs directory (tests)
+REFRESH_KEY = "ultraep_refresh_s"
+RUN_KEY = "ultraep_run"
+CTX_KEY = "_ultraep_ctx"
+DEFAULT_ROOT = "runs"
+DEFAULT_REFRESH_S = 2.0
+REFRESH_CHOICES = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+# --------------------------------------------------------------------------- shared state
+@st.cache_resource(show_spinner=False)
+def pool() -> data.MirrorPool:
+    """One mirror pool per server process, shared by every browser session."""
+    return data.MirrorPool(capacity=8)
+
+
+@st.cache_resource(show_spinner=False)
+def headline_cache() -> dict:
+    return {}
+
+
+def script_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``streamlit run app.py -- --root DIR --refresh S`` (what ``ultraep dashboard`` passes)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--root", default=None)
+    p.add_argument("--refresh", type=float, default=None)
+    args, _ = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def root() -> Path:
+    if ROOT_KEY in st.session_state:
+        return Path(st.session_state[ROOT_KEY]).expanduser()
+    args = script_args()
+    return Path(args.root or DEFAULT_ROOT).expanduser()
+
+
+@dataclass
+class Context:
+    root: Path
+    runs: list[data.RunInfo]
+    run: data.RunInfo | None
+    mirror: Any
+    refresh_s: float | None
+
+
+# --------------------------------------------------------------------------- set-up (app.py)
+def setup() -> Context:
+    """Sidebar: the runs directory, the run picker (live runs marked ●), the refresh period."""
+    r = root()
+    p = pool()
+    runs = [data.run_info(p.get(d)) for d in data.find_runs(r)]
+    runs.sort(key=lambda i: (i.started_at is None, str(i.started_at or ""), i.run_id), reverse=True)
+    st.sidebar.markdown("**ultraep** · expert-parallel balancing")
+    st.sidebar.caption(f"runs directory: `{r}`")
+    run = None
+    if runs:
+        ids = [i.run_id for i in runs]
+        by_id = {i.run_id: i for i in runs}
+        wanted = st.query_params.get("run")
+        if RUN_KEY in st.session_state and st.session_state[RUN_KEY] not in ids:
+            del st.session_state[RUN_KEY]
+        if RUN_KEY not in st.session_state:
+            live = [i.run_id for i in runs if i.live]
+            st.session_state[RUN_KEY] = wanted if wanted in ids else (live[0] if live else ids[0])
+        chosen = st.sidebar.selectbox("run", ids, key=RUN_KEY, format_func=lambda rid: by_id[rid].label,
+                                      help="● live (being written) · ◐ stalled (no new rows for a while)")
+        run = by_id[chosen]
+        if st.query_params.get("run") != chosen:
+            st.query_params["run"] = chosen
+    default = script_args().refresh or DEFAULT_REFRESH_S
+    choices = sorted(set(REFRESH_CHOICES) | {default})
+    if REFRESH_KEY not in st.session_state:
+        st.session_state[REFRESH_KEY] = default
+    refresh = st.sidebar.select_slider("refresh every (s) while live", options=choices, key=REFRESH_KEY)
+    ctx = Context(root=r, runs=runs, run=run, mirror=p.get(run.path) if run else None, refresh_s=float(refresh))
+    st.session_state[CTX_KEY] = ctx
+    return ctx
+
+
+def context() -> Context:
+    ctx = st.session_state.get(CTX_KEY)
+    if ctx is None:  # a page opened without the app's set-up (should not happen)
+        ctx = setup()
+    return ctx
+
+
+def current_run_info(ctx: Context) -> data.RunInfo | None:
+    """The selected run's status now (it may have closed since the full run of the script)."""
+    if ctx.run is None:
+        return None
+    return data.run_info(ctx.mirror)
+
+
+# --------------------------------------------------------------------------- live pages
+def live(body: Callable[[Context], None], *, key: str, refresh: bool = True) -> None:
+    """Render ``body(ctx)`` in a fragment that re-runs every ``refresh_s`` seconds while the selected run
+    is live (the Overview: while any run is; with no runs yet: until one appears).
+
+    When a live run closes (or the first run appears), one full re-run stops (or starts) the refreshing.
+    """
+    ctx = context()
+    if ctx.run is None:
+        every = ctx.refresh_s
+    elif key == "overview":
+        every = ctx.refresh_s if any(i.live for i in ctx.runs) else None
+    else:
+        every = ctx.refresh_s if ctx.run.live else None
+    if not refresh:
+        every = None
+    was_live = ctx.run is not None and ctx.run.live
+
+    def frag() -> None:
+        if ctx.run is None:
+            if data.find_runs(ctx.root):
+                st.rerun(scope="app")
+            no_runs(ctx)
+            return
+        now = current_run_info(ctx)
+        if was_live and now is not None and not now.live:
+            st.rerun(scope="app")
+        body(Context(ctx.root, ctx.runs, now, ctx.mirror, ctx.refresh_s))
+        st.caption(f"updated {time.strftime('%H:%M:%S')}" + (f" · refreshing every {every:g} s" if every else ""))
+
+    st.fragment(frag, run_every=every)()
+
+
+def cached_headline(info: data.RunInfo) -> dict:
+    """:func:`data.headline` of a run, recomputed only when a part was added since the last time."""
+    sig = data.run_signature(info.path)
+    cache = headline_cache()
+    hit = cache.get(info.path)
+    if hit is not None and hit[0] == sig:
+        return hit[1]
+    h = data.headline(pool().get(info.path))
+    cache[info.path] = (sig, h)
+    return h
+
+
+def no_runs(ctx: Context) -> None:
+    st.info(f"No recorded runs under `{ctx.root}` yet. Start a run with telemetry on "
+            "(`Recorder.open(\"{root}\", ...)`) or point the dashboard at a runs directory: "
+            "`ultraep dashboard RUNS_DIR`. This page refreshes by itself.".replace("{root}", str(ctx.root)))
+
+
+def empty_state(ctx: Context, what: str) -> None:
+    st.info(f"Run `{ctx.run.run_id if ctx.run else '?'}` has no {what} yet"
+            + (" — it is being written; this page refreshes by itself." if ctx.run and ctx.run.live else "."))
+
+
+def header(ctx: Context, title: str) -> None:
+    st.title(title)
+    r = ctx.run
+    if r is None:
+        return
+    status = {"live": "● live", "stalled": "◐ stalled (no new rows lately)", "closed": "closed",
+              "empty": "no rows yet"}[r.status]
+    bits = [f"run **{r.run_id}**", status]
+    if r.kind:
+        bits.append(r.kind)
+    if r.model:
+        bits.append(r.model)
+    if r.world_size:
+        bits.append(f"EP {r.world_size}")
+    st.caption(" · ".join(bits))
+    if r.errors:
+        st.warning(f"{r.errors} recording error(s), {r.dropped_rows} row(s) lost; first: {r.first_error}")
+    if ctx.mirror is not None and ctx.mirror.read_errors:
+        st.warning(f"{len(ctx.mirror.read_errors)} part(s) could not be read; first: {ctx.mirror.read_errors[0]}")
+
+
+# --------------------------------------------------------------------------- formatting
+def fmt_ratio(v) -> str:
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{float(v):.3f}"
+
+
+def fmt_pct(v, digits: int = 1) -> str:
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{float(v):.{digits}f}%"
+
+
+def fmt_seconds(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    v = float(v)
+    if abs(v) >= 1:
+        return f"{v:.2f} s"
+    if abs(v) >= 1e-3:
+        return f"{v * 1e3:.2f} ms"
+    return f"{v * 1e6:.1f} µs"
+
+
+def fmt_bytes(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    v = float(v)
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(v) >= scale:
+            return f"{v / scale:.2f} {unit}"
+    return f"{int(v)} B"
+
+
+def fmt_int(v) -> str:
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{int(v):,}"
+
+
+def plot(fig, key: str) -> None:
+    st.plotly_chart(fig, key=key, config={"displaylogo": False})
