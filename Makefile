@@ -3,10 +3,10 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-EXTRAS := dev
+EXTRAS := dev,kernels,hf,dashboard
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt Makefile | sha1sum | cut -c1-12)
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo dashboard bench clean
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,12 +20,20 @@ setup: $(STAMP)
 test: setup
 	$(PY) -m pytest -q
 
-# Until the demo issue lands: plan a generated EP64 workload with every policy and compare.
+# The main job: a real MoE model balanced across local ranks, measured against no balancing.
 demo: setup
-	$(VENV)/bin/ultraep plan --synthetic --ranks 64 --experts 256 --top-k 8 --tokens 8192 --imbalance 2.0 --slots 2 --compare
+	$(VENV)/bin/ultraep demo --out runs
+
+dashboard: setup
+	$(VENV)/bin/ultraep dashboard runs
 
 bench: setup
 	$(PY) benchmarks/bench_planner.py
+	$(PY) benchmarks/bench_runtime.py
+	$(PY) benchmarks/bench_simulate.py
+	$(PY) benchmarks/bench_telemetry.py
+	$(PY) benchmarks/bench_kernels.py
+	$(PY) benchmarks/bench_dashboard.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

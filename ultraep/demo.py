@@ -171,6 +171,8 @@ def run_demo(settings: DemoSettings) -> int:
     if settings.steps < 4:
         raise ConfigError("--steps", f"must be >= 4, got {settings.steps}", settings.steps)
     con = Console()
+    if not con.is_terminal:  # logs and pipes: wide enough that tables and commands are not wrapped
+        con = Console(width=140)
     preload()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     con.print(f"[bold]ultraep demo[/bold]: {settings.model}, {settings.ranks} ranks x 1 thread (gloo), "
@@ -188,7 +190,7 @@ def run_demo(settings: DemoSettings) -> int:
     con.print(f"losses of the two runs: max |difference| = {diff:.2e} "
               f"({'match: balancing does not change the math' if ok else 'MISMATCH'})")
     con.print(f"open the dashboard on these runs:  [bold]ultraep dashboard {settings.out}[/bold]"
-              f"   (or: make dashboard)")
+              f"   (or: make dashboard)", soft_wrap=True)
     return 0 if ok else 1
 
 

@@ -1,0 +1,40 @@
+"""`ultraep demo --quick` end to end: real ranks (subprocess), both runs in the store, balancing helped on
+the skewed layers, and the losses of the two runs are equal."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ultraep.telemetry import open_run
+
+
+@pytest.mark.slow
+def test_demo_quick_end_to_end(tmp_path):
+    runs = tmp_path / "runs"
+    res = subprocess.run(
+        [sys.executable, "-m", "ultraep.cli", "demo", "--quick", "--ranks", "2", "--steps", "8", "--policy", "quota",
+         "--out", str(runs)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    assert "imbalance" in out and "speed-up" in out and "match: balancing does not change the math" in out
+    assert f"ultraep dashboard {runs}" in out
+    con = open_run(runs)
+    kinds = con.execute("SELECT run_id, kind, world_size FROM runs WHERE rank = 0 ORDER BY run_id").fetchall()
+    assert len(kinds) == 2 and {k[1] for k in kinds} == {"train"} and {k[2] for k in kinds} == {2}
+    by_run = dict(con.execute(
+        "SELECT run_id, avg(imbalance_after) / avg(imbalance_before) FROM layer_balance GROUP BY run_id").fetchall())
+    none_run = next(r for r in by_run if r.endswith("-none"))
+    quota_run = next(r for r in by_run if r.endswith("-quota"))
+    assert by_run[none_run] == pytest.approx(1.0)
+    assert by_run[quota_run] < 0.8  # imbalance after < before on the skewed layers
+    skew = con.execute("SELECT avg(imbalance_before) FROM layer_balance WHERE run_id = ?", [quota_run]).fetchone()[0]
+    assert skew > 1.3
+    losses = con.execute(
+        "SELECT step, max(loss) FILTER (WHERE run_id = ?), max(loss) FILTER (WHERE run_id = ?) FROM steps "
+        "WHERE rank = 0 GROUP BY step ORDER BY step", [none_run, quota_run]).fetchall()
+    assert len(losses) == 8
+    for _, a, b in losses:
+        assert a == pytest.approx(b, rel=1e-5)
