@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-import numpy as np
-
 from ultraep.load import validate_load
 from ultraep.plan import Plan
 from ultraep.topology import Topology
@@ -60,7 +58,3 @@ def plan_layer(
         pol = make_policy(policy, **options)
     return pol.plan(arr, topology)
 
-
-def as_load(load) -> np.ndarray:
-    """Validated int64 ``[R, E]`` copy-free view of ``load`` (re-exported for callers)."""
-    return validate_load(load)
