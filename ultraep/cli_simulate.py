@@ -76,8 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, default=None, help="write one JSON object per policy to this file")
     p.add_argument("--out", type=Path, default=None, help="record one telemetry run per policy under RUNS_DIR")
     p.add_argument("--run-name", default=None, help="prefix of the recorded run ids (default sim-<time>-<rand>)")
-    p.add_argument("--record-plans", type=int, default=200,
-                   help="plans recorded per policy with --out, spread evenly (default 200; 0 = none)")
+    p.add_argument("--record-plans", type=int, default=50,
+                   help="plans recorded per policy with --out, spread evenly (default 50; 0 = none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 

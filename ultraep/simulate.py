@@ -25,6 +25,7 @@ Legend: R ranks, E experts, S slots per rank, P replayed points per layer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -168,8 +169,8 @@ def replay_layer(trace: Trace, layer: int, cm: CostModel, names, *, stride: int 
                 continue
             pl = plans[n]
             rows[n].append(_row(pl, bds[n], ideal, _transfer_bytes(pl, cm), step, mb, layer))
-            if keep:
-                kept[n].append((step, mb, layer, pl))
+            if keep:  # a fresh copy: derived arrays (lazy routes) stay behind
+                kept[n].append((step, mb, layer, dataclasses.replace(pl)))
         if adaptive is not None:
             skip = set(adaptive.screened(load, t, none_s=bds["none"].total_s, ideal_s=ideal.total_s))
             ap = adaptive.decide({c: plans[c] for c in adaptive.policies if c not in skip}, t, screened=sorted(skip),
@@ -179,7 +180,7 @@ def replay_layer(trace: Trace, layer: int, cm: CostModel, names, *, stride: int 
             a = ap.info["adaptive"]
             decisions["adaptive"].append((step, mb, layer, a["chosen"], a["reason"], a["predictions"], bd.total_s))
             if keep:
-                kept["adaptive"].append((step, mb, layer, ap))
+                kept["adaptive"].append((step, mb, layer, dataclasses.replace(ap)))
             adaptive.commit(ap)
         for n, p in pols.items():
             p.commit(plans[n])
