@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
@@ -77,7 +80,7 @@ def main() -> None:
                 row("planner", policy, "busiest_sender_bytes", "By", x, plan.busiest_sender_bytes),
                 row("planner", policy, "latency", "s", x, lat),
             ]
-    Console().print(table)
+    Console(width=200).print(table)
     path = write_rows("bench_planner", rows)
     print(f"rows appended to {path}")
 

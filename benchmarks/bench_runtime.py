@@ -119,7 +119,7 @@ def main() -> None:
                         t_none / p50))
         rows.append(row("runtime_layer_fwd_bwd", name, "pct_of_force_balanced", "%", f"2x1/{args.tokens}tok",
                         100 * t_ideal / p50))
-    Console().print(table)
+    Console(width=200).print(table)
     print(f"rows appended to {write_rows('bench_runtime', rows)}")
 
 
