@@ -34,13 +34,14 @@ def gather_load(counts_E: torch.Tensor, group=None) -> np.ndarray:
 def all_gather_bytes(payload: bytes, group=None) -> list[bytes]:
     """All-gather a short byte string (e.g. a plan digest) from every rank."""
     R = dist.get_world_size(group)
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     t = torch.zeros(64, dtype=torch.uint8)
     data = payload[:63]
     t[0] = len(data)
     t[1:1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = torch.empty(R * 64, dtype=torch.uint8)
-    _all_gather(out, t, group=group)
-    out = out.view(R, 64)
+    out = torch.empty(R * 64, dtype=torch.uint8, device=dev)
+    _all_gather(out, t.to(dev) if dev is not None else t, group=group)
+    out = out.view(R, 64).cpu()
     return [bytes(out[r, 1:1 + int(out[r, 0])].tolist()) for r in range(R)]
 
 

@@ -101,7 +101,7 @@ class ReplicaJob:
         first = self.layer.first_expert
         sending = {e for m in sched.sends0 for e in m.experts}
         masters = {e: [p[e - first] for p in params] for e in sending}
-        arena = lay.empty(sched.arena_tiles)
+        arena = lay.empty(sched.arena_tiles, device=params[0].device)
         P = lay.tiles_per_expert
 
         def recv_slices(stage):
@@ -156,7 +156,7 @@ class ReplicaJob:
 
         gs, lay = self.grad_schedule, self.grad_layout
         sends = pack_grad_sends(gs, {s: g for s, g in wgrads.items() if s in gs.slot_E.values()}, lay)
-        arena = lay.empty(gs.arena_tiles)
+        arena = lay.empty(gs.arena_tiles, device=self.layer.master_params()[0].device)
         P = lay.tiles_per_expert
         recvs = [(m.peer, arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in gs.recvs]
         exchange([(m.peer, buf) for m, buf in sends], recvs, self.layer.runtime.group)
@@ -299,7 +299,7 @@ class BalancedExperts(nn.Module):
         rt.enter_layer(self.layer)
         # Step 1: exact load.
         counts = torch.bincount(top_k_index.reshape(-1).to(torch.int64), minlength=E)
-        load = gather_load(counts.cpu(), rt.group)
+        load = gather_load(counts, rt.group)
         t1 = time.perf_counter()
         # Step 2: plan (identical on every rank) and commit.
         plan = self.policy.plan(load, t)
