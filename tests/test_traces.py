@@ -261,3 +261,24 @@ def test_synthetic_is_fast_at_ep256():
                                        imbalance=(1.3, 4.0), drift=0.05, burst_prob=0.01, seed=0))
     assert tr.num_rows > 200 * 6 * 200
     assert time.perf_counter() - t0 < 20  # ~1/50 of the 1000-step, 60-layer trace
+
+
+def test_recorded_run_round_trip(tmp_path):
+    # record plans of a toy run, read its loads back as a trace
+    from ultraep.policies import make_policy
+    from ultraep.telemetry import Recorder
+    from ultraep.topology import Topology
+
+    t = Topology(num_ranks=4, num_experts=8, num_redundant_slots=1)
+    rng = np.random.default_rng(0)
+    loads = [rng.integers(0, 50, size=(4, 8)) for _ in range(3)]
+    rec = Recorder.open(tmp_path / "runs", "toy", kind="train", flush_interval_s=None, otel=False)
+    for step, load in enumerate(loads):
+        rec.record_plan(step, 0, 2, make_policy("quota").plan(load.astype(np.int64), t))
+    rec.close()
+    tr = load_trace(tmp_path / "runs" / "toy")
+    assert tr.meta.source == "recorded-run" and tr.meta.num_ranks == 4
+    assert [l.tolist() for l in _loads(tr, 2, 4)] == [l.tolist() for l in loads]
+    assert load_trace(tmp_path / "runs", run_id="toy").num_rows == tr.num_rows
+    with pytest.raises(TraceError, match="'nope' has no recorded loads"):
+        load_trace(tmp_path / "runs", run_id="nope")

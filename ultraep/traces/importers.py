@@ -36,6 +36,9 @@ because some of these dumps have no published schema):
     ``expert_counts.json`` derived from the OLMoE routing analysis (allenai/OLMoE): per model, kind and
     domain, per-expert counts of layers 0, 7, 15. Each domain becomes one step (in the order given), so
     the trace shows domain shifts. Global counts.
+``recorded-run``
+    Our own runs: the telemetry store's ``layer_loads`` (exact ``[R, E]`` load of every recorded plan) of
+    a run directory, a directory of runs (``run_id=``) or an exported ``.duckdb`` file.
 """
 
 from __future__ import annotations
@@ -453,6 +456,48 @@ def import_olmoe(path, model: str = "olmoe", kind: str = "expert_counts", domain
     return Trace.from_global_counts(counts, meta, layers=np.asarray(layers), path=p)
 
 
+# ---------------------------------------------------------------------------------------------- recorded runs
+def import_recorded_run(path, run_id: str | None = None, **_) -> Trace:
+    """Loads recorded by ultraep's telemetry (``layer_loads``: the exact ``[R, E]`` load of every recorded
+    plan) from a run directory, a directory of runs (pick one with ``run_id``) or an exported ``.duckdb``.
+    When several ranks recorded the same layer, the lowest rank's copy is used."""
+    from ultraep.telemetry import open_run
+
+    p = str(path)
+    try:
+        con = open_run(path)
+    except Exception as exc:
+        raise TraceError(p, f"is not a readable ultraep run ({exc})") from None
+    runs = [r[0] for r in con.execute("SELECT DISTINCT run_id FROM layer_loads ORDER BY 1").fetchall()]
+    if not runs:
+        raise TraceError(p, "holds no recorded loads (layer_loads is empty; record plans with record_plan)")
+    if run_id is None:
+        if len(runs) > 1:
+            raise TraceError(p, f"holds {len(runs)} runs; pick one with run_id= ({', '.join(runs[:5])}...)", runs)
+        run_id = runs[0]
+    elif run_id not in runs:
+        raise TraceError(f"{p}:run_id", f"{run_id!r} has no recorded loads; runs: {', '.join(runs[:5])}", run_id)
+    rows = con.execute(
+        "SELECT step, microbatch, layer, num_experts, num_ranks, load FROM layer_loads WHERE run_id = ? "
+        "QUALIFY row_number() OVER (PARTITION BY step, microbatch, layer ORDER BY rank) = 1 "
+        "ORDER BY layer, step, microbatch", [run_id]).fetchall()
+    E, R = int(rows[0][3]), int(rows[0][4])
+    cols = {c: [] for c in ("step", "microbatch", "layer", "src_rank", "expert", "tokens")}
+    for step, mb, layer, e_, r_, load in rows:
+        a = np.asarray(load, dtype=np.int64)
+        if a.shape != (R, E):
+            raise TraceError(f"{p}:layer_loads", f"step {step} layer {layer} has a load of shape {a.shape}, "
+                             f"expected {(R, E)}", a.shape)
+        r, e = np.nonzero(a)
+        for c, v in (("step", step), ("microbatch", mb), ("layer", layer)):
+            cols[c].append(np.full(r.size, v))
+        cols["src_rank"].append(r)
+        cols["expert"].append(e)
+        cols["tokens"].append(a[r, e])
+    meta = TraceMeta(num_experts=E, num_ranks=R, source="recorded-run", extra={"run_id": run_id})
+    return Trace.from_columns(meta, p, **{c: np.concatenate(v) for c, v in cols.items()})
+
+
 # ---------------------------------------------------------------------------------------------- dispatch
 FORMATS = {
     "parquet": lambda path, **kw: Trace.read(path),
@@ -462,6 +507,7 @@ FORMATS = {
     "ultraep-npz": import_ultraep_npz,
     "trtllm": import_trtllm,
     "olmoe": import_olmoe,
+    "recorded-run": import_recorded_run,
 }
 
 
@@ -469,7 +515,11 @@ def detect_format(path) -> str:
     p = Path(path)
     name = p.name
     if p.is_dir():
-        return "trtllm"
+        if any(_RANK_FILE.match(f.name) for f in p.iterdir()):
+            return "trtllm"
+        return "recorded-run"
+    if p.suffix == ".duckdb":
+        return "recorded-run"
     if name.endswith(".manifest.json") or p.suffix == ".npz":
         return "ultraep-npz"
     if _RANK_FILE.match(name):
