@@ -146,5 +146,7 @@ def assemble_plan(
 
 
 def identity_plan(policy: str, topology: Topology, load_RE: np.ndarray, solve_time_s: float = 0.0, info=None) -> Plan:
-    """Masters only: every expert's tokens go to its home rank."""
-    return assemble_plan(policy, topology, load_RE, _EMPTY, _EMPTY, _EMPTY, solve_time_s=solve_time_s, info=info)
+    """Masters only: every expert's tokens go to its home rank. (Passed as a quota plan with no replicas, so
+    its routes are derived on first use instead of being split eagerly.)"""
+    return assemble_plan(policy, topology, load_RE, _EMPTY, _EMPTY, _EMPTY, _EMPTY, solve_time_s=solve_time_s,
+                         info=info)
