@@ -10,15 +10,9 @@ import streamlit as st
 
 from ultraep.dashboard import ui
 
-st.set_page_config(page_title="ultraep dashboard", page_icon=":material/balance:", layout="wide")
+if ui.leave_pages_directory_mode():  # a fresh server's first run: start over with st.navigation in charge
+    st.rerun()
 ui.setup()
-PAGES = [
-    st.Page("pages/overview.py", title="Overview", icon=":material/dashboard:", url_path="overview", default=True),
-    st.Page("pages/layers.py", title="Layers", icon=":material/layers:", url_path="layers"),
-    st.Page("pages/experts.py", title="Experts", icon=":material/hub:", url_path="experts"),
-    st.Page("pages/policies.py", title="Policies", icon=":material/rule:", url_path="policies"),
-    st.Page("pages/transfers.py", title="Transfers", icon=":material/swap_horiz:", url_path="transfers"),
-    st.Page("pages/compare.py", title="Compare", icon=":material/compare_arrows:", url_path="compare"),
-    st.Page("pages/sql.py", title="SQL", icon=":material/database:", url_path="sql"),
-]
-st.navigation(PAGES).run()
+PAGES = [st.Page(path, title=title, icon=icon, url_path=url, default=(url == "overview"))
+         for path, title, icon, url in ui.NAV]
+st.navigation(PAGES, position="hidden").run()

@@ -8,6 +8,7 @@ ARCHITECTURE.md and its unit (tokens, MiB, ms, ratio).
 from __future__ import annotations
 
 import hashlib
+import math
 
 BEFORE = "#d62728"
 AFTER = "#2ca02c"
@@ -51,6 +52,24 @@ def _layout(fig, *, x: str, y: str, title: str | None = None, height: int = 340,
     return fig
 
 
+def _nice_step(span: float, ticks: int = 10) -> int:
+    raw = max(1.0, span / ticks)
+    mag = 10 ** int(math.floor(math.log10(raw)))
+    for m in (1, 2, 5, 10):
+        if m * mag >= raw:
+            return int(m * mag)
+    return int(10 * mag)  # pragma: no cover
+
+
+def int_axis(fig, axis: str, values) -> None:
+    """Integer ticks (layers, steps, ranks, experts): never 0.5."""
+    vals = [float(v) for v in values]
+    if not vals:
+        return
+    step = _nice_step(max(vals) - min(vals))
+    getattr(fig, f"update_{axis}axes")(tick0=0, dtick=step, tickformat="d")
+
+
 def empty(message: str):
     """A blank figure with a message (used when a chart has nothing to show yet)."""
     go = _go()
@@ -70,6 +89,7 @@ def imbalance_over_steps(df, *, title: str | None = None):
     fig.add_scatter(x=df["step"], y=df["imbalance_after"], mode="lines", name="after balancing",
                     line=dict(color=AFTER))
     fig.add_hline(y=1.0, line_dash="dot", line_color="#999", annotation_text="force-balanced ideal")
+    int_axis(fig, "x", df["step"])
     return _layout(fig, x="step (bin start)", y=IMBALANCE_AXIS, title=title)
 
 
@@ -96,6 +116,8 @@ def imbalance_heatmap(df, which: str, *, zmax: float | None = None):
         hovertemplate="layer %{y}, step %{x}: imbalance %{z:.3f}<extra></extra>",
     ))
     fig.update_yaxes(autorange="reversed")
+    int_axis(fig, "x", wide.columns)
+    int_axis(fig, "y", wide.index)
     word = "before" if which == "before" else "after"
     return _layout(fig, x="step (bin start)", y="layer", title=f"imbalance {word} balancing", legend=False)
 
@@ -144,6 +166,8 @@ def expert_heatmap(df, value: str, *, colorbar: str, title: str, colorscale: str
         hovertemplate="expert %{y}, step %{x}: %{z:.1f}<extra></extra>",
     ))
     fig.update_yaxes(autorange="reversed")
+    int_axis(fig, "x", wide.columns)
+    int_axis(fig, "y", wide.index)
     return _layout(fig, x="step (bin start)", y="logical expert", title=title, legend=False, height=380)
 
 
@@ -183,6 +207,8 @@ def decision_timeline(df):
                           "%{customdata[1]} policies in bin)<extra></extra>",
         )
     fig.update_yaxes(autorange="reversed")
+    int_axis(fig, "x", df["step"])
+    int_axis(fig, "y", df["layer"])
     return _layout(fig, x="step (bin start)", y="layer", title="decision per layer over time", height=380)
 
 
@@ -227,6 +253,7 @@ def switches(df):
     go = _go()
     fig = go.Figure(go.Bar(x=df["layer"], y=df["switches"], marker_color="#444",
                            hovertemplate="layer %{x}: %{y} policy changes<extra></extra>"))
+    int_axis(fig, "x", df["layer"])
     return _layout(fig, x="layer", y="policy changes (count)", title="how often each layer switched policy",
                    legend=False, height=260)
 

@@ -48,7 +48,7 @@ def streamlit_command(run: Path, *, port: int = DEFAULT_PORT, host: str = DEFAUL
         "--server.address", host, "--server.port", str(int(port)), "--server.headless", "true",
         "--server.fileWatcherType", "none", "--server.runOnSave", "false",
         "--browser.gatherUsageStats", "false", "--global.developmentMode", "false",
-        "--client.toolbarMode", "viewer",
+        "--client.toolbarMode", "viewer", "--client.showSidebarNavigation", "false",
         "--", "--root", str(run), "--refresh", f"{float(refresh):g}",
     ]
 

@@ -66,8 +66,25 @@ class Context:
 
 
 # --------------------------------------------------------------------------- set-up (app.py)
+# (file, title, icon, url path) of every page, in menu order; app.py registers the same list
+NAV = (
+    ("pages/overview.py", "Overview", ":material/dashboard:", "overview"),
+    ("pages/layers.py", "Layers", ":material/layers:", "layers"),
+    ("pages/experts.py", "Experts", ":material/hub:", "experts"),
+    ("pages/policies.py", "Policies", ":material/rule:", "policies"),
+    ("pages/transfers.py", "Transfers", ":material/swap_horiz:", "transfers"),
+    ("pages/compare.py", "Compare", ":material/compare_arrows:", "compare"),
+    ("pages/sql.py", "SQL", ":material/database:", "sql"),
+)
+
+
 def setup() -> Context:
-    """Sidebar: the runs directory, the run picker (live runs marked ●), the refresh period."""
+    """Page layout, the sidebar menu, the runs directory, the run picker (live runs marked ●), the
+    refresh period."""
+    st.set_page_config(page_title="ultraep dashboard", page_icon=":material/balance:", layout="wide")
+    for path, title, icon, _ in NAV:
+        st.sidebar.page_link(path, label=title, icon=icon)
+    st.sidebar.divider()
     r = root()
     p = pool()
     runs = [data.run_info(p.get(d)) for d in data.find_runs(r)]
@@ -100,10 +117,29 @@ def setup() -> Context:
 
 
 def context() -> Context:
+    """The set-up of this script run (made by ``app.py`` before it runs the page)."""
+    if leave_pages_directory_mode():  # the page file runs without app.py: set up here, in this run
+        return setup()
     ctx = st.session_state.get(CTX_KEY)
-    if ctx is None:  # a page opened without the app's set-up (should not happen)
+    if ctx is None:  # pragma: no cover - defensive
         ctx = setup()
     return ctx
+
+
+def leave_pages_directory_mode() -> bool:
+    """Streamlit runs a fresh server's first script run (and every AppTest run) in its old 'pages/
+    directory' mode, where a deep link (``/layers``) runs the page file alone, without ``app.py``, until
+    some script calls ``st.navigation``. Switch that mode off for the next runs; returns whether this run
+    is in it (then the page sets itself up; the built-in navigation is hidden and the sidebar links are
+    ours, so both modes look the same)."""
+    try:
+        from streamlit.runtime.pages_manager import PagesManager
+    except ImportError:  # pragma: no cover - Streamlit moved it
+        return False
+    if PagesManager.uses_pages_directory:
+        PagesManager.uses_pages_directory = False
+        return True
+    return False
 
 
 def current_run_info(ctx: Context) -> data.RunInfo | None:

@@ -11,8 +11,10 @@ def body(ctx: ui.Context) -> None:
     same = [i.run_id for i in ctx.runs if i.workload() == run.workload()]
     ids = [i.run_id for i in ctx.runs]
     by_id = {i.run_id: i for i in ctx.runs}
-    if "compare_runs" not in st.session_state or not set(st.session_state["compare_runs"]) <= set(ids):
+    stale = st.session_state.get("compare_for") != run.run_id
+    if stale or "compare_runs" not in st.session_state or not set(st.session_state["compare_runs"]) <= set(ids):
         st.session_state["compare_runs"] = same or [run.run_id]
+        st.session_state["compare_for"] = run.run_id
     chosen = st.multiselect("runs", ids, key="compare_runs", format_func=lambda r: by_id[r].label,
                             help="default: the runs of the selected run's workload (a simulation's runs of one "
                                  "trace, or runs of the same kind, model and EP size)")

@@ -37,7 +37,7 @@ def body(ctx: ui.Context) -> None:
         ui.empty_state(ctx, "layer rows")
         st.metric("layer-microbatch rows", ui.fmt_int(0))
         return
-    c = st.columns(6)
+    c = st.columns(3) + st.columns(3)
     c[0].metric("layer-microbatch rows", ui.fmt_int(h["plans"]),
                 help="recorded plans, one per layer and microbatch (lowest recording rank)")
     c[1].metric("mean imbalance before → after",

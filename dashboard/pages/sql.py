@@ -13,10 +13,8 @@ def body(ctx: ui.Context) -> None:
     ui.header(ctx, "SQL")
     st.caption("One read-only query over this run: tables " + ", ".join(sc.RAW_TABLES) + "; views "
                + ", ".join(sc.VIEWS) + " (telemetry/schema.sql). Files, extensions and settings are off limits.")
-    with st.form("sql_form"):
-        text = st.text_area("query", value=DEFAULT_SQL, height=140, key="sql_text")
-        submitted = st.form_submit_button("Run")
-    if submitted:
+    text = st.text_area("query", value=DEFAULT_SQL, height=140, key="sql_text")
+    if st.button("Run", key="sql_run", type="primary"):
         st.session_state["sql_last"] = text
     sql = st.session_state.get("sql_last")
     if not sql:
