@@ -184,26 +184,36 @@ def _check_plan_record(rec) -> tuple:
     return (step, mb, layer, plan, bool(routes), int(ts))
 
 
-def plan_tables(run_id: str, rank: int, records: list, built: Built) -> None:
-    """Convert plan records into ``layer_loads``, ``plans`` and ``transfers`` tables (in ``built``)."""
-    if not records:
-        return
+def _with_fallback(records: list, convert, clean, built: Built):
+    """``convert(records)``; if that refuses the batch, ``convert`` the records ``clean`` accepts (each bad
+    one is dropped and counted in ``built``). ``None`` when no record is left."""
     try:
-        _plan_tables_fast(run_id, rank, records, built)
-        return
+        return convert(records)
     except Exception:
         pass
     good = []
     for rec in records:
         try:
-            good.append(_check_plan_record(rec))
+            good.append(clean(rec))
         except Exception as exc:
             built.drop(exc)
-    if good:
-        _plan_tables_fast(run_id, rank, good, built)
+    return convert(good) if good else None
 
 
-def _plan_tables_fast(run_id: str, rank: int, records: list, built: Built) -> None:
+def plan_tables(run_id: str, rank: int, records: list, built: Built) -> None:
+    """Convert plan records into ``layer_loads``, ``plans`` and ``transfers`` tables (in ``built``)."""
+    if not records:
+        return
+    out = _with_fallback(records, lambda recs: _plan_tables_fast(run_id, rank, recs), _check_plan_record, built)
+    if out is not None:
+        tables, steps = out
+        built.tables.update(tables)
+        for s, agg in steps.items():
+            built.steps.setdefault(s, StepAggregate()).add(agg)
+
+
+def _plan_tables_fast(run_id: str, rank: int, records: list) -> tuple[dict, dict]:
+    """Tables and per-step aggregates of a batch of plan records; raises on anything unexpected."""
     steps_t, mbs_t, layers_t, plans, flags, tss = zip(*records)
     step_a = _ints(steps_t)
     mb_a = _ints(mbs_t, np.int32)
@@ -334,49 +344,52 @@ def _plan_tables_fast(run_id: str, rank: int, records: list, built: Built) -> No
         }, schema=sc.arrow_schema(sc.T_TRANSFERS))
     out[sc.T_LAYER_LOADS] = pa.concat_tables(ll_parts)
     out[sc.T_PLANS] = pa.concat_tables(pl_parts)
-    built.tables.update(out)
     solve_all = np.asarray([float(p.solve_time_s) for p in plans])
-    _agg_by_step(step_a, built, tokens_all, solve_all, T, bytes_per_plan, imb_b, imb_a)
+    agg = Built()
+    _agg_by_step(step_a, agg, tokens_all, solve_all, T, bytes_per_plan, imb_b, imb_a)
+    return out, agg.steps
 
 
 # --------------------------------------------------------------------------- generic row tables
-def _coerce(value, duck_type: str):
-    """Strict per-value conversion used on the slow path (after the fast path refused a batch)."""
-    if value is None:
+# Fast path: transpose the records with zip(*records) and let Arrow convert whole columns in C++ (dicts
+# to STRUCT/MAP included). Slow path (only when the fast path refused the batch): clean every record with
+# its table's strict `clean` function, drop the ones that fail, convert the rest.
+def _int(v) -> int:
+    if isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"expected an integer, got {v!r}")
+    return operator.index(v)
+
+
+def _float(v) -> float | None:
+    if v is None:
         return None
-    if duck_type in ("BIGINT", "INTEGER"):
-        if isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"expected an integer, got {value!r}")
-        return operator.index(value)
-    if duck_type == "DOUBLE":
-        if isinstance(value, (str, bytes)):
-            raise TypeError(f"expected a number, got {value!r}")
-        return float(value)
-    if duck_type == "VARCHAR":
-        if not isinstance(value, str):
-            raise TypeError(f"expected a string, got {type(value).__name__}")
-        return value
-    if duck_type == "TIMESTAMP":
-        return int(value)
-    if duck_type == "DOUBLE[]":
-        return [None if v is None else float(v) for v in np.asarray(value, dtype=np.float64).tolist()]
-    if duck_type.startswith("MAP("):
-        return [(str(k) if isinstance(k, str) else _bad_key(k), None if v is None else _coerce(v, "DOUBLE"))
-                for k, v in dict(value).items()]
-    return value
+    if isinstance(v, (str, bytes)):
+        raise TypeError(f"expected a number, got {v!r}")
+    return float(v)  # numpy scalars, 0-d tensors
 
 
-def _bad_key(k):
-    raise TypeError(f"map keys must be strings, got {k!r}")
+def _str(v) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _float_map(d) -> dict | None:
+    if d is None:
+        return None
+    return {_str(k): _float(v) for k, v in dict(d).items()}
+
+
+_NOT_NULL = frozenset((sc.C_RUN_ID, sc.C_RANK, sc.C_STEP, sc.C_MICROBATCH, sc.C_LAYER))
 
 
 def rows_table(table: str, cols: dict, n: int) -> pa.Table:
-    """Build ``table`` from ``{column: python/numpy values}`` with the semconv types (raises on bad values)."""
+    """Build ``table`` from ``{column: values}`` with the semconv types (raises on bad values)."""
     schema = sc.arrow_schema(table)
     arrays = []
     for f in schema:
         v = cols[f.name]
-        if isinstance(v, pa.Array):
+        if isinstance(v, (pa.Array, pa.ChunkedArray)):
             arrays.append(v)
         elif f.type == pa.timestamp("us"):
             arrays.append(_ts(v))
@@ -386,107 +399,124 @@ def rows_table(table: str, cols: dict, n: int) -> pa.Table:
             arrays.append(pa.array(v, type=f.type))
     if any(len(a) != n for a in arrays):
         raise ValueError("columns of unequal length")
+    for f, a in zip(schema, arrays):
+        if f.name in _NOT_NULL and a.null_count:
+            raise ValueError(f"{f.name} must not be None")
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _generic(table: str, run_id: str, rank: int, records: list, to_cols, built: Built) -> None:
-    """Fast path: ``to_cols(records) -> dict of columns``; slow path: strict per-record coercion."""
+def _generic(table: str, run_id: str, rank: int, records: list, to_cols, clean, built: Built) -> None:
     if not records:
         return
-    types = dict(sc.TABLES[table])
-    try:
-        cols = to_cols(records)
-        n = len(records)
+
+    def build(recs) -> pa.Table:
+        cols = to_cols(recs)
+        n = len(recs)
         cols[sc.C_RUN_ID] = _const(run_id, n, pa.string())
         cols[sc.C_RANK] = _const(rank, n, pa.int32())
-        built.tables[table] = rows_table(table, cols, n)
-        return
-    except Exception:
-        pass
-    good = []
-    for rec in records:
-        try:
-            one = to_cols([rec])
-            for name, vals in one.items():
-                if not isinstance(vals, pa.Array):
-                    one[name] = [_coerce(v, types[name]) for v in vals]
-                    if name in _KEYS and one[name][0] is None:
-                        raise ValueError(f"{name} must not be None")
-            one[sc.C_RUN_ID] = [run_id]
-            one[sc.C_RANK] = [rank]
-            rows_table(table, one, 1)
-            good.append(one)
-        except Exception as exc:
-            built.drop(exc)
-    if good:
-        merged = {name: [v for one in good for v in one[name]] for name in good[0]}
-        built.tables[table] = rows_table(table, merged, len(good))
+        return rows_table(table, cols, n)
+
+    def checked(rec):
+        rec = clean(rec)
+        build([rec])  # everything the batch conversion would refuse, refused now
+        return rec
+
+    tbl = _with_fallback(records, build, checked, built)
+    if tbl is not None:
+        built.tables[table] = tbl
 
 
-def _layer_cols(records) -> dict:
-    steps, mbs, layers, tss = (list(c) for c in zip(*((r[0], r[1], r[2], r[3]) for r in records)))
+def _layer_cols(steps, mbs, layers, tss) -> dict:
     return {sc.C_STEP: steps, sc.C_MICROBATCH: mbs, sc.C_LAYER: layers, sc.C_TS: _ints(tss)}
 
 
+_MAP = pa.map_(pa.string(), pa.float64())
+
+
+def _decision_cols(recs) -> dict:
+    steps, mbs, layers, tss, policy, reason, preds, chosen = zip(*recs)
+    out = _layer_cols(steps, mbs, layers, tss)
+    out.update(policy=pa.array(policy, type=pa.string()), reason=pa.array(reason, type=pa.string()),
+               predictions=pa.array(preds, type=_MAP), chosen_predicted_s=pa.array(chosen, type=pa.float64()))
+    if out["policy"].null_count:
+        raise ValueError("policy must not be None")
+    return out
+
+
+def _decision_clean(r) -> tuple:
+    return (_int(r[0]), _int(r[1]), _int(r[2]), int(r[3]), _str(r[4]), _str(r[5]), _float_map(r[6]),
+            _float(r[7]))
+
+
 def decision_table(run_id: str, rank: int, records: list, built: Built) -> None:
-    def cols(recs):
-        out = _layer_cols(recs)
-        out["policy"] = [r[4] for r in recs]
-        out["reason"] = [r[5] for r in recs]
-        out["predictions"] = [None if r[6] is None else list(r[6].items()) for r in recs]
-        out["chosen_predicted_s"] = [r[7] for r in recs]
-        return out
-
-    _generic(sc.T_DECISIONS, run_id, rank, records, cols, built)
+    _generic(sc.T_DECISIONS, run_id, rank, records, _decision_cols, _decision_clean, built)
 
 
-_KEYS = frozenset((sc.C_STEP, sc.C_MICROBATCH, sc.C_LAYER))
 _TIMING_SET = frozenset(sc.TIMING_KEYS)
+_TIMING_STRUCT = pa.struct([(k, pa.float64()) for k in sc.TIMING_KEYS])
+
+
+def _timing_cols(recs) -> dict:
+    steps, mbs, layers, tss, dicts = zip(*recs)
+    out = _layer_cols(steps, mbs, layers, tss)
+    st = pa.array(dicts, type=_TIMING_STRUCT)  # C++ conversion; unknown keys are ignored here
+    for i, k in enumerate(sc.TIMING_KEYS):
+        out[k] = st.field(i)
+    if set().union(*dicts) <= _TIMING_SET:
+        out["other"] = pa.nulls(len(recs), type=_MAP)
+    else:
+        out["other"] = pa.array([{k: v for k, v in d.items() if k not in _TIMING_SET} or None for d in dicts],
+                                type=_MAP)
+    return out
+
+
+def _timing_clean(r) -> tuple:
+    return (_int(r[0]), _int(r[1]), _int(r[2]), int(r[3]), _float_map(r[4]))
 
 
 def timings_table(run_id: str, rank: int, records: list, built: Built) -> None:
-    def cols(recs):
-        out = _layer_cols(recs)
-        dicts = [r[4] for r in recs]
-        for k in sc.TIMING_KEYS:
-            out[k] = [d.get(k) for d in dicts]
-        out["other"] = [[(k, v) for k, v in d.items() if k not in _TIMING_SET] or None for d in dicts]
-        return out
-
-    _generic(sc.T_TIMINGS, run_id, rank, records, cols, built)
+    _generic(sc.T_TIMINGS, run_id, rank, records, _timing_cols, _timing_clean, built)
     # per-step sums of each timing key (for the step span), from the rows that were written
     tbl = built.tables.get(sc.T_TIMINGS)
     if tbl is not None and tbl.num_rows:
         steps = tbl.column(sc.C_STEP).to_numpy()
         uniq, inv = np.unique(steps, return_inverse=True)
         for k in sc.TIMING_KEYS:
-            col = tbl.column(k).to_numpy(zero_copy_only=False)
-            col = np.nan_to_num(np.asarray(col, dtype=np.float64), nan=0.0)
-            if not col.any():
+            col = tbl.column(k)
+            if col.null_count == len(col):
                 continue
-            sums = np.bincount(inv, weights=col, minlength=uniq.size)
+            vals = np.nan_to_num(col.to_numpy(zero_copy_only=False).astype(np.float64), nan=0.0)
+            sums = np.bincount(inv, weights=vals, minlength=uniq.size)
             for j, s in enumerate(uniq.tolist()):
                 a = built.steps.setdefault(s, StepAggregate())
                 a.timings[k] = a.timings.get(k, 0.0) + float(sums[j])
 
 
-def transfer_times_table(run_id: str, rank: int, records: list, built: Built) -> None:
-    def cols(recs):
-        out = _layer_cols(recs)
-        out["seconds"] = [np.asarray(r[4], dtype=np.float64) for r in recs]
-        return out
+def _ttimes_cols(recs) -> dict:
+    steps, mbs, layers, tss, secs = zip(*recs)
+    out = _layer_cols(steps, mbs, layers, tss)
+    out["seconds"] = pa.array(secs, type=pa.list_(pa.float64()))
+    return out
 
-    _generic(sc.T_TRANSFER_TIMES, run_id, rank, records, cols, built)
+
+def _ttimes_clean(r) -> tuple:
+    return (_int(r[0]), _int(r[1]), _int(r[2]), int(r[3]), np.asarray(r[4], dtype=np.float64).ravel())
+
+
+def transfer_times_table(run_id: str, rank: int, records: list, built: Built) -> None:
+    _generic(sc.T_TRANSFER_TIMES, run_id, rank, records, _ttimes_cols, _ttimes_clean, built)
+
+
+def _steps_cols(recs) -> dict:
+    steps, tss, loss, st, extra = zip(*recs)
+    return {sc.C_STEP: steps, sc.C_TS: _ints(tss), "loss": pa.array(loss, type=pa.float64()),
+            "step_time_s": pa.array(st, type=pa.float64()),
+            "extra_json": pa.array([None if e is None else _dumps(e) for e in extra], type=pa.string())}
+
+
+def _steps_clean(r) -> tuple:
+    return (_int(r[0]), int(r[1]), _float(r[2]), _float(r[3]), r[4])
 
 
 def steps_table(run_id: str, rank: int, records: list, built: Built) -> None:
-    def cols(recs):
-        return {
-            sc.C_STEP: [r[0] for r in recs],
-            sc.C_TS: _ints([r[1] for r in recs]),
-            "loss": [r[2] for r in recs],
-            "step_time_s": [r[3] for r in recs],
-            "extra_json": [None if r[4] is None else _dumps(r[4]) for r in recs],
-        }
-
-    _generic(sc.T_STEPS, run_id, rank, records, cols, built)
+    _generic(sc.T_STEPS, run_id, rank, records, _steps_cols, _steps_clean, built)

@@ -212,7 +212,7 @@ class Recorder:
 
     def __init__(self, sink, *, run_id: str, run_name: str | None, kind: str, rank: int, world_size: int,
                  model: str | None = None, config_json: str | None = None, config_hash: str | None = None,
-                 topology_json: str | None = None, extra: dict | None = None, flush_interval_s: float | None = 1.0,
+                 topology_json: str | None = None, extra: dict | None = None, flush_interval_s: float | None = 2.0,
                  flush_every: int = 2048, max_pending: int = 65536, otel: bool = True,
                  plan_chunk: int = 512) -> None:
         self.run_id = run_id
@@ -275,7 +275,7 @@ class Recorder:
     @classmethod
     def open(cls, runs_dir, run_name: str | None = None, *, kind: str = "train", config=None, topology=None,
              model: str | None = None, world_size: int = 1, rank: int = 0, extra: dict | None = None,
-             flush_interval_s: float | None = 1.0, flush_every: int = 2048, max_pending: int = 65536,
+             flush_interval_s: float | None = 2.0, flush_every: int = 2048, max_pending: int = 65536,
              fsync: bool = False, compression: str = "zstd", otel: bool = True) -> "Recorder":
         """Start recording a run.
 
@@ -329,16 +329,18 @@ class Recorder:
                    flush_every=flush_every, max_pending=max_pending, otel=otel)
 
     # ------------------------------------------------------------------ hot path
+    def _push(self, buf: list, item: tuple) -> None:
+        if self._closed:
+            return
+        if len(buf) >= self._flush_every and not self._pressure(buf):
+            return
+        buf.append(item)
+
     def record_plan(self, step: int, microbatch: int, layer: int, plan, *, record_routes: bool = False) -> None:
         """Record one layer's plan: the load (``plan.load_RE`` and rank load before/after), the plan
         (``phy2log``, quotas; ``routes`` if ``record_routes``) and its transfers. Keeps a reference."""
         try:
-            if self._closed:
-                return
-            buf = self._plans
-            if len(buf) >= self._flush_every and not self._pressure(buf):
-                return
-            buf.append((step, microbatch, layer, plan, record_routes, time_ns()))
+            self._push(self._plans, (step, microbatch, layer, plan, record_routes, time_ns()))
         except Exception as exc:
             self._fail("record_plan", exc)
 
@@ -347,13 +349,8 @@ class Recorder:
                         chosen_predicted_s: float | None = None) -> None:
         """Record the policy decision of a layer, with the predicted seconds of every candidate."""
         try:
-            if self._closed:
-                return
-            buf = self._decisions
-            if len(buf) >= self._flush_every and not self._pressure(buf):
-                return
-            buf.append((step, microbatch, layer, time_ns(), policy, reason,
-                        None if predictions is None else dict(predictions), chosen_predicted_s))
+            self._push(self._decisions, (step, microbatch, layer, time_ns(), policy, reason,
+                                         None if predictions is None else dict(predictions), chosen_predicted_s))
         except Exception as exc:
             self._fail("record_decision", exc)
 
@@ -361,26 +358,16 @@ class Recorder:
         """Record measured phase times in seconds (keys of :data:`semconv.TIMING_KEYS` get columns of
         their own, any other key goes to the ``other`` map)."""
         try:
-            if self._closed:
-                return
-            buf = self._timings
-            if len(buf) >= self._flush_every and not self._pressure(buf):
-                return
-            buf.append((step, microbatch, layer, time_ns(), dict(timings)))
+            self._push(self._timings, (step, microbatch, layer, time_ns(), dict(timings)))
         except Exception as exc:
             self._fail("record_timings", exc)
 
     def record_transfer_times(self, step: int, microbatch: int, layer: int, seconds_per_transfer) -> None:
         """Record measured seconds of each transfer, aligned with ``plan.transfers`` (NaN = not measured
-        on this rank)."""
+        on this rank). A numpy array is kept by reference, anything else is copied into a list."""
         try:
-            if self._closed:
-                return
-            buf = self._ttimes
-            if len(buf) >= self._flush_every and not self._pressure(buf):
-                return
             secs = seconds_per_transfer if hasattr(seconds_per_transfer, "dtype") else list(seconds_per_transfer)
-            buf.append((step, microbatch, layer, time_ns(), secs))
+            self._push(self._ttimes, (step, microbatch, layer, time_ns(), secs))
         except Exception as exc:
             self._fail("record_transfer_times", exc)
 
@@ -388,12 +375,7 @@ class Recorder:
                     extra: dict | None = None) -> None:
         """Record the end of a step (one ``ultraep.step`` span and the step metrics at the next flush)."""
         try:
-            if self._closed:
-                return
-            buf = self._steps
-            if len(buf) >= self._flush_every and not self._pressure(buf):
-                return
-            buf.append((step, time_ns(), loss, step_time_s, None if extra is None else dict(extra)))
+            self._push(self._steps, (step, time_ns(), loss, step_time_s, None if extra is None else dict(extra)))
         except Exception as exc:
             self._fail("record_step", exc)
 
@@ -517,7 +499,8 @@ class Recorder:
                         from ultraep.telemetry.otel import span_columns
 
                         self._add_rows(built, sc.T_SPANS, span_columns(spans), len(spans))
-                    if collect_metrics:
+                    if collect_metrics and (steps or plans or decisions or timings or ttimes or spans
+                                            or self._closed):  # an idle recorder writes nothing
                         from ultraep.telemetry.otel import metric_columns
 
                         cols = metric_columns(self._otel.take_metrics())

@@ -12,6 +12,8 @@ Column types are DuckDB type names; :func:`arrow_type` maps them to the Arrow ty
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 # --------------------------------------------------------------------------- resource / scope
 SERVICE_NAME = "ultraep"
 INSTRUMENTATION_SCOPE = "ultraep.telemetry"
@@ -223,6 +225,7 @@ def columns(table: str) -> tuple[str, ...]:
     return tuple(name for name, _ in TABLES[table])
 
 
+@lru_cache(maxsize=None)
 def arrow_type(duckdb_type: str):
     """The Arrow type a writer uses for a DuckDB column type of :data:`TABLES`."""
     import pyarrow as pa
@@ -243,6 +246,7 @@ def arrow_type(duckdb_type: str):
     }[t]
 
 
+@lru_cache(maxsize=None)
 def arrow_schema(table: str):
     """The Arrow schema of a raw table."""
     import pyarrow as pa

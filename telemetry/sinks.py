@@ -36,6 +36,14 @@ class Sink(Protocol):
         ...
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def part_name(rank: int, session: str, seq: int) -> str:
     return f"r{rank:05d}-{session}-{seq:06d}.parquet"
 
@@ -84,18 +92,10 @@ class ParquetSink:
         try:
             pq.write_table(data, tmp, compression=self.compression)
             if self.fsync:
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _fsync(tmp)
             os.replace(tmp, d / name)
             if self.fsync:
-                fd = os.open(d, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _fsync(d)  # the rename itself
         except BaseException:
             try:
                 tmp.unlink()
