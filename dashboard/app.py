@@ -12,7 +12,9 @@ from ultraep.dashboard import ui
 
 if ui.leave_pages_directory_mode():  # a fresh server's first run: start over with st.navigation in charge
     st.rerun()
+page = st.navigation(
+    [st.Page(path, title=title, url_path=url, default=(url == "overview")) for path, title, url in ui.NAV],
+    position="hidden",  # the sidebar menu is ui.setup's (the same in Streamlit's pages-directory mode)
+)
 ui.setup()
-PAGES = [st.Page(path, title=title, icon=icon, url_path=url, default=(url == "overview"))
-         for path, title, icon, url in ui.NAV]
-st.navigation(PAGES, position="hidden").run()
+page.run()

@@ -66,24 +66,24 @@ class Context:
 
 
 # --------------------------------------------------------------------------- set-up (app.py)
-# (file, title, icon, url path) of every page, in menu order; app.py registers the same list
+# (file, title, url path) of every page, in menu order; app.py registers the same list
 NAV = (
-    ("pages/overview.py", "Overview", ":material/dashboard:", "overview"),
-    ("pages/layers.py", "Layers", ":material/layers:", "layers"),
-    ("pages/experts.py", "Experts", ":material/hub:", "experts"),
-    ("pages/policies.py", "Policies", ":material/rule:", "policies"),
-    ("pages/transfers.py", "Transfers", ":material/swap_horiz:", "transfers"),
-    ("pages/compare.py", "Compare", ":material/compare_arrows:", "compare"),
-    ("pages/sql.py", "SQL", ":material/database:", "sql"),
+    ("pages/overview.py", "Overview", "overview"),
+    ("pages/layers.py", "Layers", "layers"),
+    ("pages/experts.py", "Experts", "experts"),
+    ("pages/policies.py", "Policies", "policies"),
+    ("pages/transfers.py", "Transfers", "transfers"),
+    ("pages/compare.py", "Compare", "compare"),
+    ("pages/sql.py", "SQL", "sql"),
 )
 
 
 def setup() -> Context:
     """Page layout, the sidebar menu, the runs directory, the run picker (live runs marked ●), the
     refresh period."""
-    st.set_page_config(page_title="ultraep dashboard", page_icon=":material/balance:", layout="wide")
-    for path, title, icon, _ in NAV:
-        st.sidebar.page_link(path, label=title, icon=icon)
+    st.set_page_config(page_title="ultraep dashboard", layout="wide")
+    for path, title, _ in NAV:
+        st.sidebar.page_link(path, label=title)
     st.sidebar.divider()
     r = root()
     p = pool()

@@ -51,10 +51,10 @@ def body(ctx: ui.Context) -> None:
                                            if h["plan_basis"] == "solve_time" else " (timings.plan_s)"))
     c[3].metric("planning overhead", ui.fmt_seconds(h["plan_s"]),
                 delta=None if h["plan_share"] is None else f"{100 * h['plan_share']:.1f}% of layer time",
-                delta_color="off", help=plan_help)
+                delta_color="off", delta_arrow="off", help=plan_help)
     c[4].metric("transfer overhead", ui.fmt_seconds(h["transfer_s"]),
                 delta=None if h["transfer_share"] is None else f"{100 * h['transfer_share']:.1f}% of layer time",
-                delta_color="off", help=f"summed timings.transfer_s; {ui.fmt_int(h['transfers'])} transfers")
+                delta_color="off", delta_arrow="off", help=f"summed timings.transfer_s; {ui.fmt_int(h['transfers'])} transfers")
     c[5].metric("recording errors", ui.fmt_int(run.errors),
                 help=f"{run.dropped_rows} rows lost" + (f"; first: {run.first_error}" if run.first_error else ""))
 
