@@ -119,25 +119,9 @@ class OtelPipeline:
         self.meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
         self.tracer = self.tracer_provider.get_tracer(sc.INSTRUMENTATION_SCOPE, version)
         meter = self.meter_provider.get_meter(sc.INSTRUMENTATION_SCOPE, version)
-        self.step_duration = meter.create_histogram(
-            sc.METRIC_STEP_DURATION, unit=sc.UNIT_SECONDS, description="Wall time of a step.")
-        self.steps = meter.create_counter(sc.METRIC_STEPS, unit=sc.UNIT_STEPS, description="Steps recorded.")
-        self.loss = meter.create_gauge(sc.METRIC_LOSS, unit=sc.UNIT_RATIO, description="Loss of the last step.")
-        self.plans = meter.create_counter(sc.METRIC_PLANS, unit=sc.UNIT_PLANS, description="Layer plans recorded.")
-        self.solve_time = meter.create_counter(
-            sc.METRIC_PLAN_SOLVE_TIME, unit=sc.UNIT_SECONDS, description="Total planner solve time.")
-        self.tokens = meter.create_counter(
-            sc.METRIC_TOKENS, unit=sc.UNIT_TOKENS, description="Token-expert assignments planned.")
-        self.transfers = meter.create_counter(
-            sc.METRIC_TRANSFERS, unit=sc.UNIT_TRANSFERS, description="Expert-state transfers planned.")
-        self.transfer_bytes = meter.create_counter(
-            sc.METRIC_TRANSFER_BYTES, unit=sc.UNIT_BYTES, description="Bytes of expert state planned to move.")
-        self.imbalance_before = meter.create_gauge(
-            sc.METRIC_IMBALANCE_BEFORE, unit=sc.UNIT_RATIO, description="Mean max/mean rank load of a step, unbalanced.")
-        self.imbalance_after = meter.create_gauge(
-            sc.METRIC_IMBALANCE_AFTER, unit=sc.UNIT_RATIO, description="Mean max/mean rank load of a step, planned.")
-        self.errors = meter.create_counter(
-            sc.METRIC_ERRORS, unit=sc.UNIT_ERRORS, description="Recording failures swallowed by the recorder.")
+        create = {"counter": meter.create_counter, "histogram": meter.create_histogram, "gauge": meter.create_gauge}
+        self.instruments = {name: create[kind](name, unit=unit, description=desc)
+                            for name, (kind, unit, desc) in sc.METRICS.items()}
 
     def take_spans(self) -> list:
         buf = self.spans.ended

@@ -236,6 +236,8 @@ class Recorder:
         self._err_lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._started_ns = time_ns()
+        self._metrics_at = float("-inf")
+        self._metrics_interval = 10.0  # seconds between metric collections (and at close)
         self._last_step_end = self._started_ns
         self._step_aggs: dict[int, Any] = {}
         # hot-path buffers (identity never changes; drained with _take)
@@ -499,8 +501,11 @@ class Recorder:
                         from ultraep.telemetry.otel import span_columns
 
                         self._add_rows(built, sc.T_SPANS, span_columns(spans), len(spans))
-                    if collect_metrics and (steps or plans or decisions or timings or ttimes or spans
-                                            or self._closed):  # an idle recorder writes nothing
+                    now = time.monotonic()
+                    if collect_metrics and (self._closed or (
+                            now - self._metrics_at >= self._metrics_interval
+                            and (steps or plans or decisions or timings or ttimes or spans))):
+                        self._metrics_at = now  # cumulative points: a lower rate loses only resolution
                         from ultraep.telemetry.otel import metric_columns
 
                         cols = metric_columns(self._otel.take_metrics())
@@ -538,16 +543,17 @@ class Recorder:
         from ultraep.telemetry.batches import StepAggregate
 
         o = self._otel
+        m = o.instruments
         total = StepAggregate()
         for s, agg in built.steps.items():
             self._step_aggs.setdefault(s, StepAggregate()).add(agg)
             total.add(agg)
         if total.plans:
-            o.plans.add(total.plans)
-            o.tokens.add(total.tokens)
-            o.solve_time.add(total.solve_time_s)
-            o.transfers.add(total.transfers)
-            o.transfer_bytes.add(total.transfer_bytes)
+            m[sc.METRIC_PLANS].add(total.plans)
+            m[sc.METRIC_TOKENS].add(total.tokens)
+            m[sc.METRIC_PLAN_SOLVE_TIME].add(total.solve_time_s)
+            m[sc.METRIC_TRANSFERS].add(total.transfers)
+            m[sc.METRIC_TRANSFER_BYTES].add(total.transfer_bytes)
         for rec in step_records:
             try:
                 step = operator.index(rec[0])
@@ -589,13 +595,13 @@ class Recorder:
                     sc.ATTR_TRANSFER_BYTES: agg.transfer_bytes})
                 child.end(end_time=start + int(transfer_s * 1e9))
             span.end(end_time=end)
-            o.steps.add(1)
-            o.step_duration.record((end - start) / 1e9)
+            m[sc.METRIC_STEPS].add(1)
+            m[sc.METRIC_STEP_DURATION].record((end - start) / 1e9)
             if loss is not None:
-                o.loss.set(loss)
+                m[sc.METRIC_LOSS].set(loss)
             if agg.plans:
-                o.imbalance_before.set(agg.imbalance_before_sum / agg.plans)
-                o.imbalance_after.set(agg.imbalance_after_sum / agg.plans)
+                m[sc.METRIC_IMBALANCE_BEFORE].set(agg.imbalance_before_sum / agg.plans)
+                m[sc.METRIC_IMBALANCE_AFTER].set(agg.imbalance_after_sum / agg.plans)
         if len(self._step_aggs) > 256:  # steps that never got a record_step: keep the newest only
             for s in sorted(self._step_aggs)[:-256]:
                 del self._step_aggs[s]

@@ -176,7 +176,8 @@ CREATE TABLE spans (
     attributes_json VARCHAR
 );
 
--- Metric data points collected from the OpenTelemetry MeterProvider at every flush (cumulative).
+-- Metric data points collected from the OpenTelemetry MeterProvider (cumulative), at most every 10 s
+-- while records arrive, and at close.
 CREATE TABLE metric_points (
     run_id          VARCHAR,
     rank            INTEGER,

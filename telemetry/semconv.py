@@ -26,7 +26,6 @@ UNIT_RATIO = "1"
 UNIT_PLANS = "{plan}"
 UNIT_TRANSFERS = "{transfer}"
 UNIT_STEPS = "{step}"
-UNIT_ERRORS = "{error}"
 
 # --------------------------------------------------------------------------- spans
 SPAN_STEP = "ultraep.step"          # one training / prefill step, real wall-clock interval
@@ -54,18 +53,31 @@ ATTR_IMBALANCE_AFTER = "ultraep.imbalance.after"
 ATTR_TIMING_PREFIX = "ultraep.timing."  # + a timing key, e.g. ultraep.timing.dispatch_s
 ATTR_AGGREGATE = "ultraep.aggregate"    # true on per-step aggregate spans (duration = summed time)
 
-# --------------------------------------------------------------------------- metrics (name, unit, kind)
-METRIC_STEP_DURATION = "ultraep.step.duration"      # histogram, s, one point per step
-METRIC_STEPS = "ultraep.steps"                      # counter, {step}
-METRIC_LOSS = "ultraep.loss"                        # gauge, 1
-METRIC_PLANS = "ultraep.plan.count"                 # counter, {plan}
-METRIC_PLAN_SOLVE_TIME = "ultraep.plan.solve_time"  # counter, s (total solver time)
-METRIC_TOKENS = "ultraep.tokens"                    # counter, {token}
-METRIC_TRANSFERS = "ultraep.transfer.count"         # counter, {transfer}
-METRIC_TRANSFER_BYTES = "ultraep.transfer.bytes"    # counter, By
-METRIC_IMBALANCE_BEFORE = "ultraep.imbalance.before"  # gauge, 1 (mean over the step's plans)
-METRIC_IMBALANCE_AFTER = "ultraep.imbalance.after"    # gauge, 1 (mean over the step's plans)
-METRIC_ERRORS = "ultraep.telemetry.errors"          # counter, {error}
+# --------------------------------------------------------------------------- metrics
+METRIC_STEP_DURATION = "ultraep.step.duration"
+METRIC_STEPS = "ultraep.steps"
+METRIC_LOSS = "ultraep.loss"
+METRIC_PLANS = "ultraep.plan.count"
+METRIC_PLAN_SOLVE_TIME = "ultraep.plan.solve_time"
+METRIC_TOKENS = "ultraep.tokens"
+METRIC_TRANSFERS = "ultraep.transfer.count"
+METRIC_TRANSFER_BYTES = "ultraep.transfer.bytes"
+METRIC_IMBALANCE_BEFORE = "ultraep.imbalance.before"
+METRIC_IMBALANCE_AFTER = "ultraep.imbalance.after"
+
+# name -> (instrument kind, unit, description); the recorder creates exactly these instruments.
+METRICS: dict[str, tuple[str, str, str]] = {
+    METRIC_STEP_DURATION: ("histogram", UNIT_SECONDS, "Wall time of a step (one point per step)."),
+    METRIC_STEPS: ("counter", UNIT_STEPS, "Steps recorded."),
+    METRIC_LOSS: ("gauge", UNIT_RATIO, "Loss of the last step."),
+    METRIC_PLANS: ("counter", UNIT_PLANS, "Layer plans recorded."),
+    METRIC_PLAN_SOLVE_TIME: ("counter", UNIT_SECONDS, "Total planner solve time."),
+    METRIC_TOKENS: ("counter", UNIT_TOKENS, "Token-expert assignments planned."),
+    METRIC_TRANSFERS: ("counter", UNIT_TRANSFERS, "Expert-state transfers planned."),
+    METRIC_TRANSFER_BYTES: ("counter", UNIT_BYTES, "Bytes of expert state planned to move."),
+    METRIC_IMBALANCE_BEFORE: ("gauge", UNIT_RATIO, "Mean max/mean rank load of a step's plans, unbalanced."),
+    METRIC_IMBALANCE_AFTER: ("gauge", UNIT_RATIO, "Mean max/mean rank load of a step's plans, as planned."),
+}
 
 # --------------------------------------------------------------------------- timing keys
 # record_timings() keys with a column of their own; any other key goes to the `other` MAP column.
