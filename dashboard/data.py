@@ -111,9 +111,12 @@ def facts_query(tables: dict, query: Query, **params):
 
 
 def mirror_query(mirror: RunMirror, query: Query, facts: tuple[str, ...], **params):
-    """Run ``query`` on the mirror's ``facts``, after reading any new parts they come from."""
+    """Run ``query`` on the mirror's ``facts``, after reading any new parts they come from. Results are
+    cached on the mirror until new parts of those facts arrive (a copy is returned)."""
     mirror.refresh(tuple(dict.fromkeys(UNIT_OF[f] for f in facts)))
-    return facts_query({f: mirror.facts(f) for f in facts}, query, **params)
+    key = ("query", query.name, tuple(sorted(params.items())))
+    df = mirror.memo(key, facts, lambda: facts_query({f: mirror.facts(f) for f in facts}, query, **params))
+    return df.copy()
 
 
 def _q(name: str, sql: str, params: tuple[str, ...] = (), doc: str = "") -> Query:
@@ -579,36 +582,28 @@ SELECT step, microbatch, layer, policy, reason, chosen_predicted_s, ts
 FROM decision_facts WHERE layer = $layer ORDER BY step DESC, microbatch DESC LIMIT $limit
 """, params=("layer", "limit"))
 
-_PVM = """
-    SELECT t.step, t.microbatch, t.layer, d.policy,
-           coalesce(t.predicted_s, d.chosen_predicted_s) AS predicted_s, t.measured_s,
-           t.measured_s / nullif(coalesce(t.predicted_s, d.chosen_predicted_s), 0) - 1 AS rel_error
-    FROM timing_facts t LEFT JOIN decision_facts d USING (step, microbatch, layer)
-    WHERE t.measured_s IS NOT NULL
-"""
+PREDICTIONS = _q("predictions", """
+SELECT t.step, t.microbatch, t.layer, coalesce(d.policy, '?') AS policy,
+       coalesce(t.predicted_s, d.chosen_predicted_s) AS predicted_s, t.measured_s,
+       t.measured_s / nullif(coalesce(t.predicted_s, d.chosen_predicted_s), 0) - 1 AS rel_error
+FROM timing_facts t LEFT JOIN decision_facts d USING (step, microbatch, layer)
+WHERE t.measured_s IS NOT NULL AND coalesce(t.predicted_s, d.chosen_predicted_s) IS NOT NULL
+""", doc="Per layer-microbatch: prediction (timings.predicted_s, else the decision's) vs measured (slowest "
+         "rank), as queries.PREDICTED_VS_MEASURED.")
 
-PREDICTION_SUMMARY = _q("prediction_summary", f"""
-WITH p AS ({_PVM})
-SELECT coalesce(policy, '?') AS policy, count(*) AS samples,
+PREDICTION_SUMMARY = _q("prediction_summary", """
+SELECT policy, count(*) AS samples,
        avg(predicted_s) AS mean_predicted_s, avg(measured_s) AS mean_measured_s,
        avg(abs(rel_error)) AS mean_abs_rel_error,
        sum(measured_s) / nullif(sum(predicted_s), 0) AS measured_over_predicted
-FROM p WHERE predicted_s IS NOT NULL GROUP BY ALL ORDER BY policy
+FROM predictions GROUP BY policy ORDER BY policy
 """, doc="As queries.PREDICTION_SUMMARY.")
 
 PREDICTION_OVER_STEPS = _q("prediction_over_steps", f"""
-WITH p AS ({_PVM})
-SELECT {_BIN} AS step, coalesce(policy, '?') AS policy, count(*) AS samples,
+SELECT {_BIN} AS step, policy, count(*) AS samples,
        avg(predicted_s) AS predicted_s, avg(measured_s) AS measured_s, avg(rel_error) AS rel_error
-FROM p WHERE predicted_s IS NOT NULL GROUP BY ALL ORDER BY 1, 2
+FROM predictions GROUP BY ALL ORDER BY 1, 2
 """, params=("first", "bin"))
-
-PREDICTION_SAMPLE = _q("prediction_sample", f"""
-WITH p AS ({_PVM})
-SELECT coalesce(policy, '?') AS policy, step, microbatch, layer, predicted_s, measured_s, rel_error
-FROM p WHERE predicted_s IS NOT NULL AND hash(step, microbatch, layer) % $every = 0
-ORDER BY step, microbatch, layer LIMIT $limit
-""", params=("every", "limit"), doc="A deterministic thinning (every k-th by hash) for the scatter.")
 
 POLICY_UNITS = ("layer", "decision", "timing")
 
@@ -618,7 +613,31 @@ def decision_map(mirror: RunMirror, bins: Bins):
 
 
 def decision_switches(mirror: RunMirror):
-    return mirror_query(mirror, DECISION_SWITCHES, ("decision_facts",))
+    """Per layer: decisions, distinct policies and policy changes (in step, microbatch order)."""
+    mirror.refresh(("decision",))
+    if not mirror.is_sorted("decision_facts"):
+        return mirror_query(mirror, DECISION_SWITCHES, ("decision_facts",))
+
+    def compute():  # rows already in (step, microbatch, layer) order: a stable sort by layer suffices
+        import pandas as pd
+        import pyarrow.compute as pc
+
+        t = mirror.facts("decision_facts")
+        layer = t.column(sc.C_LAYER).to_numpy()
+        codes = pc.dictionary_encode(t.column("policy")).combine_chunks().indices.to_numpy(zero_copy_only=False)
+        order = np.argsort(layer, kind="stable")
+        lay, pol = layer[order], codes[order]
+        change = np.zeros(lay.size, dtype=bool)
+        change[1:] = (lay[1:] == lay[:-1]) & (pol[1:] != pol[:-1])
+        uniq, start = np.unique(lay, return_index=True)
+        counts = np.diff(np.append(start, lay.size))
+        switches = np.add.reduceat(change, start) if lay.size else np.zeros(0, dtype=np.int64)
+        policies = [len(np.unique(pol[a:a + n])) for a, n in zip(start, counts)]
+        return pd.DataFrame({"layer": uniq.astype(np.int64), "decisions": counts.astype(np.int64),
+                             "policies": np.asarray(policies, dtype=np.int64),
+                             "switches": np.asarray(switches, dtype=np.int64)})
+
+    return mirror.memo(("decision_switches",), ("decision_facts",), compute).copy()
 
 
 def decision_reasons(mirror: RunMirror):
@@ -629,19 +648,46 @@ def recent_decisions(mirror: RunMirror, layer: int, limit: int = 50):
     return mirror_query(mirror, RECENT_DECISIONS, ("decision_facts",), layer=layer, limit=limit)
 
 
+def predictions(mirror: RunMirror):
+    """The joined predictions table (Arrow), cached until new timings or decisions arrive."""
+    facts = ("timing_facts", "decision_facts")
+    mirror.refresh(("timing", "decision"))
+
+    def compute():
+        cur = _cursor()
+        try:
+            for f in facts:
+                cur.register(f, mirror.facts(f))
+            rel = cur.sql(PREDICTIONS.sql)
+            fn = getattr(rel, "to_arrow_table", None) or rel.arrow
+            return fn()
+        finally:
+            cur.close()
+
+    return mirror.memo(("predictions",), facts, compute)
+
+
+def _on_predictions(mirror: RunMirror, query: Query, **params):
+    table = predictions(mirror)
+    key = ("predictions", query.name, tuple(sorted(params.items())))
+    return mirror.memo(key, ("timing_facts", "decision_facts"),
+                       lambda: facts_query({"predictions": table}, query, **params)).copy()
+
+
 def prediction_summary(mirror: RunMirror):
-    return mirror_query(mirror, PREDICTION_SUMMARY, ("timing_facts", "decision_facts"))
+    return _on_predictions(mirror, PREDICTION_SUMMARY)
 
 
 def prediction_over_steps(mirror: RunMirror, bins: Bins):
-    return mirror_query(mirror, PREDICTION_OVER_STEPS, ("timing_facts", "decision_facts"),
-                        first=bins.first_step, bin=bins.bin)
+    return _on_predictions(mirror, PREDICTION_OVER_STEPS, first=bins.first_step, bin=bins.bin)
 
 
 def prediction_sample(mirror: RunMirror, limit: int = 4000):
-    n = mirror.facts("timing_facts").num_rows
-    every = max(1, n // limit)
-    return mirror_query(mirror, PREDICTION_SAMPLE, ("timing_facts", "decision_facts"), every=every, limit=limit)
+    """At most ``limit`` layer-microbatches, evenly spread over the run (for the scatter)."""
+    t = predictions(mirror)
+    if t.num_rows > limit:
+        t = t.take(np.linspace(0, t.num_rows - 1, limit).astype(np.int64))
+    return t.to_pandas()
 
 
 # --------------------------------------------------------------------------- transfers
@@ -676,15 +722,18 @@ FROM transfer_expert_facts GROUP BY expert ORDER BY copies DESC, expert
 """, doc="Per logical expert: copies sent, and fan-out (copies one rank sent in one layer-microbatch).")
 
 TRANSFER_LAYERS = _q("transfer_layers", """
-WITH m AS (SELECT step, microbatch, layer, idx, seconds FROM transfer_time_facts)
-SELECT t.layer, count(*) AS transfers, sum(t.bytes)::BIGINT AS bytes,
-       count(DISTINCT (t.step, t.microbatch)) AS planned_microbatches,
-       sum(t.bytes) FILTER (WHERE t.stage = 1)::BIGINT AS relay_bytes,
-       count(m.seconds) AS measured, sum(m.seconds) AS measured_s,
+SELECT layer, sum(transfers)::BIGINT AS transfers, sum(bytes)::BIGINT AS bytes,
+       count(DISTINCT (step, microbatch)) AS planned_microbatches,
+       sum(relay_bytes)::BIGINT AS relay_bytes
+FROM transfer_plan_facts GROUP BY layer ORDER BY layer
+""", doc="As queries.TRANSFER_SUMMARY (without the measured columns).")
+
+TRANSFER_LAYERS_MEASURED = _q("transfer_layers_measured", """
+SELECT t.layer, count(m.seconds) AS measured, sum(m.seconds) AS measured_s,
        sum(t.bytes) FILTER (WHERE m.seconds > 0) / nullif(sum(m.seconds), 0) AS bandwidth_Bps
-FROM transfer_facts t LEFT JOIN m USING (step, microbatch, layer, idx)
+FROM transfer_facts t JOIN transfer_time_facts m USING (step, microbatch, layer, idx)
 GROUP BY t.layer ORDER BY t.layer
-""", doc="As queries.TRANSFER_SUMMARY.")
+""", doc="As queries.TRANSFER_SUMMARY's measured columns (transfer_times joined to transfers).")
 
 TRANSFER_UNITS = ("transfer", "transfer_time", "layer")
 
@@ -706,7 +755,15 @@ def transfer_fanout(mirror: RunMirror):
 
 
 def transfer_layers(mirror: RunMirror):
-    return mirror_query(mirror, TRANSFER_LAYERS, ("transfer_facts", "transfer_time_facts"))
+    df = mirror_query(mirror, TRANSFER_LAYERS, ("transfer_plan_facts",))
+    mirror.refresh(("transfer_time",))
+    if mirror.facts("transfer_time_facts").num_rows:
+        meas = mirror_query(mirror, TRANSFER_LAYERS_MEASURED, ("transfer_facts", "transfer_time_facts"))
+        df = df.merge(meas, on="layer", how="left")
+        df["measured"] = df["measured"].fillna(0).astype("int64")
+    else:
+        df["measured"], df["measured_s"], df["bandwidth_Bps"] = 0, np.nan, np.nan
+    return df
 
 
 def transfer_step_range(mirror: RunMirror) -> Bins | None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ import pyarrow.compute as pc
 from ultraep.telemetry import semconv as sc
 
 KEY = (sc.C_STEP, sc.C_MICROBATCH, sc.C_LAYER)
+MEMO_SIZE = 128
 
 # --------------------------------------------------------------------------- fact schemas
 _BASE = [(sc.C_RANK, pa.int32()), (sc.C_STEP, pa.int64()),
@@ -473,6 +475,7 @@ class _Fact:
     chunks: list = field(default_factory=list)
     rows: int = 0
     clean: bool = True          # no two rows share a key (only tracked for per-layer facts)
+    ordered: bool = True        # ... and rows are in key order
     max_key: tuple | None = None
     cache: pa.Table | None = None
     generation: int = 0
@@ -500,6 +503,8 @@ class RunMirror:
         self._seen: dict[str, set[str]] = {u: set() for u in UNITS}
         self._facts: dict[str, _Fact] = {f: _Fact() for f in FACTS}
         self._lock = threading.RLock()
+        self._memo: "OrderedDict[tuple, object]" = OrderedDict()
+        self._memo_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"RunMirror({str(self.run_dir)!r}, generation={self.generation})"
@@ -555,7 +560,8 @@ class RunMirror:
             return
         if name in _PER_LAYER and f.clean:
             keys = _key_arrays(tbl, KEY)
-            if _strictly_increasing(keys):  # the usual case: records arrive in key order
+            ordered = _strictly_increasing(keys)
+            if ordered:  # the usual case: records arrive in key order
                 lo = tuple(int(k[0]) for k in keys)
                 hi = tuple(int(k[-1]) for k in keys)
                 unique = True
@@ -564,7 +570,9 @@ class RunMirror:
                 lo = tuple(int(k[idx[0]]) for k in keys)
                 hi = tuple(int(k[idx[-1]]) for k in keys)
                 unique = bool(first.all())
-            f.clean = unique and (f.max_key is None or lo > f.max_key)
+            after = f.max_key is None or lo > f.max_key
+            f.clean = unique and after
+            f.ordered = f.ordered and ordered and after
             f.max_key = hi if f.max_key is None else max(f.max_key, hi)
         f.chunks.append(tbl)
         f.rows += tbl.num_rows
@@ -576,6 +584,11 @@ class RunMirror:
     def fact_generation(self, name: str) -> int:
         """Grows whenever new parts of fact table ``name`` arrive (a cache key for derived results)."""
         return self._facts[name].generation
+
+    def is_sorted(self, name: str) -> bool:
+        """Whether a per-layer fact table's rows are unique and in (step, microbatch, layer) order."""
+        f = self._facts[name]
+        return name in _PER_LAYER and f.clean and f.ordered
 
     def raw_rows(self, name: str) -> int:
         """Rows read into fact table ``name`` before any dedupe."""
@@ -600,6 +613,21 @@ class RunMirror:
                 tbl = max_per_key(tbl, KEY + ("idx",), (sc.C_RANK, "seconds")).select(schema.names)
             f.cache = tbl
             return tbl
+
+    def memo(self, key: tuple, facts: tuple[str, ...], compute):
+        """``compute()`` cached under ``key`` until new parts of any of ``facts`` arrive (every session
+        shares the result; at most :data:`MEMO_SIZE` results are kept)."""
+        full = (key, tuple(self._facts[f].generation for f in facts))
+        with self._memo_lock:
+            if full in self._memo:
+                self._memo.move_to_end(full)
+                return self._memo[full]
+        value = compute()
+        with self._memo_lock:
+            self._memo[full] = value
+            while len(self._memo) > MEMO_SIZE:
+                self._memo.popitem(last=False)
+        return value
 
     def all_facts(self) -> dict[str, pa.Table]:
         return {name: self.facts(name) for name in FACTS}
