@@ -31,6 +31,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 
 from ultraep.telemetry import semconv as sc
+from ultraep.telemetry.sinks import take
 
 log = logging.getLogger("ultraep.telemetry")
 
@@ -124,19 +125,11 @@ class OtelPipeline:
                             for name, (kind, unit, desc) in sc.METRICS.items()}
 
     def take_spans(self) -> list:
-        buf = self.spans.ended
-        n = len(buf)
-        out = buf[:n]
-        del buf[:n]
-        return out
+        return take(self.spans.ended)
 
     def take_metrics(self) -> list:
         self.reader.collect()
-        buf = self.reader.collected
-        n = len(buf)
-        out = buf[:n]
-        del buf[:n]
-        return out
+        return take(self.reader.collected)
 
     def shutdown(self) -> None:
         for provider in (self.tracer_provider, self.meter_provider):

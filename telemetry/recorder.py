@@ -43,19 +43,12 @@ from typing import Any
 
 from ultraep.errors import ConfigError
 from ultraep.telemetry import semconv as sc
+from ultraep.telemetry.sinks import take as _take
 
 log = logging.getLogger("ultraep.telemetry")
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _LIVE: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
-
-
-def _take(buf: list) -> list:
-    """Remove and return the first ``len(buf)`` items; appends from other threads are never lost."""
-    n = len(buf)
-    out = buf[:n]
-    del buf[:n]
-    return out
 
 
 def new_run_id() -> str:

@@ -36,6 +36,15 @@ class Sink(Protocol):
         ...
 
 
+def take(buf: list) -> list:
+    """Remove and return the first ``len(buf)`` items of a list other threads append to: the slice and
+    the deletion are each atomic under the GIL, so an item appended meanwhile stays for the next call."""
+    n = len(buf)
+    out = buf[:n]
+    del buf[:n]
+    return out
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
