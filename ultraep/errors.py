@@ -19,6 +19,11 @@ class UltraEPError(ValueError):
         self.message = message
         super().__init__(f"{path}: {message}" if path else message)
 
+    def __reduce__(self):
+        # Pickle with the three constructor arguments (the default would call cls(str(self)) and fail), so an
+        # error raised in a worker process (the simulator's pool, a forked rank) reaches the parent intact.
+        return type(self), (self.path, self.message, self.value)
+
 
 class ConfigError(UltraEPError):
     """An invalid configuration or topology field."""
