@@ -39,6 +39,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from ultraep.errors import TraceError
+from ultraep.load import validate_load
 
 COLUMNS = ("step", "microbatch", "layer", "src_rank", "expert", "tokens")
 META_KEY = b"ultraep.trace"
@@ -132,7 +133,13 @@ class Trace:
                     pass
                 elif n:
                     raise TraceError(f"{path}.{c}", f"must hold integers, got dtype {a.dtype}", str(a.dtype))
-            out[c] = a.astype(np.int64 if c == "tokens" else np.int32, copy=False)
+            target = np.int64 if c == "tokens" else np.int32
+            if n and not np.can_cast(a.dtype, target):  # refuse values that would wrap around in the cast
+                lim = np.iinfo(target)
+                if a.min() < lim.min or a.max() > lim.max:
+                    i = int(np.argmax((a < lim.min) | (a > lim.max)))
+                    raise TraceError(f"{path}.{c}[{i}]", f"({a[i]}) does not fit in {np.dtype(target).name}", a[i].item())
+            out[c] = a.astype(target, copy=False)
         if n:
             neg = out["tokens"] < 0
             if neg.any():
@@ -286,7 +293,9 @@ class Trace:
                     dense = np.bincount(src[~g].astype(np.int64) * E + ex[~g], weights=tok[~g],
                                         minlength=Rs * E).astype(np.int64).reshape(Rs, E)
                     load += remap_sources(dense, num_ranks)
-            yield int(pts[i, 0]), int(pts[i, 1]), load
+            step, mb = int(pts[i, 0]), int(pts[i, 1])
+            # counts beyond what the planners split exactly (MAX_EXPERT_LOAD) stop here, not in a planner
+            yield step, mb, validate_load(load, path=f"trace (layer {layer}, step {step}, microbatch {mb}) load")
 
 
 from .importers import FORMATS, load_trace  # noqa: E402  (importers use Trace)
