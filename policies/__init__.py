@@ -68,7 +68,30 @@ def make_policy(name: str, **options) -> Policy:
             f"unknown option for policy {name!r}; accepted: {', '.join(accepted) or '(none)'}",
             unknown[0],
         )
+    if POLICIES.get(name) is cls:
+        _check_options(name, options)
     return cls(**options)
+
+
+def _check_options(name: str, options: dict) -> None:
+    """Hold a built-in policy's options to the same types and bounds as a config file (the pydantic options
+    model of ``ultraep.config``), so ``plan_layer(..., balance_eps=-1)`` or ``--policy-opt eplb.interval=0``
+    fail with the option's path instead of planning nonsense or raising deep inside the policy."""
+    from pydantic import ValidationError
+
+    from ultraep.config import _DEFAULTS
+
+    model = _DEFAULTS[name]
+    given = {k: v for k, v in options.items() if k in model.model_fields and k not in ("kind", "num_redundant_slots")}
+    if not given:
+        return
+    try:
+        model.model_validate(given)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        value = err.get("input")
+        raise ConfigError(f"{name}.{loc}", f"{err.get('msg')} (got {value!r})", value) from None
 
 
 __all__ = [
