@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ultraep.errors import TraceError
+from ultraep.errors import TraceError, UltraEPError, format_pydantic_error
 
 from . import Trace, TraceMeta
 
@@ -164,11 +164,10 @@ def import_megatron_jsonl(path, num_experts: int | None = None, **_) -> Trace:
             for key in ("step", "layer"):
                 if key not in obj:
                     raise TraceError(where, f"lacks {key!r} (keys: {sorted(obj)})", sorted(obj))
-            try:
-                step, layer, rank = int(obj["step"]), int(obj["layer"]), int(obj.get("rank", -1))
-            except (TypeError, ValueError):
+            step, layer, rank = obj["step"], obj["layer"], obj.get("rank", -1)
+            if not all(type(v) is int for v in (step, layer, rank)):  # 1.5 or true would be truncated silently
                 raise TraceError(where, "step, layer and rank must be integers",
-                                 [obj.get("step"), obj.get("layer"), obj.get("rank")]) from None
+                                 [obj.get("step"), obj.get("layer"), obj.get("rank")])
             if "tokens_per_expert" in obj:
                 counts = _int_array(obj["tokens_per_expert"], f"{where}.tokens_per_expert", "tokens_per_expert")
                 if counts.ndim != 1:
@@ -281,6 +280,10 @@ def import_ultraep_npz(path, **_) -> Trace:
         if load.shape[2] != E:
             raise TraceError(f"{fp}:load", f"has {load.shape[2]} experts, the manifest says {E}", load.shape[2])
         step = np.zeros(n, dtype=np.int64) if step is None else np.asarray(step).reshape(-1)
+        for what, arr in (("step", step), ("microbatch", mb)):
+            if arr is not None and np.asarray(arr).size != n:
+                raise TraceError(f"{fp}:{what}", f"has {np.asarray(arr).size} entries for {n} load records",
+                                 np.asarray(arr).size)
         if mb is None:  # successive records of a layer within a step are microbatches
             mb = np.empty(n, dtype=np.int64)
             for i in range(n):
@@ -531,11 +534,42 @@ def detect_format(path) -> str:
     raise TraceError(str(p), f"cannot tell the trace format from the name; pass format= one of {sorted(FORMATS)}", name)
 
 
+def _importer_options(fn) -> list[str]:
+    """Options an importer takes by name (everything after ``path``; ``**_`` catch-alls excluded)."""
+    import inspect
+
+    named = [n for n, p in inspect.signature(fn).parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return named[1:]
+
+
 def load_trace(path, format: str = "auto", **options) -> Trace:
-    """Read any supported trace (``format="auto"`` guesses from the name)."""
+    """Read any supported trace (``format="auto"`` guesses from the name).
+
+    A file is user input: whatever is wrong with it (truncated, binary where text belongs, a JSON value of the
+    wrong kind, ...) raises :class:`TraceError` naming the file, never another exception. An option the
+    format does not take raises too (it would otherwise be ignored without a word).
+    """
+    if not Path(path).exists():
+        raise TraceError(str(path), "does not exist")
     fmt = detect_format(path) if format == "auto" else format
     if fmt not in FORMATS:
         raise TraceError("format", f"unknown trace format {fmt!r}; available: {', '.join(sorted(FORMATS))}", fmt)
-    if not Path(path).exists():
-        raise TraceError(str(path), "does not exist")
-    return FORMATS[fmt](path, **options)
+    importer = FORMATS[fmt]
+    accepted = _importer_options(importer)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise TraceError(f"{fmt}.{unknown[0]}", f"unknown option for trace format {fmt!r}; accepted: "
+                         f"{', '.join(accepted) or '(none)'}", unknown[0])
+    try:
+        return importer(path, **options)
+    except (TraceError, MemoryError):
+        raise
+    except UltraEPError:
+        raise
+    except Exception as exc:  # malformed content the importer did not anticipate: still one line naming the file
+        from pydantic import ValidationError
+
+        detail = (format_pydantic_error(exc).replace("\n", "; ") if isinstance(exc, ValidationError)
+                  else f"{type(exc).__name__}: {exc}")
+        raise TraceError(str(path), f"is not a readable {fmt} trace ({detail})", fmt) from None
