@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     except UltraEPError as exc:
         print(f"ultraep: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a path the user named cannot be read or written (missing, a file, read-only, full)
+        where = exc.filename if exc.filename is not None else ""
+        print(f"ultraep: error: {where}{': ' if where else ''}{exc.strerror or exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # pydantic ValidationError: user input, reported by field path
         if type(exc).__name__ == "ValidationError":
             print(f"ultraep: error: {format_pydantic_error(exc)}", file=sys.stderr)

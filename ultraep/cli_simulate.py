@@ -83,11 +83,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _policy_options(items) -> dict:
+    from ultraep.simulate import ALL_POLICIES
+
     out: dict = {}
     for key, value in parse_kv(items, "--policy-opt").items():
         if "." not in key:
             raise ConfigError("--policy-opt", f"expected POLICY.KEY=VALUE, got {key!r}", key)
         pol, opt = key.split(".", 1)
+        if pol not in ALL_POLICIES:  # would otherwise be ignored without a word
+            raise ConfigError("--policy-opt", f"unknown policy {pol!r} in {key!r}; available: {', '.join(ALL_POLICIES)}",
+                              pol)
         out.setdefault(pol, {})[opt] = value
     return out
 
@@ -114,6 +119,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--ranks", f"({ranks}) must divide the trace's {E} experts", ranks)
     if args.workers < 1:
         raise ConfigError("--workers", f"must be >= 1, got {args.workers}", args.workers)
+    for flag, value, low in (("--max-plans", args.max_plans, 0), ("--stride", args.stride, 1),
+                             ("--record-plans", args.record_plans, 0)):
+        if value is not None and value < low:
+            raise ConfigError(flag, f"must be >= {low}, got {value}", value)
+    if args.out is not None:  # fail now, not after the replay, if the runs directory cannot be made
+        args.out.mkdir(parents=True, exist_ok=True)
     params = CostParams(mode=args.mode, non_moe_fwd_s=args.non_moe_ms[0] * 1e-3, non_moe_bwd_s=args.non_moe_ms[1] * 1e-3)
     cm = build_cost_model(args.topology, ranks, E, args.slots, overrides=parse_overrides(args.overrides), params=params)
     err = Console(stderr=True)

@@ -71,8 +71,10 @@ def synthetic_load(
         raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks ({num_ranks})")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k ({top_k}) must be in 1..{num_experts}")
-    if target_imbalance < 1.0:
-        raise ValueError(f"target_imbalance ({target_imbalance}) must be >= 1.0")
+    if not 1.0 <= target_imbalance < float("inf"):  # NaN fails this too
+        raise ValueError(f"target_imbalance ({target_imbalance}) must be a finite number >= 1.0")
+    if tokens_per_rank < 0:
+        raise ValueError(f"tokens_per_rank ({tokens_per_rank}) must be >= 0")
     lo, hi = 0.0, 8.0
     for _ in range(30):
         mid = (lo + hi) / 2
