@@ -86,8 +86,9 @@ class HybridEPOptions(_Options):
     """Hybrid expert/token transmission over slow links (HybridEP, arXiv 2510.19470)."""
 
     kind: Literal["hybridep"] = "hybridep"
-    domain_sizes: tuple[int, ...] | None = Field(
-        default=None, description="Candidate expert-domain sizes in scale-out domains (default: all divisors)."
+    domain_sizes: tuple[Annotated[int, Field(ge=1)], ...] | None = Field(
+        default=None, min_length=1,
+        description="Candidate expert-domain sizes in scale-out domains (default: all divisors); not empty.",
     )
     compression: float = Field(default=1.0, ge=1.0, description="Expert compression ratio for the all-gather.")
 
@@ -134,8 +135,8 @@ class BalancerConfig(BaseModel):
     )
     quota: QuotaOptions = Field(default_factory=QuotaOptions, description="Options of `quota` layers.")
     eplb: EplbOptions = Field(default_factory=EplbOptions, description="Options of `eplb` layers.")
-    layers: dict[int, LayerPolicy] = Field(
-        default_factory=dict, description="Per-layer policy overrides, keyed by MoE layer index."
+    layers: dict[Annotated[int, Field(ge=0)], LayerPolicy] = Field(
+        default_factory=dict, description="Per-layer policy overrides, keyed by MoE layer index (>= 0)."
     )
     check_plan_hash: bool = Field(
         default=False, description="Debug: all-gather each plan's hash and stop if ranks disagree."
