@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ultraep.cost import CostParams
     from ultraep.presets import parse_overrides
-    from ultraep.simulate import ALL_POLICIES, build_cost_model, record, simulate
+    from ultraep.simulate import ALL_POLICIES, build_cost_model, check_new_runs, record, simulate
     from ultraep.traces import load_trace
 
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(flag, f"must be >= {low}, got {value}", value)
     if args.out is not None:  # fail now, not after the replay, if the runs directory cannot be made
         args.out.mkdir(parents=True, exist_ok=True)
+        check_new_runs(args.out, args.run_name, policies)
     params = CostParams(mode=args.mode, non_moe_fwd_s=args.non_moe_ms[0] * 1e-3, non_moe_bwd_s=args.non_moe_ms[1] * 1e-3)
     cm = build_cost_model(args.topology, ranks, E, args.slots, overrides=parse_overrides(args.overrides), params=params)
     err = Console(stderr=True)

@@ -337,6 +337,19 @@ def _run_pool(trace, cm, names, stride, options, keep_every, layers, workers, ad
 
 
 # ---------------------------------------------------------------------------------------------- recording
+def check_new_runs(runs_dir, run_name: str | None, policies) -> None:
+    """Refuse a ``run_name`` whose runs (``<run_name>-<policy>``) already exist under ``runs_dir``: runs are
+    append-only, so recording again would mix two simulations into one run."""
+    from pathlib import Path
+
+    if run_name is None or runs_dir is None:
+        return
+    taken = [f"{run_name}-{p}" for p in policies if (Path(runs_dir) / f"{run_name}-{p}").exists()]
+    if taken:
+        raise ConfigError("--run-name", f"{run_name!r}: run {taken[0]!r} already exists under {runs_dir}; pick another "
+                          "name (recording again would mix two simulations into one run)", run_name)
+
+
 def record(result: SimulationResult, runs_dir, *, run_name: str | None = None, trace_path: str | None = None,
            model: str | None = None, topology=None) -> list[str]:
     """Write one telemetry run per reported policy (``kind="simulation"``); return the run ids."""
@@ -344,6 +357,8 @@ def record(result: SimulationResult, runs_dir, *, run_name: str | None = None, t
     from ultraep.telemetry.recorder import new_run_id
 
     base = run_name or ("sim-" + new_run_id())
+    reported = list(result.settings.get("reported", result.policies))
+    check_new_runs(runs_dir, base, reported)
     summary = {s["policy"]: s for s in result.summary()}
     ids = []
     for pol in result.settings.get("reported", result.policies):
