@@ -11,6 +11,7 @@ Legend: R ranks, E experts, N rows, H hidden size.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Sequence
 
 import numpy as np
@@ -52,18 +53,25 @@ def _a2a(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], g
 
 
 class AllToAll(torch.autograd.Function):
-    """Rows ``[sum(in_splits), ...]`` → ``[sum(out_splits), ...]``; rows to rank r are the r-th block."""
+    """Rows ``[sum(in_splits), ...]`` → ``[sum(out_splits), ...]``; rows to rank r are the r-th block.
+
+    ``guard`` (optional): a callable returning a context manager placed around the backward exchange (the
+    balanced layer turns a failed peer into a clear error there, as it does around the forward call).
+    """
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
+    def forward(ctx, x, out_splits, in_splits, group, guard=None):
         ctx.splits = (list(out_splits), list(in_splits))
         ctx.group = group
+        ctx.guard = guard
         return _a2a(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None
+        with ctx.guard() if ctx.guard is not None else nullcontext():
+            g = _a2a(grad, in_splits, out_splits, ctx.group)
+        return g, None, None, None, None
 
 
 def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], group=None,

@@ -25,6 +25,7 @@ unbalanced model's.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,6 +41,25 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class PlanDivergenceError(RuntimeError):
     """Ranks computed different plans for the same layer: exchanging tokens would be wrong."""
+
+
+class RankFailureError(RuntimeError):
+    """A collective of a balanced layer failed on this rank: a peer died, or did not answer within the process
+    group's timeout (``init_process_group(timeout=...)``; ``ultraep.launch(..., timeout_s=...)``).
+
+    Raised by every surviving rank that reaches a collective, after its telemetry was flushed. Attributes:
+    ``layer`` (MoE layer index), ``name`` (module path), ``phase``, ``rank``, ``peers`` (the ranks this one
+    was exchanging with), ``step``.
+    """
+
+    def __init__(self, message: str, *, layer: int, name: str, phase: str, rank: int, peers: list[int],
+                 step: int) -> None:
+        super().__init__(message)
+        self.layer, self.name, self.phase, self.rank, self.peers, self.step = layer, name, phase, rank, peers, step
+
+
+def _peers(sends, recvs) -> list[int]:
+    return sorted({int(p) for p, _ in sends} | {int(p) for p, _ in recvs})
 
 
 class ReplicaBuffers:
@@ -109,9 +129,13 @@ class ReplicaJob:
                     if m.stage == stage]
 
         sends0 = pack_sends(sched, masters, lay)
-        exchange([(m.peer, buf) for m, buf in sends0], recv_slices(0), group)
+        msgs, recvs = [(m.peer, buf) for m, buf in sends0], recv_slices(0)
+        with self.layer._collective("replica weight sync (stage 0)", _peers(msgs, recvs)):
+            exchange(msgs, recvs, group)
         sends1 = forward_sends(sched, arena)  # relay: forward what arrived in stage 0
-        exchange([(m.peer, buf) for m, buf in sends1], recv_slices(1), group)
+        msgs, recvs = [(m.peer, buf) for m, buf in sends1], recv_slices(1)
+        with self.layer._collective("replica weight sync (relay stage)", _peers(msgs, recvs)):
+            exchange(msgs, recvs, group)
         if sched.recvs:
             unpack_received(sched, arena, {self.M + i: self.slots[i] for i in range(len(self.slots))}, lay)
         self.bytes_sent = sum(int(b.numel()) for _, b in sends0) + sum(int(b.numel()) for _, b in sends1)
@@ -159,7 +183,9 @@ class ReplicaJob:
         arena = lay.empty(gs.arena_tiles, device=self.layer.master_params()[0].device)
         P = lay.tiles_per_expert
         recvs = [(m.peer, arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in gs.recvs]
-        exchange([(m.peer, buf) for m, buf in sends], recvs, self.layer.runtime.group)
+        msgs = [(m.peer, buf) for m, buf in sends]
+        with self.layer._collective("replica gradient reduction", _peers(msgs, recvs)):
+            exchange(msgs, recvs, self.layer.runtime.group)
         if not gs.contributions:
             return None
         full = [torch.zeros_like(p) for p in self.layer.master_params()]
@@ -287,6 +313,30 @@ class BalancedExperts(nn.Module):
         return (f"layer={self.layer}, policy={self.policy_name}, experts={t.num_experts}, "
                 f"masters={self.first_expert}..{self.first_expert + t.num_masters - 1}, slots={t.num_slots}")
 
+    @contextmanager
+    def _collective(self, phase: str, peers: list[int] | None = None):
+        """Around one collective: a backend failure (peer died, timeout) flushes this rank's telemetry and
+        becomes :class:`RankFailureError` naming the layer, the phase and the peers."""
+        try:
+            yield
+        except (RankFailureError, PlanDivergenceError):
+            raise
+        except RuntimeError as exc:
+            rt = self.runtime
+            if rt.recorder is not None:
+                rt._safe(rt.recorder.flush)
+            if peers is None:
+                peers = [r for r in range(rt.world_size) if r != rt.rank]
+            text = str(exc).strip()
+            cause = text.splitlines()[0] if text else type(exc).__name__
+            raise RankFailureError(
+                f"layer {self.layer} ({self.name}): {phase} failed on rank {rt.rank} of {rt.world_size} at step "
+                f"{rt.step} while exchanging with rank(s) {peers}: a peer died or did not answer within the "
+                f"process group timeout ({type(exc).__name__}: {cause}). Telemetry was flushed; stop every rank "
+                "and restart from the last checkpoint.",
+                layer=self.layer, name=self.name, phase=phase, rank=rt.rank, peers=list(peers), step=rt.step,
+            ) from exc
+
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         from ultraep.kernels import dispatch_layout, permute, reroute, reroute_table, unpermute
@@ -299,13 +349,15 @@ class BalancedExperts(nn.Module):
         rt.enter_layer(self.layer)
         # Step 1: exact load.
         counts = torch.bincount(top_k_index.reshape(-1).to(torch.int64), minlength=E)
-        load = gather_load(counts, rt.group)
+        with self._collective("load all-gather"):
+            load = gather_load(counts, rt.group)
         t1 = time.perf_counter()
         # Step 2: plan (identical on every rank) and commit.
         plan = self.policy.plan(load, t)
         self.policy.commit(plan)
         if rt.config.check_plan_hash:
-            digests = all_gather_bytes(plan.digest().encode(), rt.group)
+            with self._collective("plan-hash all-gather"):
+                digests = all_gather_bytes(plan.digest().encode(), rt.group)
             if len(set(digests)) != 1:
                 bad = [r for r, d in enumerate(digests) if d != digests[0]]
                 raise PlanDivergenceError(
@@ -323,13 +375,17 @@ class BalancedExperts(nn.Module):
         out_splits = [int(c) for c in C.sum(axis=1)]
         t3 = time.perf_counter()
         # Step 4: dispatch.
-        recv = AllToAll.apply(send, out_splits, in_splits, rt.group)
+        with self._collective("token dispatch (all-to-all)"):
+            recv = AllToAll.apply(send, out_splits, in_splits, rt.group,
+                                  lambda: self._collective("token dispatch gradient (all-to-all)"))
         t4 = time.perf_counter()
         # Step 5: experts on masters and replicas.
         y_recv, job = self._experts(recv, C, plan)
         t5 = time.perf_counter()
         # Step 6: return rows and combine.
-        y_send = AllToAll.apply(y_recv, in_splits, out_splits, rt.group)
+        with self._collective("token combine (all-to-all)"):
+            y_send = AllToAll.apply(y_recv, in_splits, out_splits, rt.group,
+                                    lambda: self._collective("token combine gradient (all-to-all)"))
         out = unpermute(y_send, top_k_weights.to(y_send.dtype), lay)
         t6 = time.perf_counter()
         replica_s = job.seconds if job is not None else 0.0
