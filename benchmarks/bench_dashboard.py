@@ -100,7 +100,7 @@ def generate(runs_dir: Path, name: str, layers: int, steps: int, block_steps: in
 
 
 def append_step(run_dir: Path, step: int, layers: int) -> None:
-    """One more step of rows (a live run's next flush)."""
+    """One more step of rows (a live run's next flush; removed again by :func:`remove_appended`)."""
     import ultraep
     from ultraep.telemetry import batches as bt
     from ultraep.telemetry.sinks import ParquetSink
@@ -114,6 +114,11 @@ def append_step(run_dir: Path, step: int, layers: int) -> None:
     sink = ParquetSink(run_dir, 0, f"live{step:05d}")
     for table, tbl in built.tables.items():
         sink.write(table, tbl)
+
+
+def remove_appended(run_dir: Path) -> None:
+    for part in run_dir.glob("*/r*-live*.parquet"):
+        part.unlink()
 
 
 # --------------------------------------------------------------------------- timing pages
@@ -191,6 +196,7 @@ def bench_apptest(root: Path, run_dir: Path, rows: int, repeat: int, layers: int
         append_step(run_dir, steps + k, layers)
         times.append(_load(at, "overview"))
     out.append(("live refresh: overview after one more step", "warm", times))
+    remove_appended(run_dir)
     return [_row(what, state, v, rows) for what, state, v in out]
 
 
@@ -220,12 +226,17 @@ def bench_browser(root: Path, rows: int, repeat: int) -> list[dict]:
         drawn = ("() => { const c = [...document.querySelectorAll('[data-testid=\"stPlotlyChart\"]')];"
                  " return c.length > 0 && c.every(x => x.querySelector('.main-svg')) &&"
                  " !document.querySelector('[data-testid=\"stStatusWidget\"]'); }")
+        drawn_page = ("(title) => { const h = document.querySelector('h1');"
+                      " const c = [...document.querySelectorAll('[data-testid=\"stPlotlyChart\"]')];"
+                      " return h && h.innerText.trim() === title && c.length > 0 &&"
+                      " c.every(x => x.querySelector('.main-svg')) &&"
+                      " !document.querySelector('[data-testid=\"stStatusWidget\"]'); }")
         with sync_playwright() as pw:
             b = pw.chromium.launch(executable_path="/usr/bin/chromium",
                                    args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                                          "--disable-component-update", "--disable-sync"])
             page = b.new_page(viewport={"width": 1500, "height": 1100})
-            page.set_default_timeout(600_000)
+            page.set_default_timeout(120_000)
             t = time.perf_counter()
             page.goto(url + "/")
             page.wait_for_function(drawn)
@@ -238,11 +249,10 @@ def bench_browser(root: Path, rows: int, repeat: int) -> list[dict]:
                     for _ in range(n):
                         other = "Layers" if key == "overview" else "Overview"
                         page.locator('[data-testid="stSidebar"] a').filter(has_text=other).first.click()
-                        page.wait_for_function(drawn)
+                        page.wait_for_function(drawn_page, arg=other)
                         t = time.perf_counter()
                         page.locator('[data-testid="stSidebar"] a').filter(has_text=title).first.click()
-                        page.wait_for_url(f"**/{key}*")
-                        page.wait_for_function(drawn)
+                        page.wait_for_function(drawn_page, arg=title)
                         times.append(time.perf_counter() - t)
                     out.append((f"browser: {key}", state, times))
             b.close()
@@ -275,6 +285,7 @@ def main(argv=None) -> int:
     run_dir = root / name
     if run_dir.exists():
         rows = args.layers * args.steps
+        remove_appended(run_dir)
         print(f"reusing {run_dir}")
     else:
         run_dir, rows = generate(root, name, args.layers, args.steps)

@@ -123,6 +123,27 @@ def _q(name: str, sql: str, params: tuple[str, ...] = (), doc: str = "") -> Quer
     return Query(name, name, sql, params=params, doc=doc)
 
 
+def warm_up(mirror: RunMirror) -> None:
+    """Read the run in the background (once per mirror): the pages' facts in the order a visitor meets
+    them, then the per-expert ones, so later pages open without waiting for their first read. Each unit is
+    refreshed on its own, so a page never waits longer than one unit's read."""
+    with _BASE_LOCK:
+        if mirror.warm_started:
+            return
+        mirror.warm_started = True
+
+    def work() -> None:
+        try:
+            import plotly.graph_objects  # noqa: F401  (the first page needs it; import it meanwhile)
+
+            for unit in OVERVIEW_UNITS + ("decision", "transfer", "transfer_time", "expert", "replica"):
+                mirror.refresh((unit,))
+        except Exception as exc:  # never let the warm-up break a page; the pages read on their own
+            mirror.read_errors.append(f"warm-up: {type(exc).__name__}: {exc}")
+
+    threading.Thread(target=work, name="ultraep-dashboard-warm-up", daemon=True).start()
+
+
 # --------------------------------------------------------------------------- run status
 @dataclass(frozen=True)
 class RunInfo:
@@ -682,7 +703,7 @@ def prediction_over_steps(mirror: RunMirror, bins: Bins):
     return _on_predictions(mirror, PREDICTION_OVER_STEPS, first=bins.first_step, bin=bins.bin)
 
 
-def prediction_sample(mirror: RunMirror, limit: int = 4000):
+def prediction_sample(mirror: RunMirror, limit: int = 1500):
     """At most ``limit`` layer-microbatches, evenly spread over the run (for the scatter)."""
     t = predictions(mirror)
     if t.num_rows > limit:

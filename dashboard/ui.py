@@ -112,6 +112,8 @@ def setup() -> Context:
         st.session_state[REFRESH_KEY] = default
     refresh = st.sidebar.select_slider("refresh every (s) while live", options=choices, key=REFRESH_KEY)
     ctx = Context(root=r, runs=runs, run=run, mirror=p.get(run.path) if run else None, refresh_s=float(refresh))
+    if ctx.mirror is not None:
+        data.warm_up(ctx.mirror)
     st.session_state[CTX_KEY] = ctx
     return ctx
 

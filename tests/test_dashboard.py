@@ -316,8 +316,10 @@ def test_policies_decisions_and_predictions_equal_sql(runs):
     for col in ("samples", "mean_predicted_s", "mean_measured_s", "mean_abs_rel_error", "measured_over_predicted"):
         np.testing.assert_allclose(summary[col], [r[col] for r in expected], err_msg=col)
     # the timeline marks each (layer, step) with the decision made there
-    fig = figures(at)["decision per layer over time"]["data"]
-    marks = {(int(x), int(y)): t["name"] for t in fig for x, y in zip(_decode(t["x"]), _decode(t["y"]))}
+    fig = figures(at)["decision per layer over time"]["data"][0]
+    names = fig["colorbar"]["ticktext"]
+    z, xs, ys = _decode(fig["z"]), list(_decode(fig["x"])), list(_decode(fig["y"]))
+    marks = {(int(x), int(y)): names[int(z[i, j])] for i, y in enumerate(ys) for j, x in enumerate(xs)}
     for r in timeline:
         if all(o["policy"] == r["policy"] for o in timeline if (o["step"], o["layer"]) == (r["step"], r["layer"])):
             assert marks[(r["step"], r["layer"])] == r["policy"]
