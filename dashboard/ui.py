@@ -112,8 +112,6 @@ def setup() -> Context:
         st.session_state[REFRESH_KEY] = default
     refresh = st.sidebar.select_slider("refresh every (s) while live", options=choices, key=REFRESH_KEY)
     ctx = Context(root=r, runs=runs, run=run, mirror=p.get(run.path) if run else None, refresh_s=float(refresh))
-    if ctx.mirror is not None:
-        data.warm_up(ctx.mirror)
     st.session_state[CTX_KEY] = ctx
     return ctx
 
@@ -180,6 +178,7 @@ def live(body: Callable[[Context], None], *, key: str, refresh: bool = True) -> 
             st.rerun(scope="app")
         body(Context(ctx.root, ctx.runs, now, ctx.mirror, ctx.refresh_s))
         st.caption(f"updated {time.strftime('%H:%M:%S')}" + (f" · refreshing every {every:g} s" if every else ""))
+        data.warm_up(ctx.mirror)  # after the page is drawn: read the rest of the run for the next pages
 
     st.fragment(frag, run_every=every)()
 

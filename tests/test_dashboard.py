@@ -200,11 +200,11 @@ def test_overview_figures_equal_sql(runs):
                     "max(transfer_s) AS t FROM timings GROUP BY step, microbatch, layer)")[0]
     assert m["planning overhead"] == f"{over['plan_s'] * 1e3:.2f} ms"
     assert m["transfer overhead"] == f"{over['transfer_s'] * 1e3:.2f} ms"
-    shares = frame(at, "policy", "plans", "share")
+    shares = figures(at)["#1"]["data"][0]  # the policy-shares bar chart (untitled)
     expected = canned(con, queries.POLICY_SHARES, run_id="fx")
-    assert list(shares["policy"]) == [r["policy"] for r in expected]
-    assert list(shares["plans"]) == [r["plans"] for r in expected]
-    np.testing.assert_allclose(shares["share"], [r["share"] for r in expected])
+    assert list(shares["y"]) == [r["policy"] for r in expected]
+    assert list(_decode(shares["customdata"])) == [r["plans"] for r in expected]
+    np.testing.assert_allclose(_decode(shares["x"]), [100 * r["share"] for r in expected])
     table = frame(at, "run", "layer-microbatches")
     row = table[table["run"] == "fx"].iloc[0]
     assert row["layer-microbatches"] == ov["plans"] and row["steps"] == ov["steps"]

@@ -64,11 +64,8 @@ def body(ctx: ui.Context) -> None:
         ui.plot(charts.imbalance_over_steps(data.imbalance_over_steps(m, bins),
                                             title="imbalance over steps (mean over layers)"), "overview_imbalance")
     with right:
-        shares = data.policy_shares(m)
-        st.markdown("**policy shares**")
-        ui.plot(charts.policy_shares(shares), "overview_shares")
-        st.dataframe(shares, hide_index=True, key="overview_shares_table",
-                     column_config={"share": st.column_config.NumberColumn(format="%.3f")})
+        st.markdown("**policy shares** (of layer-microbatches)")
+        ui.plot(charts.policy_shares(data.policy_shares(m)), "overview_shares")
 
 
 ui.live(body, key="overview")
