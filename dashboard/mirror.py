@@ -319,19 +319,6 @@ def _run_starts(sorted_keys: np.ndarray) -> np.ndarray:
     return np.flatnonzero(m)
 
 
-def _strictly_increasing_or_equal(keys: list[np.ndarray]) -> bool:
-    """Whether consecutive rows' keys never decrease (lexicographically): equal keys are contiguous."""
-    if keys[0].size < 2:
-        return True
-    lt = np.zeros(keys[0].size - 1, dtype=bool)
-    eq = np.ones(keys[0].size - 1, dtype=bool)
-    for k in keys:
-        a, b = k[1:], k[:-1]
-        lt |= eq & (a < b)
-        eq &= a == b
-    return not lt.any()
-
-
 def _to_fact(fact: str, raw: pa.Table) -> pa.Table:
     schema = FACT_SCHEMAS[fact]
     if fact == "layer_facts":
@@ -400,17 +387,27 @@ def _sorted_groups(keys: list[np.ndarray], order: list[np.ndarray]) -> tuple[np.
     return idx, first
 
 
-def _strictly_increasing(keys: list[np.ndarray]) -> bool:
-    """Whether consecutive rows' keys increase strictly (lexicographically): unique and sorted."""
-    if keys[0].size < 2:
-        return True
-    gt = np.zeros(keys[0].size - 1, dtype=bool)
-    eq = np.ones(keys[0].size - 1, dtype=bool)
+def _steps(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """For consecutive rows: (key increases, key is equal), lexicographically over ``keys``."""
+    n = max(keys[0].size - 1, 0)
+    gt = np.zeros(n, dtype=bool)
+    eq = np.ones(n, dtype=bool)
     for k in keys:
         a, b = k[1:], k[:-1]
         gt |= eq & (a > b)
         eq &= a == b
-    return bool(gt.all())
+    return gt, eq
+
+
+def _strictly_increasing(keys: list[np.ndarray]) -> bool:
+    """Whether consecutive rows' keys increase strictly (lexicographically): unique and sorted."""
+    return bool(_steps(keys)[0].all())
+
+
+def _strictly_increasing_or_equal(keys: list[np.ndarray]) -> bool:
+    """Whether consecutive rows' keys never decrease (lexicographically): equal keys are contiguous."""
+    gt, eq = _steps(keys)
+    return bool((gt | eq).all())
 
 
 def first_per_layer(tbl: pa.Table) -> pa.Table:

@@ -263,3 +263,20 @@ def fmt_int(v) -> str:
 
 def plot(fig, key: str) -> None:
     st.plotly_chart(fig, key=key, config={"displaylogo": False})
+
+
+def before_after(make: Callable[[str], Any], key: str) -> None:
+    """Two charts side by side: ``make("before")`` and ``make("after")``."""
+    for col, which in zip(st.columns(2), ("before", "after")):
+        with col:
+            plot(make(which), f"{key}_{which}")
+
+
+def page_bins(ctx: Context, title: str):
+    """The page header, then the run's step bins and layers; ``(None, [])`` (with the empty-state
+    message shown) while the run has no layer rows."""
+    header(ctx, title)
+    bins, layers = data.layer_bins(ctx.mirror)
+    if bins is None:
+        empty_state(ctx, "layer rows")
+    return bins, layers

@@ -6,11 +6,9 @@ from ultraep.dashboard import charts, data, ui
 
 
 def body(ctx: ui.Context) -> None:
-    ui.header(ctx, "Experts")
     m = ctx.mirror
-    bins, layers = data.layer_bins(m)
+    bins, layers = ui.page_bins(ctx, "Experts")
     if bins is None:
-        ui.empty_state(ctx, "layer rows")
         return
     c = st.columns(2)
     layer = c[0].selectbox("layer", layers, key="experts_layer")

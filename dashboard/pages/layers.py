@@ -6,19 +6,13 @@ from ultraep.dashboard import charts, data, ui
 
 
 def body(ctx: ui.Context) -> None:
-    ui.header(ctx, "Layers")
     m = ctx.mirror
-    bins, layers = data.layer_bins(m)
+    bins, layers = ui.page_bins(ctx, "Layers")
     if bins is None:
-        ui.empty_state(ctx, "layer rows")
         return
     df = data.layer_step_imbalance(m, bins)
     zmax = float(max(df["imbalance_before"].max(), df["imbalance_after"].max()))
-    left, right = st.columns(2)
-    with left:
-        ui.plot(charts.imbalance_heatmap(df, "before", zmax=zmax), "layers_heat_before")
-    with right:
-        ui.plot(charts.imbalance_heatmap(df, "after", zmax=zmax), "layers_heat_after")
+    ui.before_after(lambda which: charts.imbalance_heatmap(df, which, zmax=zmax), "layers_heat")
     st.caption(f"{bins.bin} step(s) per column (steps {bins.first_step}–{bins.last_step}); each cell is the mean "
                "over its layer-microbatches; both maps share one colour scale.")
     st.subheader("Per layer")
@@ -39,11 +33,7 @@ def body(ctx: ui.Context) -> None:
         return
     totals = per.groupby("rank")[["load_before", "load_after"]].sum().reset_index()
     ymax = float(max(totals["load_before"].max(), totals["load_after"].max()))
-    left, right = st.columns(2)
-    with left:
-        ui.plot(charts.rank_load_stacked(per, "before", ymax=ymax), "layers_rank_before")
-    with right:
-        ui.plot(charts.rank_load_stacked(per, "after", ymax=ymax), "layers_rank_after")
+    ui.before_after(lambda which: charts.rank_load_stacked(per, which, ymax=ymax), "layers_rank")
     st.dataframe(totals, hide_index=True, key="layers_rank_totals")
 
 

@@ -6,11 +6,9 @@ from ultraep.dashboard import charts, data, ui
 
 
 def body(ctx: ui.Context) -> None:
-    ui.header(ctx, "Policies")
     m = ctx.mirror
-    bins, layers = data.layer_bins(m)
+    bins, layers = ui.page_bins(ctx, "Policies")
     if bins is None:
-        ui.empty_state(ctx, "layer rows")
         return
     m.refresh(("decision",))
     if m.facts("decision_facts").num_rows == 0:

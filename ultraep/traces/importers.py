@@ -56,6 +56,11 @@ from ultraep.errors import TraceError, UltraEPError, format_pydantic_error
 from . import Trace, TraceMeta
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _int_array(arr, path: str, what: str) -> np.ndarray:
     a = np.asarray(arr)
     if a.dtype == object or a.dtype.kind not in "biuf":
@@ -82,7 +87,8 @@ def import_sglang_pt(path, **_) -> Trace:
     except FileNotFoundError:
         raise TraceError(p, "does not exist") from None
     except Exception as exc:
-        raise TraceError(p, f"is not a loadable torch file with weights_only=True ({type(exc).__name__}: {exc})") from None
+        raise TraceError(p, "is not a loadable torch file with weights_only=True (no pickled objects are run; "
+                         f"{type(exc).__name__}: {_first_line(exc)})") from None
     if not isinstance(obj, dict):
         raise TraceError(p, f"must hold a dict with 'logical_count', got {type(obj).__name__}", type(obj).__name__)
     if "logical_count" not in obj:
@@ -166,8 +172,8 @@ def import_megatron_jsonl(path, num_experts: int | None = None, **_) -> Trace:
                     raise TraceError(where, f"lacks {key!r} (keys: {sorted(obj)})", sorted(obj))
             step, layer, rank = obj["step"], obj["layer"], obj.get("rank", -1)
             if not all(type(v) is int for v in (step, layer, rank)):  # 1.5 or true would be truncated silently
-                raise TraceError(where, "step, layer and rank must be integers",
-                                 [obj.get("step"), obj.get("layer"), obj.get("rank")])
+                got = [obj.get("step"), obj.get("layer"), obj.get("rank")]
+                raise TraceError(where, f"step, layer and rank must be integers, got {got}", got)
             if "tokens_per_expert" in obj:
                 counts = _int_array(obj["tokens_per_expert"], f"{where}.tokens_per_expert", "tokens_per_expert")
                 if counts.ndim != 1:
@@ -571,5 +577,5 @@ def load_trace(path, format: str = "auto", **options) -> Trace:
         from pydantic import ValidationError
 
         detail = (format_pydantic_error(exc).replace("\n", "; ") if isinstance(exc, ValidationError)
-                  else f"{type(exc).__name__}: {exc}")
+                  else f"{type(exc).__name__}: {_first_line(exc)}")
         raise TraceError(str(path), f"is not a readable {fmt} trace ({detail})", fmt) from None
