@@ -229,7 +229,7 @@ def predicted_vs_measured_lines(df):
                         line=dict(color=c))
         fig.add_scatter(x=sub["step"], y=1e3 * sub["predicted_s"], mode="lines", name=f"{pol} predicted",
                         line=dict(color=c, dash="dash"))
-    return _layout(fig, x="step (bin start)", y="time per layer-microbatch (ms)",
+    return _layout(fig, x="step (bin start)", y="ms per layer-microbatch",
                    title="predicted vs measured")
 
 
@@ -253,7 +253,7 @@ def relative_error(df):
         fig.add_scatter(x=sub["step"], y=100 * sub["rel_error"], mode="lines", name=str(pol),
                         line=dict(color=policy_color(pol)))
     fig.add_hline(y=0, line_dash="dot", line_color="#999")
-    return _layout(fig, x="step (bin start)", y="error: measured / predicted - 1 (%)", title="prediction error",
+    return _layout(fig, x="step (bin start)", y="measured / predicted − 1 (%)", title="prediction error",
                    height=280)
 
 
@@ -280,8 +280,8 @@ def busiest_sender_over_steps(df):
     go = _go()
     fig = go.Figure(go.Scatter(x=df["step"], y=df["busiest_sender_bytes"] / MIB, mode="lines",
                                line=dict(color="#444"), name="busiest sender"))
-    return _layout(fig, x="step (bin start)", y="most sent by one rank in one layer-microbatch (MiB)",
-                   title="busiest sender", legend=False, height=260)
+    return _layout(fig, x="step (bin start)", y="MiB sent by one rank (max)",
+                   title="busiest sender per layer-microbatch", legend=False, height=260)
 
 
 def fanout(df, top: int = 32):
@@ -292,7 +292,7 @@ def fanout(df, top: int = 32):
     fig.add_bar(x=[str(e) for e in sub["expert"]], y=sub["mean_fan_out"], name="mean fan-out",
                 marker_color="#aaa")
     fig.update_layout(barmode="group")
-    return _layout(fig, x="logical expert (most copied first)", y="copies sent by one rank (fan-out)",
+    return _layout(fig, x="logical expert (most copied first)", y="fan-out (copies from one rank)",
                    title="fan-out per expert")
 
 
@@ -323,7 +323,7 @@ def compare_lines(df):
         fig.add_scatter(x=sub["step"], y=sub["imbalance_after"], mode="lines", name=f"{run} · {pol}",
                         line=dict(color=policy_color(pol)))
     fig.add_hline(y=1.0, line_dash="dot", line_color="#999")
-    return _layout(fig, x="step (bin start)", y="imbalance after balancing (max / mean rank load)",
+    return _layout(fig, x="step (bin start)", y="imbalance after (max / mean)",
                    title="imbalance after balancing over time")
 
 

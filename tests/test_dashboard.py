@@ -342,7 +342,7 @@ def test_transfers_figures_equal_sql(runs):
     bars = fig["bytes per step bin"]["data"]
     summed = np.sum([_decode(t["y"]) for t in bars], axis=0) * (1 << 20)
     np.testing.assert_allclose(summed, [r["bytes"] for r in per_step])
-    busiest = _decode(fig["busiest sender"]["data"][0]["y"]) * (1 << 20)
+    busiest = _decode(fig["busiest sender per layer-microbatch"]["data"][0]["y"]) * (1 << 20)
     np.testing.assert_allclose(busiest, [r["busiest_sender_bytes"] for r in per_step])
     layers = frame(at, "layer", "transfers", "planned_microbatches")
     expected = canned(con, queries.TRANSFER_SUMMARY, run_id="fx")

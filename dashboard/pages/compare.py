@@ -30,17 +30,17 @@ def body(ctx: ui.Context) -> None:
                                 if c not in ("run_id", "policy", "plans")})
     c = st.columns(2)
     with c[0]:
-        ui.plot(charts.compare_bars(cmp, "mean_imbalance_after", "mean imbalance after (max / mean rank load)",
+        ui.plot(charts.compare_bars(cmp, "mean_imbalance_after", "imbalance after (max / mean)",
                                     title="imbalance after balancing"), "compare_imbalance")
     with c[1]:
         ui.plot(charts.compare_bars(cmp, "pct_of_ideal", "% of force-balanced ideal",
                                     title="share of the force-balanced ideal"), "compare_ideal")
     c = st.columns(2)
     with c[0]:
-        ui.plot(charts.compare_bars(cmp, "mean_time_s", "time per layer-microbatch (ms)", scale=1e3,
+        ui.plot(charts.compare_bars(cmp, "mean_time_s", "ms per layer-microbatch", scale=1e3,
                                     title="layer time (measured, else predicted)"), "compare_time")
     with c[1]:
-        ui.plot(charts.compare_bars(cmp, "mean_transfer_bytes", "expert state moved per layer-microbatch (MiB)",
+        ui.plot(charts.compare_bars(cmp, "mean_transfer_bytes", "MiB per layer-microbatch",
                                     scale=1.0 / charts.MIB, title="bytes moved"), "compare_bytes")
     if len(over):
         ui.plot(charts.compare_lines(over), "compare_lines")

@@ -15,7 +15,7 @@ def body(ctx: ui.Context) -> None:
         ui.empty_state(ctx, "decisions")
     else:
         ui.plot(charts.decision_timeline(data.decision_map(m, bins)), "policies_timeline")
-        st.caption(f"{bins.bin} step(s) per column; each marker is the most frequent decision in its bin.")
+        st.caption(f"{bins.bin} step(s) per column; each cell is the most frequent decision in its bin.")
         left, right = st.columns(2)
         with left:
             ui.plot(charts.switches(data.decision_switches(m)), "policies_switches")
