@@ -49,15 +49,16 @@ def body(ctx: ui.Context) -> None:
     c[2].metric("% of force-balanced ideal", ui.fmt_pct(h["pct_of_ideal"]), help=basis)
     plan_help = ("summed planning time" + (" (planner solve time; no timings recorded)"
                                            if h["plan_basis"] == "solve_time" else " (timings.plan_s)"))
-    c[3].metric("planning overhead", ui.fmt_seconds(h["plan_s"]),
-                delta=None if h["plan_share"] is None else f"{100 * h['plan_share']:.1f}% of layer time",
-                delta_color="off", delta_arrow="off", help=plan_help)
+    c[3].metric("planning overhead", ui.fmt_seconds(h["plan_s"]), help=plan_help)
     c[4].metric("transfer overhead", ui.fmt_seconds(h["transfer_s"]),
-                delta=None if h["transfer_share"] is None else f"{100 * h['transfer_share']:.1f}% of layer time",
-                delta_color="off", delta_arrow="off", help=f"summed timings.transfer_s; {ui.fmt_int(h['transfers'])} transfers")
+                help=f"summed timings.transfer_s; {ui.fmt_int(h['transfers'])} transfers")
     c[5].metric("recording errors", ui.fmt_int(run.errors),
                 help=f"{run.dropped_rows} rows lost" + (f"; first: {run.first_error}" if run.first_error else ""))
 
+    if h["plan_share"] is not None or h["transfer_share"] is not None:
+        st.caption(f"planning {ui.fmt_pct(None if h['plan_share'] is None else 100 * h['plan_share'])} and "
+                   f"transfers {ui.fmt_pct(None if h['transfer_share'] is None else 100 * h['transfer_share'])} "
+                   f"of the summed layer time ({ui.fmt_seconds(h['time_s'])}).")
     bins, _ = data.layer_bins(m)
     left, right = st.columns([3, 2])
     with left:

@@ -23,7 +23,7 @@ def body(ctx: ui.Context) -> None:
     c[3].metric("max fan-out", ui.fmt_int(tot["max_fan_out"]),
                 help="most copies of one expert one rank sent in one layer-microbatch")
     c[4].metric("busiest sender", f"rank {int(busiest['rank'])}",
-                delta=f"{ui.fmt_bytes(busiest['bytes'])} sent", delta_color="off", delta_arrow="off")
+                help=f"sent {ui.fmt_bytes(busiest['bytes'])} over the run, the most of any rank")
     bins, _ = data.layer_bins(m)
     over = data.transfers_over_steps(m, bins)
     ui.plot(charts.transfer_bytes(over), "transfers_bytes")
