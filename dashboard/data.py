@@ -213,7 +213,7 @@ def run_info(mirror: RunMirror, now: float | None = None) -> RunInfo:
     row = df.iloc[0].to_dict() if len(df) else {}
     has_rows = bool(len(df)) and int(row.get("ranks_recording") or 0) > 0
     now = time.time() if now is None else now
-    last = mirror.last_write or _newest_mtime(mirror.run_dir)
+    last = max(mirror.last_write, _newest_mtime(mirror.run_dir))
     if not has_rows:
         status = "empty"
     elif bool(row.get("closed")):
@@ -242,6 +242,30 @@ def run_info(mirror: RunMirror, now: float | None = None) -> RunInfo:
         first_error=_none(row.get("first_error")), config_hash=_none(row.get("config_hash")),
         config_json=_none(row.get("config_json")), name_prefix=prefix,
     )
+
+
+_INFO_CACHE: dict = {}
+
+
+def run_info_at(run_dir, now: float | None = None) -> RunInfo:
+    """:func:`run_info` of a run without keeping a mirror of it: the runs_log rows are read again only
+    when a part was added; liveness is re-judged from the newest part's time at every call."""
+    import dataclasses
+
+    run_dir = Path(run_dir).resolve()
+    sig = run_signature(run_dir)
+    with _BASE_LOCK:
+        hit = _INFO_CACHE.get(run_dir)
+    if hit is not None and hit[0] == sig:
+        info = hit[1]
+    else:
+        info = run_info(RunMirror(run_dir), now)  # a throwaway mirror that reads runs_log only
+        with _BASE_LOCK:
+            _INFO_CACHE[run_dir] = (sig, info)
+    if info.status in ("live", "stalled"):
+        now = time.time() if now is None else now
+        info = dataclasses.replace(info, status="live" if now - info.last_write <= LIVE_WINDOW_S else "stalled")
+    return info
 
 
 def run_signature(run_dir) -> tuple:

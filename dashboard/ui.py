@@ -87,7 +87,7 @@ def setup() -> Context:
     st.sidebar.divider()
     r = root()
     p = pool()
-    runs = [data.run_info(p.get(d)) for d in data.find_runs(r)]
+    runs = [data.run_info_at(d) for d in data.find_runs(r)]
     runs.sort(key=lambda i: (i.started_at is None, str(i.started_at or ""), i.run_id), reverse=True)
     st.sidebar.markdown("**ultraep** · expert-parallel balancing")
     st.sidebar.caption(f"runs directory: `{r}`")
@@ -183,14 +183,17 @@ def live(body: Callable[[Context], None], *, key: str, refresh: bool = True) -> 
     st.fragment(frag, run_every=every)()
 
 
-def cached_headline(info: data.RunInfo) -> dict:
+def cached_headline(info: data.RunInfo, selected=None) -> dict:
     """:func:`data.headline` of a run, recomputed only when a part was added since the last time."""
     sig = data.run_signature(info.path)
     cache = headline_cache()
     hit = cache.get(info.path)
     if hit is not None and hit[0] == sig:
         return hit[1]
-    h = data.headline(pool().get(info.path))
+    # live runs (and the one on screen) keep a mirror, read incrementally; a finished run is read once
+    # by a throwaway mirror, so listing many runs never evicts the mirrors in use
+    keep = info.live or (selected is not None and Path(selected).resolve() == Path(info.path).resolve())
+    h = data.headline(pool().get(info.path) if keep else data.RunMirror(info.path))
     cache[info.path] = (sig, h)
     return h
 

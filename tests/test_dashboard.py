@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -458,6 +459,17 @@ def test_a_live_run_is_marked_and_its_new_rows_show_up(tmp_path):
     rec.close()
     at.run()  # the run closed: one full re-run, then no more refreshing
     assert "closed" in " ".join(c.value for c in at.caption)
+
+
+def test_live_or_stalled_follows_the_newest_part(tmp_path):
+    from ultraep.dashboard import data
+
+    recs = record_run(tmp_path, "open", steps=1, ranks=(0,), close=False)
+    assert data.run_info_at(tmp_path / "open").status == "live"
+    later = time.time() + data.LIVE_WINDOW_S + 60  # no part for longer than the window: stalled
+    assert data.run_info_at(tmp_path / "open", now=later).status == "stalled"
+    recs[0].close()
+    assert data.run_info_at(tmp_path / "open", now=later).status == "closed"
 
 
 def test_mirror_refresh_reads_only_new_parts(tmp_path):

@@ -11,8 +11,8 @@ def body(ctx: ui.Context) -> None:
     st.subheader("Runs")
     rows = []
     for info in ctx.runs:
-        info = data.run_info(ui.pool().get(info.path))
-        h = ui.cached_headline(info)
+        info = data.run_info_at(info.path)
+        h = ui.cached_headline(info, selected=ctx.run.path)
         rows.append({
             "run": info.label, "status": info.status, "kind": info.kind, "model": info.model,
             "EP ranks": info.world_size, "steps": h["steps"], "layers": h["layers"],
