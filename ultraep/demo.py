@@ -46,7 +46,7 @@ class DemoSettings:
         """Model and batch size: big enough that expert compute dominates a step, small enough for 2 cores."""
         if self.quick:
             return dict(num_experts=8, hidden=256, expert_hidden=512, layers=2, vocab=256, batch=2, seq=128)
-        return dict(num_experts=8, hidden=512, expert_hidden=1024, layers=3, vocab=512, batch=2, seq=128)
+        return dict(num_experts=8, hidden=384, expert_hidden=768, layers=3, vocab=512, batch=2, seq=128)
 
 
 def _structure(model, family: str, num_domains: int, vocab: int, strength: float, seed: int) -> None:
