@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+
+def default_ranks() -> int:
+    """One rank per CPU core (a straggler only costs time when every rank owns its core), 2 to 8, a power
+    of two so it divides the demo's 8 experts. Kept here so that building the CLI does not import torch."""
+    cores = min(os.cpu_count() or 2, 8)
+    return max(2, 1 << (cores.bit_length() - 1))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ultraep.demo import default_ranks
-
     p = sub.add_parser("demo", help="balance a small Hugging Face MoE model on local ranks and compare with none",
                        description="Run a real MoE model twice on local gloo ranks — no balancing, then the "
                        "chosen policy — record both runs, and print what balancing changed and what it cost.")

@@ -19,7 +19,6 @@ What it does:
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -230,8 +229,3 @@ def _summary(con, settings: DemoSettings, results: dict) -> None:
                       str(sum(o["recording_errors"] for o in out)))
     con.print(steps)
 
-
-def default_ranks() -> int:
-    """One rank per CPU core (a straggler only costs time when every rank owns its core), 2 to 8."""
-    cores = min(os.cpu_count() or 2, 8)
-    return max(2, 1 << (cores.bit_length() - 1))  # a power of two, so it divides the 8 experts
