@@ -125,6 +125,15 @@ def _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst_order_RM, min_quota,
 
 
 @njit(cache=True)
+def _keep(tmp_e, tmp_r, tmp_s, tmp_q, out_e, out_r, out_s, out_q, at, n):
+    """Copy a feasible pass's ``n`` replicas from the scratch buffers to ``out_*[at:at + n]``."""
+    out_e[at:at + n] = tmp_e[:n]
+    out_r[at:at + n] = tmp_r[:n]
+    out_s[at:at + n] = tmp_s[:n]
+    out_q[at:at + n] = tmp_q[:n]
+
+
+@njit(cache=True)
 def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota):
     """Steps 1-4 for every domain. Returns replicas ``(e, rank, slot, quota)``, each ``[P]``, in acceptance
     order, and the chosen τ per domain ``[R / D]``."""
@@ -200,10 +209,7 @@ def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota):
                 if ok_p:
                     b = probe
                     n_best = n
-                    out_e[n_out:n_out + n] = tmp_e[:n]
-                    out_r[n_out:n_out + n] = tmp_r[:n]
-                    out_s[n_out:n_out + n] = tmp_s[:n]
-                    out_q[n_out:n_out + n] = tmp_q[:n]
+                    _keep(tmp_e, tmp_r, tmp_s, tmp_q, out_e, out_r, out_s, out_q, n_out, n)
                     break
                 a = probe + 1
                 step *= 2
@@ -217,10 +223,7 @@ def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota):
                     b = mid
                     n_best = n
                     # Step 4 (folded in): keep this pass's replicas; a later feasible pass replaces them.
-                    out_e[n_out:n_out + n] = tmp_e[:n]
-                    out_r[n_out:n_out + n] = tmp_r[:n]
-                    out_s[n_out:n_out + n] = tmp_s[:n]
-                    out_q[n_out:n_out + n] = tmp_q[:n]
+                    _keep(tmp_e, tmp_r, tmp_s, tmp_q, out_e, out_r, out_s, out_q, n_out, n)
                 else:
                     a = mid + 1
             tau = b
@@ -231,10 +234,7 @@ def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota):
                 n_out += n_best
             continue
         tau_dom[d] = tau
-        out_e[n_out:n_out + n_best] = tmp_e[:n_best]
-        out_r[n_out:n_out + n_best] = tmp_r[:n_best]
-        out_s[n_out:n_out + n_best] = tmp_s[:n_best]
-        out_q[n_out:n_out + n_best] = tmp_q[:n_best]
+        _keep(tmp_e, tmp_r, tmp_s, tmp_q, out_e, out_r, out_s, out_q, n_out, n_best)
         n_out += n_best
     return out_e[:n_out], out_r[:n_out], out_s[:n_out], out_q[:n_out], tau_dom
 
