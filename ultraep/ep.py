@@ -323,7 +323,8 @@ class BalancedExperts(nn.Module):
             raise
         except RuntimeError as exc:
             rt = self.runtime
-            if rt.recorder is not None:
+            flushed = rt.recorder is not None
+            if flushed:
                 rt._safe(rt.recorder.flush)
             if peers is None:
                 peers = [r for r in range(rt.world_size) if r != rt.rank]
@@ -332,8 +333,8 @@ class BalancedExperts(nn.Module):
             raise RankFailureError(
                 f"layer {self.layer} ({self.name}): {phase} failed on rank {rt.rank} of {rt.world_size} at step "
                 f"{rt.step} while exchanging with rank(s) {peers}: a peer died or did not answer within the "
-                f"process group timeout ({type(exc).__name__}: {cause}). Telemetry was flushed; stop every rank "
-                "and restart from the last checkpoint.",
+                f"process group timeout ({type(exc).__name__}: {cause}). {'Telemetry was flushed; ' if flushed else ''}"
+                "stop every rank and restart from the last checkpoint.",
                 layer=self.layer, name=self.name, phase=phase, rank=rt.rank, peers=list(peers), step=rt.step,
             ) from exc
 
