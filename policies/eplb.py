@@ -284,7 +284,8 @@ class EplbPolicy:
     """Historical balancing for the runtime: replicas from past load, even token split.
 
     Options:
-        interval: steps between re-placements (a step = one committed plan of this layer).
+        interval: steps between re-placements (a step = one committed plan of this layer). The first
+            placement happens as soon as one load is committed (step 1), then every ``interval`` steps.
         window: past loads averaged for the estimate (ignored with ``ewma``).
         ewma: if set, an exponential moving average with this weight on the newest load instead of a window.
         use_current_load: plan from the load being balanced (DeepSeek EPLB fed exact load, the "EPLB+"
@@ -317,6 +318,7 @@ class EplbPolicy:
         t0 = time.perf_counter()
         t = topology
         refresh = self.use_current_load or self._replicas is None or self._age >= self.interval
+        w = None
         if refresh:
             w = load_RE.sum(axis=0).astype(np.float64) if self.use_current_load else self._estimate()
             if w is None or t.num_redundant_slots == 0 or t.D == 1:
@@ -334,7 +336,11 @@ class EplbPolicy:
             mask = np.array([(a, b) not in old for a, b in zip(e.tolist(), r.tolist())], dtype=bool)
         plan = assemble_plan(
             self.name, t, load_RE, e, r, s, None, transfer_mask=mask, relay=self.relay,
-            info={"refreshed": bool(refresh), "age": 0 if refresh else self._age, "replicas": reps},
+            # "placed": the refresh had an estimate to place from. Without one (no load committed yet) the
+            # masters-only plan is not a placement: the next step places as soon as history exists
+            # instead of waiting ``interval`` steps (issue 15, item 2).
+            info={"refreshed": bool(refresh), "placed": bool(refresh and w is not None),
+                  "age": 0 if refresh else self._age, "replicas": reps},
         )
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
         return plan
@@ -344,7 +350,7 @@ class EplbPolicy:
         if self.ewma is not None:
             self._ewma_E = lam if self._ewma_E is None else self.ewma * lam + (1 - self.ewma) * self._ewma_E
         self._history.append(lam)
-        if plan.info.get("refreshed"):
+        if plan.info.get("refreshed") and plan.info.get("placed", True):
             self._replicas = plan.info["replicas"]
             self._age = 1
         else:

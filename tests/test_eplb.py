@@ -56,24 +56,28 @@ def test_policy_uses_only_history_and_refreshes_on_interval():
     hot6 = np.zeros((4, 8), dtype=np.int64)
     hot6[:, 6] = 100
     hot6 += 1
-    p = pol.plan(hot0, t)  # step 0: no history -> masters only
+    p = pol.plan(hot0, t)  # step 0: no history -> masters only, and not counted as a placement
     p.check()
-    assert p.num_replicas == 0 and p.info["refreshed"]
+    assert p.num_replicas == 0 and p.info["refreshed"] and not p.info["placed"]
     assert pol.plan(hot0, t).digest() == p.digest()  # plan is pure: no state change without commit
     pol.commit(p)
-    for _ in range(2):  # steps 1, 2: placement kept (age < interval)
-        q = pol.plan(hot0, t)
-        assert not q.info["refreshed"] and q.num_replicas == 0
-        pol.commit(q)
-    r = pol.plan(hot6, t)  # step 3: refresh from the window of past loads (expert 0 hot), not from hot6
+    q = pol.plan(hot6, t)  # step 1: first load committed -> place from it (expert 0 hot), not from hot6
+    q.check()
+    assert q.info["placed"] and q.replica_count_E[0] > 1 and q.replica_count_E[6] == 1
+    pol.commit(q)
+    for _ in range(2):  # steps 2, 3: placement kept (age < interval)
+        k = pol.plan(hot6, t)
+        assert not k.info["refreshed"] and k.replica_count_E[0] > 1
+        pol.commit(k)
+    r = pol.plan(hot0, t)  # step 4: refresh from the window of past loads (expert 6 hot), not from hot0
     r.check()
-    assert r.info["refreshed"] and r.replica_count_E[0] > 1 and r.replica_count_E[6] == 1
-    assert len(r.transfers) == r.num_replicas  # new replicas move weights
+    assert r.info["refreshed"] and r.replica_count_E[6] == 4 > r.replica_count_E[0]  # one per rank at most
+    assert sorted(r.transfers.expert.tolist()) == [6, 6, 6]  # only new replicas move weights (0 on rank 3 stays)
     pol.commit(r)
     s = pol.plan(hot6, t)
     assert not s.info["refreshed"] and len(s.transfers) == 0  # unchanged placement moves nothing
-    # even split across instances: expert 0's tokens are shared nearly equally
-    q0 = s.quota_RS[s.phy2log_RS == 0]
+    # even split across instances: expert 6's tokens are shared nearly equally
+    q0 = s.quota_RS[s.phy2log_RS == 6]
     assert q0.max() - q0.min() <= len(q0)
 
 
