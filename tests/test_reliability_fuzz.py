@@ -130,8 +130,9 @@ def _seeds(d: Path) -> dict[str, Path]:
     out["sglang-pt"] = d / "s.pt"
     (d / "s.csv").write_text("layer_id,expert_id,count\n0,0,5\n0,3,2\n1,1,7\n")
     out["sglang-csv"] = d / "s.csv"
-    (d / "m.jsonl").write_text('{"step":0,"layer":0,"rank":0,"top_indices":[[0,1],[2,3]]}\n'
-                               '{"step":0,"layer":1,"rank":1,"tokens_per_expert":[1,0,2,5]}\n')
+    rec = {"step": 0, "stage": "pre_dispatch", "block": "decoder", "layer": 0, "rank": 0, "num_tokens": 2,
+           "topk": 2, "top_indices": [[0, 1], [2, 3]]}  # Megatron router_trace's keys
+    (d / "m.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "block": "mtp", "mtp_idx": 0}) + "\n")
     out["megatron-jsonl"] = d / "m.jsonl"
     np.savez(d / "u_0.npz", load_before=np.ones((2, 2, 4), np.int64), layer=np.array([0, 1]))
     (d / "u.manifest.json").write_text(json.dumps({"schema": "ultra_ep_trace_v1", "trace_id": "u",

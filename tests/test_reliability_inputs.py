@@ -170,6 +170,13 @@ def test_all_zero_load_is_a_valid_identity_plan(policy):
 
 
 # --------------------------------------------------------------------------------------------- traces
+def _mrec(**changes) -> str:
+    """One Megatron router_trace record with every key its writer writes (changes applied), as a JSONL line."""
+    rec = {"step": 0, "stage": "pre_dispatch", "block": "decoder", "layer": 0, "rank": 0, "num_tokens": 1,
+           "topk": 1, "top_indices": [[1]], **changes}
+    return json.dumps(rec) + "\n"
+
+
 def _good_trace(d: Path) -> Path:
     meta = TraceMeta(num_experts=4, num_ranks=2)
     counts = np.random.default_rng(0).integers(0, 9, (3, 2, 2, 4))
@@ -253,20 +260,20 @@ TRACE_CASES = [
     (".pt wrong shape", lambda d: _mk_torch(d, "w.pt", {"logical_count": __import__("torch").ones(4)}), {},
      [":logical_count", "(4,)"]),
     (".pt without logical_count", lambda d: _mk_torch(d, "k.pt", {"other": 1}), {}, ["no 'logical_count'", "other"]),
-    ("jsonl bad JSON line", lambda d: _mk_text(d, "b.jsonl", '{"step":0,"layer":0,"top_indices":[1]}\n{"step":\n'),
+    ("jsonl bad JSON line", lambda d: _mk_text(d, "b.jsonl", _mrec() + "{\"step\":\n"),
      {}, [":2", "not valid JSON"]),
     ("jsonl not an object", lambda d: _mk_text(d, "a.jsonl", "[1, 2]\n"), {}, [":1", "JSON object"]),
     ("jsonl missing step", lambda d: _mk_text(d, "s.jsonl", '{"layer":0,"top_indices":[1]}\n'), {},
      [":1", "lacks 'step'"]),
-    ("jsonl fractional step", lambda d: _mk_text(d, "f.jsonl", '{"step":1.5,"layer":0,"top_indices":[1]}\n'), {},
-     [":1", "must be integers", "1.5"]),
-    ("jsonl negative expert id", lambda d: _mk_text(d, "n.jsonl", '{"step":0,"layer":0,"top_indices":[-1]}\n'),
-     {}, [":1.top_indices[0]", "(-1)"]),
-    ("jsonl ragged indices", lambda d: _mk_text(d, "r.jsonl", '{"step":0,"layer":0,"top_indices":[[1,2],[3]]}\n'),
+    ("jsonl fractional step", lambda d: _mk_text(d, "f.jsonl", _mrec(step=1.5)), {},
+     [":1.step", "must be an integer", "1.5"]),
+    ("jsonl negative expert id", lambda d: _mk_text(d, "n.jsonl", _mrec(top_indices=[[-1]])),
+     {}, [":1.top_indices[0, 0]", "(-1)"]),
+    ("jsonl ragged indices", lambda d: _mk_text(d, "r.jsonl", _mrec(num_tokens=2, topk=2, top_indices=[[1, 2], [3]])),
      {}, ["megatron-jsonl", "inhomogeneous"]),
     ("jsonl binary garbage", lambda d: _mk_text(d, "g.jsonl", b"\xff\xfe\x00garbage"), {},
      ["megatron-jsonl", "UnicodeDecodeError"]),
-    ("jsonl step beyond int32", lambda d: _mk_text(d, "h.jsonl", '{"step":99999999999,"layer":0,"top_indices":[1]}\n'),
+    ("jsonl step beyond int32", lambda d: _mk_text(d, "h.jsonl", _mrec(step=99999999999)),
      {}, [".step[0]", "99999999999", "int32"]),
     ("csv short row", lambda d: _mk_text(d, "s.csv", "layer_id,expert_id,count\n0,0\n"), {}, [":2", "['0', '0']"]),
     ("csv negative count", lambda d: _mk_text(d, "n.csv", "layer_id,expert_id,count\n0,0,-5\n"), {}, [":2", "-5"]),

@@ -120,32 +120,7 @@ def test_sglang_csv(tmp_path):
         load_trace(p)
 
 
-# ---------------------------------------------------------------------------------------------- Megatron
-def test_megatron_router_trace(tmp_path):
-    p = tmp_path / "router_trace.jsonl"
-    recs = [
-        {"step": 1, "stage": "fwd", "block": 0, "layer": 3, "rank": 0, "num_tokens": 2, "topk": 2,
-         "top_indices": [[0, 1], [1, 2]]},
-        {"step": 1, "stage": "fwd", "block": 0, "layer": 3, "rank": 1, "num_tokens": 1, "topk": 2,
-         "top_indices": [[3, 0]]},
-        {"step": 1, "stage": "fwd", "block": 0, "layer": 3, "rank": 0, "num_tokens": 1, "topk": 2,
-         "top_indices": [2, 3]},  # the same (step, layer, rank) again: the next microbatch
-    ]
-    p.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
-    tr = load_trace(p)
-    assert tr.meta.num_ranks == 2 and tr.meta.num_experts == 4
-    mb0, mb1 = _loads(tr, 3, 2)
-    assert mb0.tolist() == [[1, 2, 1, 0], [1, 0, 0, 1]]
-    assert mb1.tolist() == [[0, 0, 1, 1], [0, 0, 0, 0]]
-    p.write_text(json.dumps(recs[0]) + "\n{oops\n")
-    with pytest.raises(TraceError, match=r"router_trace.jsonl:2.*not valid JSON"):
-        load_trace(p)
-    p.write_text(json.dumps({"step": 0, "layer": 0, "rank": 0}) + "\n")
-    with pytest.raises(TraceError, match="needs 'top_indices' or 'tokens_per_expert'"):
-        load_trace(p)
-    p.write_text(json.dumps({"step": 0, "layer": 0, "rank": 0, "top_indices": [[5]]}) + "\n")
-    with pytest.raises(TraceError, match="expert id 5 >= num_experts 4"):
-        load_trace(p, num_experts=4)
+# Megatron router traces: tests/test_trace_importers.py (written in the writer's exact layout)
 
 
 # ---------------------------------------------------------------------------------------------- UltraEP

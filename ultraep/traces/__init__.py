@@ -58,6 +58,11 @@ class TraceMeta(BaseModel):
     source: str = Field(default="ultraep", description="Format the trace came from.")
     model: str | None = Field(default=None, description="Model that produced the routing, when known.")
     description: str = Field(default="", description="Free text (generator settings, import notes).")
+    inferred: list[str] = Field(
+        default_factory=list,
+        description="Fields above that the dump did not give and the importer inferred (e.g. num_experts as the "
+        "largest expert id + 1); `ultraep trace info` lists them.",
+    )
     extra: dict[str, Any] = Field(default_factory=dict, description="Format-specific details kept for reference.")
 
 
@@ -259,6 +264,9 @@ class Trace:
             "points": int(len(pts)), "layers": self.layers.tolist(), "num_experts": self.meta.num_experts,
             "num_ranks": self.meta.num_ranks, "top_k": self.meta.top_k, "source": self.meta.source,
             "model": self.meta.model, "tokens": int(self.columns["tokens"].sum()),
+            "inferred": list(self.meta.inferred), "notes": self.meta.description,
+            **({"layer_names": self.meta.extra["layer_names"]} if self.meta.extra.get("layer_names") else {}),
+            **({"source_ranks": self.meta.extra["source_ranks"]} if self.meta.extra.get("source_ranks") else {}),
         }
 
     def layer_loads(self, layer: int, num_ranks: int, *, point_stride: int = 1,

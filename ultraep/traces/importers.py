@@ -15,11 +15,9 @@ because some of these dumps have no published schema):
 ``sglang-csv``
     The older SGLang CSV dump: header ``layer_id,expert_id,count`` (any column order), one step.
 ``megatron-jsonl``
-    Megatron-LM ``router_trace`` (``--moe-routing-trace-path``): one JSON object per line with
-    ``step``, ``layer``, ``rank`` and ``top_indices`` (``[num_tokens][topk]`` or flat); ``stage`` and
-    ``block`` are kept only to tell records apart. Repeated ``(step, layer, rank)`` records are successive
-    microbatches. A record may give ``tokens_per_expert`` (``[E]``) instead of ``top_indices``.
-    ``num_experts`` defaults to the largest expert id + 1 (recorded as inferred).
+    Megatron-LM ``router_trace`` (``--moe-routing-trace-path``): a directory of
+    ``router_trace_rank{r}.jsonl`` or one such file; MTP records become layers of their own
+    (:mod:`ultraep.traces.megatron` has the layout, the writer's commit and the mapping).
 ``ultraep-npz``
     UltraEP load profiling (``ULTRA_EP_LOAD_PROFILING=1``): ``<trace_id>.manifest.json`` (schema
     ``ultra_ep_trace_v1``) next to ``.npz`` chunks. The manifest lists the chunks under ``chunks`` (or
@@ -54,26 +52,9 @@ import numpy as np
 from ultraep.errors import TraceError, UltraEPError, format_pydantic_error
 
 from . import Trace, TraceMeta
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _int_array(arr, path: str, what: str) -> np.ndarray:
-    a = np.asarray(arr)
-    if a.dtype == object or a.dtype.kind not in "biuf":
-        raise TraceError(path, f"{what} must hold counts, got dtype {a.dtype}", str(a.dtype))
-    if a.dtype.kind == "f":
-        if not np.all(np.isfinite(a)) or np.any(a != np.round(a)):
-            bad = tuple(int(i) for i in np.argwhere(~np.isfinite(a) | (a != np.round(a)))[0])
-            raise TraceError(f"{path}{list(bad)}", f"{what} holds a non-integer count ({a[bad]})", float(a[bad]))
-    a = a.astype(np.int64)
-    if (a < 0).any():
-        bad = tuple(int(i) for i in np.argwhere(a < 0)[0])
-        raise TraceError(f"{path}{list(bad)}", f"{what} holds a negative count ({a[bad]})", int(a[bad]))
-    return a
+from ._build import first_line as _first_line
+from ._build import int_array as _int_array
+from .megatron import import_megatron_jsonl, is_megatron_dir
 
 
 # ---------------------------------------------------------------------------------------------- SGLang
@@ -145,69 +126,6 @@ def import_sglang_csv(path, num_experts: int | None = None, **_) -> Trace:
     n = len(a)
     return Trace.from_columns(meta, p, step=np.zeros(n), microbatch=np.zeros(n), layer=a[:, 0],
                               src_rank=np.full(n, -1), expert=a[:, 1], tokens=a[:, 2])
-
-
-# ---------------------------------------------------------------------------------------------- Megatron
-def import_megatron_jsonl(path, num_experts: int | None = None, **_) -> Trace:
-    """Megatron-LM ``router_trace`` JSONL (see the module docstring)."""
-    p = str(path)
-    try:
-        fh = open(p)
-    except FileNotFoundError:
-        raise TraceError(p, "does not exist") from None
-    recs = []  # (step, layer, rank, expert ids array or counts array, is_counts)
-    with fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{p}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(where, f"is not valid JSON ({exc.msg})", line[:80]) from None
-            if not isinstance(obj, dict):
-                raise TraceError(where, "must be a JSON object", type(obj).__name__)
-            for key in ("step", "layer"):
-                if key not in obj:
-                    raise TraceError(where, f"lacks {key!r} (keys: {sorted(obj)})", sorted(obj))
-            step, layer, rank = obj["step"], obj["layer"], obj.get("rank", -1)
-            if not all(type(v) is int for v in (step, layer, rank)):  # 1.5 or true would be truncated silently
-                got = [obj.get("step"), obj.get("layer"), obj.get("rank")]
-                raise TraceError(where, f"step, layer and rank must be integers, got {got}", got)
-            if "tokens_per_expert" in obj:
-                counts = _int_array(obj["tokens_per_expert"], f"{where}.tokens_per_expert", "tokens_per_expert")
-                if counts.ndim != 1:
-                    raise TraceError(f"{where}.tokens_per_expert", f"must be a list, got shape {counts.shape}", counts.shape)
-                recs.append((step, layer, rank, counts, True))
-            elif "top_indices" in obj:
-                ids = _int_array(obj["top_indices"], f"{where}.top_indices", "top_indices").ravel()
-                recs.append((step, layer, rank, ids, False))
-            else:
-                raise TraceError(where, f"needs 'top_indices' or 'tokens_per_expert' (keys: {sorted(obj)})", sorted(obj))
-    if not recs:
-        raise TraceError(p, "holds no records")
-    biggest = max((len(r[3]) - 1 if r[4] else (int(r[3].max()) if r[3].size else -1)) for r in recs)
-    E = biggest + 1 if num_experts is None else int(num_experts)
-    if biggest >= E:
-        raise TraceError(p, f"expert id {biggest} >= num_experts {E}", biggest)
-    ranks = sorted({r[2] for r in recs})
-    if ranks[0] < -1 or (-1 in ranks and len(ranks) > 1):
-        raise TraceError(p, f"rank must be >= 0 in every record (or absent in all), got {ranks[:5]}", ranks[0])
-    seen: dict[tuple[int, int, int], int] = {}
-    cols = {c: [] for c in ("step", "microbatch", "layer", "src_rank", "expert", "tokens")}
-    for step, layer, rank, arr, is_counts in recs:
-        mb = seen.get((step, layer, rank), 0)
-        seen[(step, layer, rank)] = mb + 1
-        counts = arr if is_counts else np.bincount(arr, minlength=E)
-        nz = np.flatnonzero(counts)
-        for c, v in (("step", step), ("microbatch", mb), ("layer", layer), ("src_rank", rank)):
-            cols[c].append(np.full(nz.size, v))
-        cols["expert"].append(nz)
-        cols["tokens"].append(counts[nz])
-    num_ranks = None if ranks == [-1] else max(ranks) + 1
-    meta = TraceMeta(num_experts=E, num_ranks=num_ranks, source="megatron-jsonl",
-                     extra={"num_experts_inferred": num_experts is None})
-    return Trace.from_columns(meta, p, **{c: np.concatenate(v) for c, v in cols.items()})
 
 
 # ---------------------------------------------------------------------------------------------- UltraEP
@@ -526,6 +444,8 @@ def detect_format(path) -> str:
     if p.is_dir():
         if any(_RANK_FILE.match(f.name) for f in p.iterdir()):
             return "trtllm"
+        if is_megatron_dir(p):
+            return "megatron-jsonl"
         return "recorded-run"
     if p.suffix == ".duckdb":
         return "recorded-run"
