@@ -8,10 +8,12 @@ stored with every run. No behaviour hides in environment variables.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ultraep.errors import ConfigError
 
@@ -19,9 +21,46 @@ PolicyName = Literal["none", "quota", "eplb", "feplb", "hybridep", "adaptive"]
 CandidateName = Literal["none", "quota", "eplb", "feplb", "hybridep"]
 RelayMode = Literal["auto", "direct", "always"]
 
+# Strict scalars: lax pydantic turns ``True`` into 1 and ``2.0`` or ``"2"`` into 2, which hides mistakes
+# (``num_redundant_slots=True``). Floats still take ints (1 means 1.0); none takes a bool or a string.
+StrictInt = Annotated[int, Strict()]
+StrictFloat = Annotated[float, Strict()]
+StrictBool = Annotated[bool, Strict()]
 
-class _Options(BaseModel):
+
+class _Model(BaseModel):
+    """Frozen, ``extra="forbid"``, and an unknown field names the closest known one."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _suggest_fields(cls, data, handler):
+        try:
+            return handler(data)
+        except ValidationError as exc:
+            errors = exc.errors()
+            if not any(e["type"] == "extra_forbidden" for e in errors):
+                raise
+            raise ValidationError.from_exception_data(exc.title, [_with_hint(cls, e) for e in errors]) from None
+
+
+def _with_hint(cls: type[BaseModel], err: dict) -> InitErrorDetails:
+    """Rebuild one pydantic error; an unknown key of ``cls`` itself (loc of length 1) gets a hint, an
+    unknown key deeper down keeps the message its own model gave it."""
+    if err["type"] != "extra_forbidden":
+        extra = {"ctx": err["ctx"]} if "ctx" in err else {}
+        return InitErrorDetails(type=err["type"], loc=err["loc"], input=err["input"], **extra)
+    msg = err["msg"]
+    if len(err["loc"]) == 1:
+        fields = [f for f in cls.model_fields if f != "kind"]
+        close = difflib.get_close_matches(str(err["loc"][0]), fields, n=1, cutoff=0.6)
+        msg += f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(fields)}"
+    kind = PydanticCustomError("extra_forbidden", msg.replace("{", "{{").replace("}", "}}"))
+    return InitErrorDetails(type=kind, loc=err["loc"], input=err["input"])
+
+
+class _Options(_Model):
 
     def policy_options(self) -> dict:
         """Keyword arguments for the policy class (everything but ``kind`` and slot overrides)."""
@@ -38,13 +77,13 @@ class QuotaOptions(_Options):
     """Exact-load real-time balancing (UltraEP quota planner)."""
 
     kind: Literal["quota"] = "quota"
-    num_redundant_slots: int | None = Field(
+    num_redundant_slots: StrictInt | None = Field(
         default=None, ge=0, description="Override of the redundant slots this layer may use (default: global)."
     )
-    balance_eps: float = Field(
+    balance_eps: StrictFloat = Field(
         default=0.01, ge=0.0, le=1.0, description="Fast-path target: rank load <= (1 + eps) * mean."
     )
-    min_replica_quota: int = Field(
+    min_replica_quota: StrictInt = Field(
         default=1, ge=1, description="Smallest quota (tokens) a new replica may carry, on top of the dynamic floor."
     )
     relay: RelayMode = Field(default="auto", description="Weight transfer: relay tree when it pays, direct, or always.")
@@ -54,15 +93,15 @@ class EplbOptions(_Options):
     """Historical balancing (DeepSeek EPLB placement, even token split)."""
 
     kind: Literal["eplb"] = "eplb"
-    num_redundant_slots: int | None = Field(
+    num_redundant_slots: StrictInt | None = Field(
         default=None, ge=0, description="Override of the redundant slots this layer may use (default: global)."
     )
-    interval: int = Field(default=50, ge=1, description="Steps between re-placements.")
-    window: int = Field(default=50, ge=1, description="Past steps averaged for the load estimate.")
-    ewma: float | None = Field(
+    interval: StrictInt = Field(default=50, ge=1, description="Steps between re-placements.")
+    window: StrictInt = Field(default=50, ge=1, description="Past steps averaged for the load estimate.")
+    ewma: StrictFloat | None = Field(
         default=None, gt=0.0, le=1.0, description="Use an EWMA with this weight on the newest load instead of a window."
     )
-    use_current_load: bool = Field(
+    use_current_load: StrictBool = Field(
         default=False, description="Plan from the current exact load (EPLB+ baseline) instead of history."
     )
     relay: RelayMode = Field(default="auto", description="Weight transfer: relay tree when it pays, direct, or always.")
@@ -72,12 +111,12 @@ class FeplbOptions(_Options):
     """Whole-expert intra-domain moves (FEPLB, arXiv 2604.19654)."""
 
     kind: Literal["feplb"] = "feplb"
-    num_redundant_slots: int | None = Field(
+    num_redundant_slots: StrictInt | None = Field(
         default=None, ge=0, description="Override of the dynamic-expert buffers per rank (default: global slots)."
     )
-    num_dynamic: int = Field(default=4, ge=0, description="Dynamic (movable) experts per rank; the rest are static.")
-    min_tokens: int = Field(default=1, ge=0, description="Smallest expert load (tokens) worth moving (FEPLB's tau).")
-    ewma: float = Field(
+    num_dynamic: StrictInt = Field(default=4, ge=0, description="Dynamic (movable) experts per rank; the rest are static.")
+    min_tokens: StrictInt = Field(default=1, ge=0, description="Smallest expert load (tokens) worth moving (FEPLB's tau).")
+    ewma: StrictFloat = Field(
         default=0.3, gt=0.0, le=1.0, description="Weight of the newest load in the predictor of dynamic experts."
     )
 
@@ -86,30 +125,30 @@ class HybridEPOptions(_Options):
     """Hybrid expert/token transmission over slow links (HybridEP, arXiv 2510.19470)."""
 
     kind: Literal["hybridep"] = "hybridep"
-    domain_sizes: tuple[Annotated[int, Field(ge=1)], ...] | None = Field(
+    domain_sizes: tuple[Annotated[StrictInt, Field(ge=1)], ...] | None = Field(
         default=None, min_length=1,
         description="Candidate expert-domain sizes in scale-out domains (default: all divisors); not empty.",
     )
-    compression: float = Field(default=1.0, ge=1.0, description="Expert compression ratio for the all-gather.")
+    compression: StrictFloat = Field(default=1.0, ge=1.0, description="Expert compression ratio for the all-gather.")
 
 
 class AdaptiveOptions(_Options):
     """Per-layer choice of the cheapest policy by the cost model, with hysteresis."""
 
     kind: Literal["adaptive"] = "adaptive"
-    num_redundant_slots: int | None = Field(
+    num_redundant_slots: StrictInt | None = Field(
         default=None, ge=0, description="Override of the redundant slots this layer may use (default: global)."
     )
     candidates: tuple[CandidateName, ...] = Field(
         default=("none", "quota", "eplb", "feplb", "hybridep"), description="Policies to choose from (need 'none')."
     )
-    margin: float = Field(default=0.005, ge=0.0, description="Relative gain below which the current policy stays.")
-    patience: int = Field(default=2, ge=1, description="Consecutive wins a better policy needs before a switch.")
-    switch_now: float = Field(default=0.02, ge=0.0, description="Relative gain that switches immediately.")
-    deadline_s: float | None = Field(
+    margin: StrictFloat = Field(default=0.005, ge=0.0, description="Relative gain below which the current policy stays.")
+    patience: StrictInt = Field(default=2, ge=1, description="Consecutive wins a better policy needs before a switch.")
+    switch_now: StrictFloat = Field(default=0.02, ge=0.0, description="Relative gain that switches immediately.")
+    deadline_s: StrictFloat | None = Field(
         default=None, gt=0.0, description="Planning + weight sync later than this falls back to 'none' (seconds)."
     )
-    screen: bool = Field(default=True, description="Skip planning candidates that cannot pay for their planner.")
+    screen: StrictBool = Field(default=True, description="Skip planning candidates that cannot pay for their planner.")
 
 
 LayerPolicy = Annotated[
@@ -123,14 +162,12 @@ _DEFAULTS: dict[str, type[_Options]] = {
 }
 
 
-class BalancerConfig(BaseModel):
+class BalancerConfig(_Model):
     """How ultraep balances every MoE layer."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     policy: PolicyName = Field(default="quota", description="Policy of every layer without an override.")
-    num_redundant_slots: int = Field(default=2, ge=0, description="Redundant (replica) slots per rank (N).")
-    domain_size: int | None = Field(
+    num_redundant_slots: StrictInt = Field(default=2, ge=0, description="Redundant (replica) slots per rank (N).")
+    domain_size: StrictInt | None = Field(
         default=None, ge=1, description="Ranks per scale-up domain; replicas stay inside. Default: the whole group."
     )
     quota: QuotaOptions = Field(default_factory=QuotaOptions, description="Options of `quota` layers.")
@@ -138,7 +175,7 @@ class BalancerConfig(BaseModel):
     layers: dict[Annotated[int, Field(ge=0)], LayerPolicy] = Field(
         default_factory=dict, description="Per-layer policy overrides, keyed by MoE layer index (>= 0)."
     )
-    check_plan_hash: bool = Field(
+    check_plan_hash: StrictBool = Field(
         default=False, description="Debug: all-gather each plan's hash and stop if ranks disagree."
     )
 
@@ -176,6 +213,21 @@ class BalancerConfig(BaseModel):
                     f"lower it or enlarge domain_size",
                     n,
                 )
+        return self
+
+    def validate_layers(self, num_layers: int) -> "BalancerConfig":
+        """Refuse ``layers`` overrides for MoE layers the model does not have (``wrap`` found
+        ``num_layers`` of them, indexed ``0..num_layers-1``): an override that matches nothing would
+        silently leave its layer on the default policy."""
+        missing = sorted(k for k in self.layers if k >= num_layers)
+        if missing:
+            have = f"0..{num_layers - 1}" if num_layers > 1 else ("0" if num_layers == 1 else "none")
+            raise ConfigError(
+                f"layers.{missing[0]}",
+                f"the model has {num_layers} MoE layer(s) (indices {have}); no layer {missing[0]} to override"
+                + (f" (also missing: {', '.join(map(str, missing[1:]))})" if len(missing) > 1 else ""),
+                missing[0],
+            )
         return self
 
     def digest(self) -> str:

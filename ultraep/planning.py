@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from numbers import Integral
 
+from pydantic import ValidationError
+
+from ultraep.errors import ConfigError, UltraEPError, format_pydantic_error
 from ultraep.load import validate_load
 from ultraep.plan import Plan
 from ultraep.topology import Topology
@@ -11,7 +15,17 @@ from ultraep.topology import Topology
 
 @lru_cache(maxsize=256)
 def _topology(R: int, E: int, N: int, D: int | None) -> Topology:
-    return Topology(num_ranks=R, num_experts=E, num_redundant_slots=N, domain_size=D)
+    """The topology ``plan_layer`` builds from the load's shape; a rule it breaks (experts not divisible
+    by ranks, too many slots) is raised as the one-line :class:`ConfigError` the validator made, with
+    the load's shape added, not as pydantic's multi-line wrapper around it."""
+    try:
+        return Topology(num_ranks=R, num_experts=E, num_redundant_slots=N, domain_size=D)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        inner = (first.get("ctx") or {}).get("error")
+        if isinstance(inner, UltraEPError):
+            raise ConfigError(inner.path, f"{inner.message} (load of shape [{R}, {E}])", inner.value) from None
+        raise ConfigError("topology", format_pydantic_error(exc).replace("\n", "; "), (R, E, N, D)) from None
 
 
 @lru_cache(maxsize=64)
@@ -44,6 +58,9 @@ def plan_layer(
     Returns the frozen :class:`Plan`; masters are contiguous unless ``topology`` says otherwise.
     """
     if topology is None:
+        if isinstance(num_redundant_slots, bool) or not isinstance(num_redundant_slots, Integral):
+            raise ConfigError("num_redundant_slots", f"must be an integer, got {num_redundant_slots!r}",
+                              num_redundant_slots)
         arr = validate_load(load)
         topology = _topology(arr.shape[0], arr.shape[1], int(num_redundant_slots), domain_size)
     else:
