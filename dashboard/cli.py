@@ -8,8 +8,11 @@ this module is cheap: Streamlit loads in the child process only.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
+import threading
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -75,7 +78,57 @@ def run_dashboard(args: argparse.Namespace) -> int:
         raise UltraEPError("dashboard", "needs streamlit and plotly: pip install 'ultraep[dashboard]'")
     print(f"ultraep dashboard: http://{args.host}:{args.port}  (runs: {run.resolve()}; Ctrl+C to stop)",
           file=sys.stderr)
+    return serve(cmd)
+
+
+# Signals that end the dashboard. The Streamlit server is a child process: left alone it would keep serving
+# after its parent is gone (SIGTERM from a process manager, SIGHUP from a closed terminal, SIGINT sent to
+# the parent's pid only), so each is passed on to it and the parent waits for it to exit.
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def serve(cmd: list[str]) -> int:
+    """Run ``cmd`` (the Streamlit server) until it exits, passing SIGTERM/SIGINT/SIGHUP on to it. On Linux
+    the child also gets SIGTERM if this process dies without running any handler (SIGKILL).
+    Returns 0 after an interrupt (Ctrl+C), else the child's exit status (128 + n if killed by signal n)."""
+    child = subprocess.Popen(cmd, preexec_fn=_die_with_parent(os.getpid()) if sys.platform == "linux" else None)
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()  # handlers only install there
+    previous = {s: signal.signal(s, forward) for s in _FORWARDED} if main_thread else {}
     try:
-        return subprocess.call(cmd)
-    except KeyboardInterrupt:
+        rc = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if child.poll() is None:  # an exception while waiting: never leave the server behind
+            child.terminate()
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+    if signal.SIGINT in received:
         return 0
+    return 128 - rc if rc < 0 else rc
+
+
+def _die_with_parent(parent: int):
+    """``preexec_fn`` for the child: ask Linux to send it SIGTERM when the parent dies (prctl
+    PR_SET_PDEATHSIG), and exit at once if the parent is already gone (the race before the prctl)."""
+    def setup() -> None:
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # no prctl (unusual libc): signal forwarding still applies
+            return
+        if os.getppid() != parent:
+            os._exit(0)
+    return setup
