@@ -6,16 +6,32 @@ weights of all E experts as 3-D parameters with a leading expert dimension. That
 transformers v5's *experts interface* (``@use_experts_implementation``), so the router, shared experts,
 group-limited routing and DeepSeek's ``e_score_correction_bias`` all stay in the MoE block, untouched.
 
-The explicit table :data:`HF_EXPERTS` names the model families ultraep is tested on; any other module
-carrying the v5 experts-interface flags (``is_transposed``, ``has_bias``, ``_apply_gate``, ...) and
-``gate_up_proj`` / ``down_proj`` parameters is supported the same way. Plain PyTorch containers register
-with :func:`register_experts` (see the protocol there). Anything else raises with the supported list.
+Exact or refused (ARCHITECTURE.md §6): for an experts-interface container, :func:`adapter_for` reads
 
-Legend: E experts, H hidden size, I expert intermediate size, T rows of one expert.
+* the flags the class declared to the interface (``is_transposed``, ``has_bias``, ``is_concatenated``,
+  ``has_gate``, ``has_post_expert_norm``; a flag it does not know is refused),
+* every parameter, buffer and submodule of the container (anything it cannot account for is refused),
+* ``_is_expert_parallel`` (transformers' own EP, whose sentinel ids ``top_k_index == num_experts`` for
+  dropped slots the balanced layer does not take: refused),
+
+builds the one-expert function from them, and finally **probes** it: on a few deterministic tokens it
+compares ``Σ_k w · expert(x)`` with the container's own forward and refuses on disagreement (a class that
+overrides ``forward`` or ``_apply_gate`` in a way the flags do not describe). Every refusal is one line
+naming the flag, parameter or check: :class:`UnsupportedModelError`.
+
+Shared parameters: a post-expert norm's weight is shared by all experts. The balanced layer keeps the
+container as a non-submodule (ep.py), so such a weight would be neither trained nor reduced: it is accepted
+only when frozen (``requires_grad=False``, e.g. inference or a frozen norm), where forward and every
+gradient are exact. The rule a trainable one would need is in ``docs/design.md`` (§ experts adapters).
+
+Plain PyTorch containers register with :func:`register_experts` (see the protocol there).
+
+Legend: E experts, H hidden size, I expert intermediate size, T rows of one expert, K top-k.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -27,7 +43,7 @@ from ultraep.errors import UltraEPError
 
 
 class UnsupportedModelError(UltraEPError):
-    """The model has no experts container ultraep knows how to balance."""
+    """The model has no experts container ultraep knows how to balance, or one it must refuse."""
 
 
 ExpertForward = Callable[[nn.Module, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
@@ -51,31 +67,191 @@ class ExpertsAdapter:
         return int(getattr(container, self.param_names[0]).shape[0])
 
 
-def _hf_forward(mod: nn.Module, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One expert of a transformers v5 experts-interface container (all its layout flags honoured)."""
-    transposed = getattr(mod, "is_transposed", False)
-    if getattr(mod, "has_bias", False):
-        gate_up, down, gate_up_b, down_b = tensors
-    else:
-        (gate_up, down), gate_up_b, down_b = tensors, None, None
-    h = x @ gate_up if transposed else F.linear(x, gate_up)
-    if gate_up_b is not None:
-        h = h + gate_up_b
-    h = mod._apply_gate(h)  # concatenated [gate; up] or interleaved (GPT-OSS), with the model's activation
-    y = h @ down if transposed else F.linear(h, down)
-    if down_b is not None:
-        y = y + down_b
-    return y
+# --------------------------------------------------------------------------------------------- HF flags
+#: experts-interface flags this adapter implements, with the interface's defaults
+FLAGS = {"is_transposed": False, "has_bias": False, "is_concatenated": True, "has_gate": True,
+         "has_post_expert_norm": False}
+
+#: containers that speak the (hidden, top_k_index, top_k_weights) protocol without declaring the interface:
+#: class name -> the flags their eager forward implements (read from transformers' source)
+KNOWN_NON_INTERFACE = {
+    "Step3p7Experts": dict(FLAGS),  # concatenated gate/up through its own clamped _apply_gate
+    "LongcatFlashExperts": dict(FLAGS),  # only without zero-computation experts (checked below)
+}
+
+#: containers ultraep recognises and refuses, with the reason (one line each)
+REFUSED = {
+    "Llama4TextExperts": "forward(hidden [E*T, H]) over a dense expert-major layout with the routing weight "
+                         "applied to the input, not the (hidden, top_k_index, top_k_weights) experts interface",
+    "DbrxExperts": "weights w1/v1/w2 live in the submodule 'mlp' as [E*I, H] matrices, not [E, ...] parameters",
+    "JetMoeParallelExperts": "one projection per container, called as forward(inputs, expert_size) by its block",
+    "NllbMoeExperts": "experts are separate submodules (ModuleDict), not [E, ...] parameters",
+    "SwitchTransformersExperts": "experts are separate submodules (ModuleDict), not [E, ...] parameters",
+}
+
+_DECORATOR_CELLS = {"original_init", "original_forward", "experts_interface"}
 
 
-def _hf_adapter(mod: nn.Module) -> ExpertsAdapter:
-    names = ("gate_up_proj", "down_proj")
-    if getattr(mod, "has_bias", False):
-        names = names + ("gate_up_proj_bias", "down_proj_bias")
-    return ExpertsAdapter(f"transformers:{type(mod).__name__}", names, _hf_forward)
+def _declared_flags(mod: nn.Module) -> dict[str, object] | None:
+    """The flags the container's class passed to ``@use_experts_implementation`` (read from the decorator's
+    ``__init__`` closure, so a flag added by a later transformers shows up by name), or ``None``."""
+    for cls in type(mod).__mro__:
+        init = cls.__dict__.get("__init__")
+        code = getattr(init, "__code__", None)
+        if code is None or "original_init" not in code.co_freevars or "has_gate" not in code.co_freevars:
+            continue
+        return {n: c.cell_contents for n, c in zip(code.co_freevars, init.__closure__) if n not in _DECORATOR_CELLS}
+    if all(hasattr(mod, f) for f in ("has_gate", "is_transposed", "_apply_gate")):
+        # an older decorator that keeps no readable closure: the instance attributes are the declaration
+        return {f: getattr(mod, f) for f in FLAGS if hasattr(mod, f)}
+    return None
 
 
-# Model families tested end to end (tests/test_runtime*.py); other v5 experts-interface modules work alike.
+def _refuse(mod: nn.Module, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(type(mod).__name__, f"refused: {why}")
+
+
+def _gate(mod: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """Gated activation of ``h [T, 2I] -> [T, I]``: the class's own ``_apply_gate`` (what every transformers
+    experts implementation calls; it encodes is_concatenated) or, without one, chunk [gate; up]."""
+    apply = getattr(mod, "_apply_gate", None)
+    if apply is not None:
+        return apply(h)
+    gate, up = h.chunk(2, dim=-1)
+    return mod.act_fn(gate) * up
+
+
+def _make_hf_forward(flags: dict[str, object]) -> ExpertForward:
+    transposed, bias = bool(flags["is_transposed"]), bool(flags["has_bias"])
+    gated, post_norm = bool(flags["has_gate"]), bool(flags["has_post_expert_norm"])
+
+    def forward(mod: nn.Module, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One expert: x [T, H] -> [T, H] (up or gate_up, activation, down, optional bias and post norm)."""
+        w_in, w_out = tensors[0], tensors[1]
+        h = x @ w_in if transposed else F.linear(x, w_in)
+        if bias:
+            h = h + tensors[2]
+        h = _gate(mod, h) if gated else mod.act_fn(h)
+        y = h @ w_out if transposed else F.linear(h, w_out)
+        if bias:
+            y = y + tensors[3]
+        if post_norm:
+            y = mod.post_expert_norm(y)
+        return y
+
+    return forward
+
+
+def _check_accounted(mod: nn.Module, names: tuple[str, ...], flags: dict[str, object]) -> None:
+    """Refuse any parameter, buffer or submodule of ``mod`` the adapter does not account for."""
+    allowed_children = {"act_fn", "identity_expert"} | ({"post_expert_norm"} if flags["has_post_expert_norm"] else set())
+    for n, _ in mod.named_parameters(recurse=False):
+        if n not in names:
+            raise _refuse(mod, f"parameter '{n}' is not one ultraep accounts for (expected {', '.join(names)})")
+    for n, _ in mod.named_buffers(recurse=False):
+        raise _refuse(mod, f"buffer '{n}' is not one ultraep accounts for")
+    for n, child in mod.named_children():
+        if n not in allowed_children:
+            raise _refuse(mod, f"submodule '{n}' ({type(child).__name__}) is not one ultraep accounts for")
+        if n in ("act_fn", "identity_expert") and (any(True for _ in child.parameters()) or any(True for _ in child.buffers())):
+            raise _refuse(mod, f"submodule '{n}' has parameters or buffers; ultraep expects a stateless function")
+    if flags["has_post_expert_norm"]:
+        norm = getattr(mod, "post_expert_norm", None)
+        if not isinstance(norm, nn.Module):
+            raise _refuse(mod, "has_post_expert_norm=True but the container has no 'post_expert_norm' module")
+        trainable = [n for n, p in norm.named_parameters() if p.requires_grad]
+        if trainable:
+            raise _refuse(mod, f"has_post_expert_norm=True with trainable shared parameters "
+                               f"(post_expert_norm.{trainable[0]}); the balanced layer would not train them: freeze "
+                               "them with requires_grad_(False) to balance exactly (inference, frozen norm)")
+
+
+def _hf_adapter(mod: nn.Module, flags: dict[str, object], label: str) -> ExpertsAdapter:
+    unknown = sorted(set(flags) - set(FLAGS))
+    if unknown:
+        raise _refuse(mod, f"experts-interface flag '{unknown[0]}={flags[unknown[0]]!r}' is not one ultraep implements")
+    flags = {**FLAGS, **flags}
+    if getattr(mod, "_is_expert_parallel", False):
+        raise _refuse(mod, "_is_expert_parallel=True: transformers' own expert parallelism is active (its "
+                           "top_k_index carries the sentinel num_experts for dropped slots); load the model "
+                           "without a tp_plan/EP and let ultraep distribute the experts")
+    if getattr(mod, "zero_expert_num", 0):
+        raise _refuse(mod, f"zero_expert_num={mod.zero_expert_num}: zero-computation (identity) experts are not "
+                           "supported by the planner yet")
+    first = "gate_up_proj" if flags["has_gate"] else "up_proj"
+    names: tuple[str, ...] = (first, "down_proj")
+    if flags["has_bias"]:
+        names += (f"{first}_bias", "down_proj_bias")
+    for n in names:
+        if not isinstance(getattr(mod, n, None), nn.Parameter):
+            flag = "has_bias" if n.endswith("_bias") else "has_gate"
+            raise _refuse(mod, f"{flag}={flags[flag]} but the container has no parameter '{n}'")
+    _check_accounted(mod, names, flags)
+    params = [getattr(mod, n) for n in names]
+    E = int(params[0].shape[0])
+    want = [3, 3, 2, 2]
+    for n, p, d in zip(names, params, want):
+        if p.dim() != d or int(p.shape[0]) != E:
+            raise _refuse(mod, f"parameter '{n}' has shape {tuple(p.shape)}; expected {d}-D with leading dimension "
+                               f"E={E}")
+    declared_E = getattr(mod, "num_experts", E)
+    if isinstance(declared_E, int) and declared_E != E:
+        raise _refuse(mod, f"num_experts={declared_E} but parameter '{names[0]}' holds {E} experts")
+    if flags["has_gate"] and not flags["is_concatenated"] and "_apply_gate" not in _own_attrs(mod):
+        raise _refuse(mod, "is_concatenated=False (interleaved gate/up) but the class has no _apply_gate of its own")
+    adapter = ExpertsAdapter(label, names, _make_hf_forward(flags))
+    # down_proj is [E, H, I], or [E, I, H] when transposed
+    _probe(mod, adapter, int(params[1].shape[2] if flags["is_transposed"] else params[1].shape[1]))
+    return adapter
+
+
+def _own_attrs(mod: nn.Module) -> set[str]:
+    """Attributes defined by the container's classes themselves, not by transformers' default gate."""
+    out: set[str] = set()
+    for cls in type(mod).__mro__:
+        for k, v in cls.__dict__.items():
+            if not (k == "_apply_gate" and getattr(v, "__name__", "") == "_default_apply_gate"):
+                out.add(k)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- probe
+def _probe(mod: nn.Module, adapter: ExpertsAdapter, H: int) -> None:
+    """Refuse unless ``Σ_k w[t, k] · adapter.forward(expert idx[t, k])(x[t])`` equals the container's own
+    forward on a few deterministic tokens (fp32: 1e-4 relative; 16-bit: 3e-2)."""
+    params = [getattr(mod, n) for n in adapter.param_names]
+    if params[0].device.type == "meta":
+        return  # nothing to compute with; the static checks above stand alone
+    E = int(params[0].shape[0])
+    T, K = 4, min(2, E)
+    g = torch.Generator().manual_seed(1234)  # a private generator: the user's RNG stream is untouched
+    x = torch.randn(T, H, generator=g).to(device=params[0].device, dtype=params[0].dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(params[0].device)
+    w = (torch.rand(T, K, generator=g) + 0.5).to(device=params[0].device, dtype=params[0].dtype)
+    try:
+        with torch.no_grad():
+            ref = mod.forward(x, idx, w)  # .forward, not __call__: user hooks do not fire for a probe
+            ours = torch.zeros_like(ref, dtype=torch.float32)
+            for t in range(T):
+                for k in range(K):
+                    e = int(idx[t, k])
+                    y = adapter.forward(mod, x[t:t + 1], [p[e] for p in params])
+                    ours[t] += (y[0] * w[t, k]).float()
+    except Exception as exc:  # noqa: BLE001 - a container we cannot run the probe on is refused, not guessed
+        raise _refuse(mod, f"probe of the experts function failed ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    ref = ref.float()
+    err = float((ours - ref).abs().max()) / max(float(ref.abs().max()), 1e-12)
+    tol = 1e-4 if params[0].dtype in (torch.float32, torch.float64) else 3e-2
+    if not err <= tol:
+        raise _refuse(mod, f"its forward differs from the experts function ultraep derived from its flags and "
+                           f"parameters by {err:.3g} (relative, > {tol:g}) on a probe: it overrides forward or "
+                           "_apply_gate in a way the flags do not describe")
+
+
+# --------------------------------------------------------------------------------------------- registry
+# Model families tested end to end (tests/test_runtime.py); every other family the conformance test checks
+# (tests/test_adapters_conformance.py, docs/models.md).
 HF_EXPERTS = {
     "MixtralExperts": "mixtral",
     "Qwen3MoeExperts": "qwen3_moe",
@@ -84,6 +260,7 @@ HF_EXPERTS = {
 }
 
 _CUSTOM: dict[type, ExpertsAdapter] = {}
+_CACHE: "weakref.WeakKeyDictionary[nn.Module, ExpertsAdapter]" = weakref.WeakKeyDictionary()
 
 
 def register_experts(cls: type, param_names: Sequence[str], forward: ExpertForward, name: str | None = None) -> None:
@@ -93,33 +270,68 @@ def register_experts(cls: type, param_names: Sequence[str], forward: ExpertForwa
     top_k_weights [T, K]) -> [T, H]`` and return ``Σ_k w[t, k] * expert_{idx[t, k]}(hidden[t])``; each name in
     ``param_names`` is an ``nn.Parameter`` of shape ``[E, ...]``; ``forward(container, x, tensors)`` applies
     one expert (tensors = that expert's slices, in ``param_names`` order) to rows ``x`` without the routing
-    weight. ``wrap`` then balances every instance of ``cls`` in the model. A block whose experts live in an
+    weight. Any other trainable parameter of the container is refused at ``wrap`` (it would not be trained).
+    ``wrap`` then balances every instance of ``cls`` in the model. A block whose experts live in an
     ``nn.ModuleList`` stacks them into such a container once (see ``tests/test_runtime.py``'s custom block).
     """
     if not param_names:
         raise UltraEPError("param_names", "must name at least one [E, ...] parameter")
     _CUSTOM[cls] = ExpertsAdapter(name or f"custom:{cls.__name__}", tuple(param_names), forward)
+    _CACHE.clear()
+
+
+def _custom_checked(mod: nn.Module, adapter: ExpertsAdapter) -> ExpertsAdapter:
+    params = []
+    for n in adapter.param_names:
+        p = getattr(mod, n, None)
+        if not isinstance(p, nn.Parameter) or p.dim() < 1:
+            raise _refuse(mod, f"registered parameter '{n}' is not an [E, ...] nn.Parameter of the container")
+        params.append(p)
+    E = int(params[0].shape[0])
+    for n, p in zip(adapter.param_names, params):
+        if int(p.shape[0]) != E:
+            raise _refuse(mod, f"parameter '{n}' has leading dimension {int(p.shape[0])}, not E={E}")
+    extra = [n for n, p in mod.named_parameters() if n not in adapter.param_names and p.requires_grad]
+    if extra:
+        raise _refuse(mod, f"trainable parameter '{extra[0]}' is not among the registered expert parameters; "
+                           "the balanced layer would not train it")
+    return adapter
 
 
 def adapter_for(mod: nn.Module) -> ExpertsAdapter | None:
-    """The adapter of an experts container, or ``None`` if ``mod`` is not one."""
+    """The adapter of an experts container; ``None`` if ``mod`` is not one.
+
+    Raises :class:`UnsupportedModelError` (one line) for an experts container ultraep recognises but cannot
+    balance exactly. Results are cached per module (the probe runs once).
+    """
+    try:
+        return _CACHE[mod]
+    except (KeyError, TypeError):
+        pass
+    adapter = _adapter_uncached(mod)
+    if adapter is not None:
+        _CACHE[mod] = adapter
+    return adapter
+
+
+def _adapter_uncached(mod: nn.Module) -> ExpertsAdapter | None:
     for cls, adapter in _CUSTOM.items():
         if isinstance(mod, cls):
-            return adapter
-    if type(mod).__name__ in HF_EXPERTS or (
-        hasattr(mod, "_apply_gate") and hasattr(mod, "is_transposed")
-        and isinstance(getattr(mod, "gate_up_proj", None), nn.Parameter)
-        and isinstance(getattr(mod, "down_proj", None), nn.Parameter)
-    ):
-        if not getattr(mod, "has_gate", True):
-            return None
-        return _hf_adapter(mod)
-    return None
+            return _custom_checked(mod, adapter)
+    name = type(mod).__name__
+    if name in REFUSED:
+        raise _refuse(mod, REFUSED[name])
+    flags = _declared_flags(mod)
+    if flags is None and name in KNOWN_NON_INTERFACE:
+        flags = KNOWN_NON_INTERFACE[name]
+    if flags is None:
+        return None
+    return _hf_adapter(mod, flags, f"transformers:{name}")
 
 
 def supported() -> list[str]:
     """Human-readable list of what ``wrap`` accepts."""
     out = [f"transformers v5 {cls} ({fam})" for cls, fam in HF_EXPERTS.items()]
-    out.append("any transformers v5 experts-interface module with gate_up_proj/down_proj")
+    out.append("every transformers v5 experts-interface module whose flags ultraep implements (docs/models.md)")
     out += [a.name for a in _CUSTOM.values()]
     return out
