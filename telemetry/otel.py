@@ -9,7 +9,8 @@
   disables), or just ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_{TRACES,METRICS}_ENDPOINT``
   (implies ``otlp``). Exporters are found through the entry points the OpenTelemetry packages register
   (``opentelemetry_traces_exporter``, ``opentelemetry_metrics_exporter``), so ``otlp`` works once the
-  user installs ``opentelemetry-exporter-otlp``; endpoint, headers, protocol, timeouts and
+  user installs ``opentelemetry-exporter-otlp`` (or only its HTTP or gRPC half; ``OTEL_EXPORTER_OTLP_PROTOCOL``
+  picks between them as in the SDK's auto-configuration); endpoint, headers, timeouts and
   ``OTEL_METRIC_EXPORT_INTERVAL`` are read by those exporters themselves. ``OTEL_SDK_DISABLED=true``
   turns the OpenTelemetry part off (the store tables other than ``spans``/``metric_points`` still fill).
   Without any of these variables nothing leaves the process.
@@ -78,10 +79,38 @@ def _exporter_names(signal: str) -> list[str]:
     return [n.strip() for n in raw.split(",") if n.strip() and n.strip().lower() != "none"]
 
 
+# OTLP protocol (OTEL_EXPORTER_OTLP_[SIGNAL_]PROTOCOL) -> the entry-point name of its exporter, as the
+# OpenTelemetry SDK's own auto-configuration maps it.
+_OTLP_BY_PROTOCOL = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
+
+
+def _otlp_entry_points(signal: str) -> list:
+    """Entry points for the generic name ``otlp``: the exporter of the configured protocol; without one,
+    ``otlp`` itself (the ``opentelemetry-exporter-otlp`` bundle, gRPC), else whichever of the gRPC and
+    HTTP exporters is installed (so ``pip install opentelemetry-exporter-otlp-proto-http`` is enough)."""
+    group = f"opentelemetry_{signal}_exporter"
+    protocol = (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "").strip()
+    if protocol:
+        if protocol not in _OTLP_BY_PROTOCOL:
+            log.warning("ultraep telemetry: OTLP protocol %r is not supported (use one of %s)", protocol,
+                        ", ".join(_OTLP_BY_PROTOCOL))
+            return []
+        return list(entry_points(group=group, name=_OTLP_BY_PROTOCOL[protocol]))
+    for name in ("otlp", *_OTLP_BY_PROTOCOL.values()):
+        eps = list(entry_points(group=group, name=name))
+        if eps:
+            return eps
+    return []
+
+
 def _load_exporters(signal: str) -> list[tuple[str, object]]:
     out = []
     for name in _exporter_names(signal):
-        eps = list(entry_points(group=f"opentelemetry_{signal}_exporter", name=name))
+        if name == "otlp":
+            eps = _otlp_entry_points(signal)
+        else:
+            eps = list(entry_points(group=f"opentelemetry_{signal}_exporter", name=name))
         if not eps:
             log.warning(
                 "ultraep telemetry: OTEL_%s_EXPORTER names %r but no such exporter is installed "

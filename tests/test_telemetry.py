@@ -322,6 +322,12 @@ def test_schema_sql_matches_semconv_and_the_written_parts(tmp_path):
 
 def test_otel_exporters_from_standard_env_vars(tmp_path, monkeypatch, capfd, caplog):
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    # ConsoleSpanExporter's default stream is the sys.stdout of the moment its module was first imported,
+    # perhaps under an earlier test's capture: give it the real stdout, whose file descriptor capfd captures.
+    from opentelemetry.sdk.trace import export
+
+    defaults = export.ConsoleSpanExporter.__init__.__defaults__
+    monkeypatch.setattr(export.ConsoleSpanExporter.__init__, "__defaults__", (defaults[0], sys.__stdout__, *defaults[2:]))
     with Recorder.open(tmp_path, "otel", flush_interval_s=None) as rec:
         rec.record_step(0, loss=1.0, step_time_s=0.01)
     assert '"name": "ultraep.step"' in capfd.readouterr().out
