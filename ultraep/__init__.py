@@ -27,9 +27,10 @@ _LAZY = {
     "unwrap": "ultraep.runtime",
     "runtime_of": "ultraep.runtime",
     "register_experts": "ultraep.adapters",
+    "telemetry": "ultraep.telemetry",  # the README's `ultraep.telemetry.Recorder.open(...)` works after `import ultraep`
 }
 
-_MODULES = {"metrics"}
+_MODULES = {"metrics", "telemetry"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from ultraep import metrics

@@ -178,6 +178,13 @@ class BalancerConfig(_Model):
     check_plan_hash: StrictBool = Field(
         default=False, description="Debug: all-gather each plan's hash and stop if ranks disagree."
     )
+    replica_memory_budget: Literal["auto"] | Annotated[int, Field(ge=0)] | Annotated[float, Field(ge=0.0)] = Field(
+        default="auto",
+        description="Memory a rank may spend on per-layer replica weight buffers that live from forward to "
+        "backward (no restore, no recompute): bytes (int), a multiple of this rank's master expert bytes "
+        "(float, e.g. 0.5), or 'auto' (a quarter of the memory available at wrap time). Layers beyond it "
+        "share one set of buffers and restore + recompute their replicas in backward.",
+    )
 
     def layer_options(self, layer: int) -> _Options:
         """The options object that governs ``layer``."""

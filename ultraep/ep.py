@@ -8,17 +8,19 @@ Forward, per MoE layer and microbatch (ARCHITECTURE.md §4):
     Step 1: local per-expert counts → all-gather → exact load λ[R, E] on every rank.
     Step 2: the layer's policy plans from λ (deterministic: every rank computes the same plan; with
             ``check_plan_hash`` the ranks compare digests and stop on divergence) and commits it.
-    Step 3: reroute logical top-k ids to physical instances; order (token, k) pairs by destination slot.
-    Step 4: all-to-all the token rows (split sizes straight from the plan's routes).
-    Step 5: experts: master slots with the local parameters (plain autograd); replica slots through
-            :class:`_ReplicaExperts`, which streams the masters' weights into the shared redundant-slot
-            buffers (tile-packed P2P, two-stage relay) and runs the replicas.
-    Step 6: reverse all-to-all, then combine with the routing weights.
+    Step 3: post the replica weight sync (receives and stage-0 sends; :mod:`ultraep.replicas`): it travels
+            while the tokens are dispatched and the masters compute.
+    Step 4: reroute logical top-k ids to physical instances; order (token, k) pairs by destination slot.
+    Step 5: all-to-all the token rows (split sizes straight from the plan's routes); relays forward weights.
+    Step 6: experts: master slots with the local parameters (plain autograd), then the replica slots
+            (:class:`~ultraep.replicas.ReplicaExperts`), which wait for their weights only now.
+    Step 7: reverse all-to-all, then combine with the routing weights.
 
-Backward: gradients flow back through combine, the all-to-alls and the master experts by autograd.
-:class:`_ReplicaExperts` restores the replica weights if a later layer overwrote the shared buffers,
-recomputes the replica rows under autograd, and sends each replica's weight gradient (fp32 tiles) to its
-master's rank, where they are added in rank order (deterministic): the master's gradient equals the
+Backward: gradients flow back through combine, the all-to-alls and the master experts by autograd. The
+replica slots run their backward first, from the graph kept in forward (or restore + recompute beyond the
+replica memory budget), and post each replica's weight gradient (fp32 tiles) to its master's rank without
+waiting; :class:`~ultraep.replicas.GradSink`, right before the dispatch all-to-all's backward, waits for them
+and adds them to the masters' gradients in rank order (deterministic): each master's gradient equals the
 unbalanced model's.
 """
 
@@ -26,13 +28,14 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
-from ultraep.comm import AllToAll, all_gather_bytes, exchange, gather_load
+from ultraep.comm import AllToAll, all_gather_bytes, gather_load
+from ultraep.replicas import GradSink, ReplicaExperts, ReplicaJob
 
 if TYPE_CHECKING:  # pragma: no cover
     from ultraep.adapters import ExpertsAdapter
@@ -56,181 +59,6 @@ class RankFailureError(RuntimeError):
                  step: int) -> None:
         super().__init__(message)
         self.layer, self.name, self.phase, self.rank, self.peers, self.step = layer, name, phase, rank, peers, step
-
-
-def _peers(sends, recvs) -> list[int]:
-    return sorted({int(p) for p, _ in sends} | {int(p) for p, _ in recvs})
-
-
-class ReplicaBuffers:
-    """Redundant-slot weight buffers shared by every layer with the same expert layout (UltraEP §4.1).
-
-    ``owner`` names the (layer, microbatch) whose replicas the buffers hold; ``generation`` counts syncs, so
-    a backward can tell whether a later layer overwrote its replicas.
-    """
-
-    def __init__(self) -> None:
-        self._sets: dict[tuple, list[list[torch.Tensor]]] = {}
-        self.generation = 0
-        self.restorations = 0
-
-    def slots(self, like: list[torch.Tensor], num_slots: int) -> list[list[torch.Tensor]]:
-        """``[N][J]`` tensors shaped like one expert's tensors ``like`` (allocated once per layout)."""
-        key = tuple((tuple(t.shape), t.dtype, t.device) for t in like)
-        have = self._sets.get(key, [])
-        while len(have) < num_slots:
-            have.append([torch.empty_like(t) for t in like])
-        self._sets[key] = have
-        return have[:num_slots]
-
-
-class ReplicaJob:
-    """Everything one layer's replicas need in forward and backward for one plan."""
-
-    def __init__(self, layer: "BalancedExperts", plan, counts_S: np.ndarray) -> None:
-        from ultraep.kernels import ExpertLayout, GradReduceSchedule, StreamSchedule
-
-        self.layer = layer
-        t = plan.topology
-        if len(plan.transfers) != plan.num_replicas:
-            # Historical policies list only *new* replicas (what a deployment with persistent replica buffers
-            # must move). Here weights change every optimizer step and the buffers are shared by all layers,
-            # so every replica is streamed again: schedule them all.
-            plan = _with_all_transfers(plan)
-        self.plan = plan
-        self.M, self.S, self.me = t.num_masters, t.num_slots, layer.runtime.rank
-        like = [p[0].detach() for p in layer.master_params()]
-        self.layout = ExpertLayout.of(like)
-        self.grad_layout = self.layout.with_dtype(torch.float32)
-        self.schedule = StreamSchedule.from_plan(plan, self.me, self.layout)
-        self.grad_schedule = GradReduceSchedule.from_plan(plan, self.me, self.grad_layout)
-        self.buffers = layer.runtime.buffers
-        self.slots = self.buffers.slots(like, t.num_redundant_slots)
-        self.counts = [int(c) for c in counts_S[self.M:]]  # rows per replica slot, in slot order
-        self.generation = -1
-        self.bytes_sent = 0
-        self.seconds = 0.0
-
-    # ------------------------------------------------------------------ weight sync (forward, and restore)
-    def sync_weights(self) -> None:
-        from ultraep.kernels import forward_sends, pack_sends, unpack_received
-
-        t0 = time.perf_counter()
-        sched, lay, group = self.schedule, self.layout, self.layer.runtime.group
-        params = [p.detach() for p in self.layer.master_params()]
-        first = self.layer.first_expert
-        sending = {e for m in sched.sends0 for e in m.experts}
-        masters = {e: [p[e - first] for p in params] for e in sending}
-        arena = lay.empty(sched.arena_tiles, device=params[0].device)
-        P = lay.tiles_per_expert
-
-        def recv_slices(stage):
-            return [(m.peer, arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in sched.recvs
-                    if m.stage == stage]
-
-        sends0 = pack_sends(sched, masters, lay)
-        msgs, recvs = [(m.peer, buf) for m, buf in sends0], recv_slices(0)
-        with self.layer._collective("replica weight sync (stage 0)", _peers(msgs, recvs)):
-            exchange(msgs, recvs, group)
-        sends1 = forward_sends(sched, arena)  # relay: forward what arrived in stage 0
-        msgs, recvs = [(m.peer, buf) for m, buf in sends1], recv_slices(1)
-        with self.layer._collective("replica weight sync (relay stage)", _peers(msgs, recvs)):
-            exchange(msgs, recvs, group)
-        if sched.recvs:
-            unpack_received(sched, arena, {self.M + i: self.slots[i] for i in range(len(self.slots))}, lay)
-        self.bytes_sent = sum(int(b.numel()) for _, b in sends0) + sum(int(b.numel()) for _, b in sends1)
-        self.buffers.generation += 1
-        self.generation = self.buffers.generation
-        self.seconds += time.perf_counter() - t0
-
-    # ------------------------------------------------------------------ compute
-    def _chunks(self, x: torch.Tensor):
-        at = 0
-        for i, c in enumerate(self.counts):
-            yield i, x[at:at + c]
-            at += c
-
-    def compute(self, x_rep: torch.Tensor) -> torch.Tensor:
-        fwd, mod = self.layer.adapter.forward, self.layer.container
-        outs = [fwd(mod, xs, self.slots[i]) if xs.shape[0] else xs.new_zeros(xs.shape)
-                for i, xs in self._chunks(x_rep)]
-        return torch.cat(outs) if outs else x_rep.new_zeros(x_rep.shape)
-
-    def backward(self, x_rep: torch.Tensor, grad: torch.Tensor):
-        fwd, mod = self.layer.adapter.forward, self.layer.container
-        gx, wgrads = [], {}
-        gchunks = dict(self._chunks(grad))
-        for i, xs in self._chunks(x_rep):
-            if xs.shape[0] == 0:  # a replica that got no rows still reports a (zero) gradient to its master
-                gx.append(torch.zeros_like(xs))
-                wgrads[self.M + i] = [torch.zeros_like(w) for w in self.slots[i]]
-                continue
-            with torch.enable_grad():
-                xr = xs.detach().requires_grad_(True)
-                ws = [w.detach().requires_grad_(True) for w in self.slots[i]]
-                y = fwd(mod, xr, ws)
-                g = torch.autograd.grad(y, [xr, *ws], gchunks[i])
-            gx.append(g[0])
-            wgrads[self.M + i] = list(g[1:])
-        return (torch.cat(gx) if gx else torch.zeros_like(x_rep)), wgrads
-
-    def reduce_grads(self, wgrads: dict[int, list[torch.Tensor]]) -> list[torch.Tensor] | None:
-        """Send replica weight gradients to the masters' ranks; return this rank's master contributions."""
-        from ultraep.kernels import pack_grad_sends, reduce_received
-
-        gs, lay = self.grad_schedule, self.grad_layout
-        sends = pack_grad_sends(gs, {s: g for s, g in wgrads.items() if s in gs.slot_E.values()}, lay)
-        arena = lay.empty(gs.arena_tiles, device=self.layer.master_params()[0].device)
-        P = lay.tiles_per_expert
-        recvs = [(m.peer, arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in gs.recvs]
-        msgs = [(m.peer, buf) for m, buf in sends]
-        with self.layer._collective("replica gradient reduction", _peers(msgs, recvs)):
-            exchange(msgs, recvs, self.layer.runtime.group)
-        if not gs.contributions:
-            return None
-        full = [torch.zeros_like(p) for p in self.layer.master_params()]
-        first = self.layer.first_expert
-        reduce_received(gs, arena, {e: [f[e - first] for f in full] for e in gs.contributions}, lay)
-        return full
-
-
-def _with_all_transfers(plan):
-    import dataclasses
-
-    from ultraep.plan import Transfers
-    from ultraep.policies.transfers import RELAY_MODES, schedule_transfers
-
-    t = plan.topology
-    cols = schedule_transfers(t.home_E, plan.replicas.ptr, plan.replicas.rank, t.expert_bytes, t.num_ranks, t.D,
-                              RELAY_MODES["auto"])
-    return dataclasses.replace(plan, transfers=Transfers(*cols))
-
-
-class _ReplicaExperts(torch.autograd.Function):
-    """Replica slots of one layer: weight sync + compute forward; restore + recompute + grad reduce backward."""
-
-    @staticmethod
-    def forward(ctx, x_rep, job: ReplicaJob, *master_params):
-        job.sync_weights()
-        ctx.job = job
-        ctx.generation = job.generation
-        ctx.save_for_backward(x_rep)
-        with torch.no_grad():
-            return job.compute(x_rep)
-
-    @staticmethod
-    def backward(ctx, grad):
-        job: ReplicaJob = ctx.job
-        (x_rep,) = ctx.saved_tensors
-        t0 = time.perf_counter()
-        if job.buffers.generation != ctx.generation:  # a later layer reused the shared buffers
-            job.sync_weights()
-            job.buffers.restorations += 1
-        gx, wgrads = job.backward(x_rep, grad.contiguous())
-        master = job.reduce_grads(wgrads)
-        job.layer.runtime.note_backward(job.layer.layer, time.perf_counter() - t0)
-        grads = master if master is not None else [None] * len(job.layer.adapter.param_names)
-        return (gx, None, *grads)
 
 
 class BalancedExperts(nn.Module):
@@ -272,6 +100,8 @@ class BalancedExperts(nn.Module):
         self.policy_name = opts.kind
         self.policy = make_policy(opts.kind, **opts.policy_options())
         self.last_plan = None
+        self.replica_mode = "none"  # "kept" / "restore" once the runtime split its replica memory budget
+        self._record = None
         self.calibrator = None
         if hasattr(self.policy, "cost_model"):  # adaptive: a cost model of this machine, calibrated as we go
             self.calibrator = self._local_calibrator(like)
@@ -325,6 +155,7 @@ class BalancedExperts(nn.Module):
             rt = self.runtime
             flushed = rt.recorder is not None
             if flushed:
+                rt.flush_records()
                 rt._safe(rt.recorder.flush)
             if peers is None:
                 peers = [r for r in range(rt.world_size) if r != rt.rank]
@@ -344,7 +175,8 @@ class BalancedExperts(nn.Module):
 
         rt = self.runtime
         t = self.topology
-        R, me, S, M, E = t.num_ranks, rt.rank, t.num_slots, t.num_masters, t.num_experts
+        R, me, S, E = t.num_ranks, rt.rank, t.num_slots, t.num_experts
+        self.flush_record()  # the previous call's record, if its backward never came
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         rt.enter_layer(self.layer)
@@ -365,39 +197,129 @@ class BalancedExperts(nn.Module):
                     f"layer {self.layer} ({self.name}): ranks {bad} computed a different plan than rank 0 "
                     f"(digests {[d.decode() for d in digests]}); refusing to exchange tokens"
                 )
-        self.last_plan = plan
         t2 = time.perf_counter()
-        # Step 3: reroute and order pairs by destination.
+        rt.event("planned", self.layer)
+        # Step 3: post the replica weight sync (the same on every rank: plans are identical).
+        params = self.master_params()
+        needs_backward = torch.is_grad_enabled() and (hidden_states.requires_grad
+                                                      or any(p.requires_grad for p in params))
+        job = None
+        if plan.num_replicas:
+            kept = rt.buffers.private(self.layer, [p[0].detach() for p in params], t.num_redundant_slots)
+            job = ReplicaJob(self, plan, kept)
+            job.needs_backward = needs_backward
+            if job.kept and needs_backward:
+                rt.buffers.set_busy(self.layer, job)
+            job.post_weights()
+            plan = job.plan  # with a transfer for every replica: what actually moves
+        self.last_plan = plan
+        t3 = time.perf_counter()
+        # Step 4: reroute and order pairs by destination.
         phys = reroute(top_k_index, reroute_table(plan, me, device=top_k_index.device))
         lay = dispatch_layout(phys, R, S, num_rows=int(plan.routes_RRS[me].sum()))
         send = permute(hidden_states, lay)
         in_splits = lay.input_split_sizes()
         C = plan.routes_RRS[:, me, :]  # [R, S] rows each source sends to each of my slots
         out_splits = [int(c) for c in C.sum(axis=1)]
-        t3 = time.perf_counter()
-        # Step 4: dispatch.
+        t4 = time.perf_counter()
+        # Step 5: dispatch; relays forward the weights they received.
         with self._collective("token dispatch (all-to-all)"):
             recv = AllToAll.apply(send, out_splits, in_splits, rt.group,
                                   lambda: self._collective("token dispatch gradient (all-to-all)"))
-        t4 = time.perf_counter()
-        # Step 5: experts on masters and replicas.
-        y_recv, job = self._experts(recv, C, plan)
+        rt.event("dispatched", self.layer)
         t5 = time.perf_counter()
-        # Step 6: return rows and combine.
+        if job is not None:
+            job.relay()
+            if needs_backward:
+                recv = GradSink.apply(recv, job, *params)
+        # Step 6: experts on masters, then replicas.
+        y_recv, master_s = self._experts(recv, C, plan, job)
+        t6 = time.perf_counter()
+        # Step 7: return rows and combine.
         with self._collective("token combine (all-to-all)"):
             y_send = AllToAll.apply(y_recv, in_splits, out_splits, rt.group,
                                     lambda: self._collective("token combine gradient (all-to-all)"))
         out = unpermute(y_send, top_k_weights.to(y_send.dtype), lay)
-        t6 = time.perf_counter()
-        replica_s = job.seconds if job is not None else 0.0
-        timings.update(load_s=t1 - t0, plan_s=t2 - t1, reroute_s=t3 - t2, dispatch_s=t4 - t3,
-                       transfer_s=replica_s, experts_s=t5 - t4 - replica_s, combine_s=t6 - t5, measured_s=t6 - t0)
+        rt.event("combined", self.layer)
+        if job is not None:
+            job.finish_sends()
+        t7 = time.perf_counter()
+        ph = job.phases if job is not None else {}
+        weight_s = ph.get("weight_post_s", 0.0) + ph.get("relay_s", 0.0) + ph.get("weight_wait_s", 0.0)
+        replica_s = ph.get("replica_compute_s", 0.0)
+        timings.update(
+            load_s=t1 - t0, plan_s=t2 - t1, reroute_s=t4 - t3, dispatch_s=t5 - t4,
+            master_compute_s=master_s, replica_compute_s=replica_s, experts_s=master_s + replica_s,
+            transfer_s=weight_s, combine_s=t7 - t6, measured_s=t7 - t0,
+        )
+        if job is not None:
+            for k in ("weight_post_s", "relay_s", "weight_wait_s"):
+                timings[k] = ph.get(k, 0.0)
+            flight = ph.get("weight_sync_flight_s", 0.0)
+            timings["weight_sync_hidden_s"] = max(0.0, flight - ph.get("weight_wait_s", 0.0))
+            timings["replica_kept"] = 1.0 if job.kept else 0.0
+            timings["transfer_bytes"] = float(job.bytes_sent)
         if self.calibrator is not None:
             rt._safe(self._calibrate, plan, timings)
-        rt.record_layer(self, plan, timings, job)
+        self._record = _LayerCall(plan, timings, job, t7)
+        if needs_backward and out.requires_grad:
+            self._hook_backward(out, y_recv, recv, send)
+        else:
+            self.flush_record()
         return out.to(hidden_states.dtype)
 
-    def _experts(self, recv: torch.Tensor, C: np.ndarray, plan) -> tuple[torch.Tensor, Any]:
+    # ------------------------------------------------------------------ backward bookkeeping
+    def _hook_backward(self, out, y_recv, recv, send) -> None:
+        """Tensor hooks that time the layer's backward phases; the first one posts the gradient receives."""
+        call = self._record
+
+        def at(name, first=None):
+            def hook(grad):
+                call.marks[name] = time.perf_counter()
+                if first is not None:
+                    self.runtime._safe(first)
+                return None
+            return hook
+
+        out.register_hook(at("bwd_start", call.job.post_grad_recvs if call.job is not None else None))
+        if y_recv.requires_grad:
+            y_recv.register_hook(at("combined_bwd"))
+        if recv.requires_grad:
+            recv.register_hook(at("experts_bwd"))
+        if send.requires_grad:
+            send.register_hook(lambda grad: self._backward_end(call))
+
+    def _backward_end(self, call: "_LayerCall") -> None:
+        call.marks["bwd_end"] = time.perf_counter()
+        if self._record is call:
+            self.flush_record()
+
+    def flush_record(self) -> None:
+        """Record the pending call (forward phases, and backward phases if its backward ran)."""
+        call, self._record = self._record, None
+        if call is None:
+            return
+        t, m = call.timings, call.marks
+        if call.job is not None:
+            ph = call.job.phases
+            for k in ("restore_s", "recompute_s", "replica_backward_s", "grad_post_s", "grad_wait_s",
+                      "grad_reduce_s"):
+                if k in ph:
+                    t[k] = ph[k]
+            t["backward_reduce_s"] = sum(ph.get(k, 0.0) for k in ("restore_s", "grad_post_s", "grad_wait_s",
+                                                                     "grad_reduce_s"))
+        if "bwd_start" in m and "bwd_end" in m:
+            t["backward_s"] = m["bwd_end"] - m["bwd_start"]
+            if "combined_bwd" in m:
+                t["combine_bwd_s"] = m["combined_bwd"] - m["bwd_start"]
+                if "experts_bwd" in m:
+                    sink = t.get("grad_wait_s", 0.0) + t.get("grad_reduce_s", 0.0)
+                    t["backward_compute_s"] = m["experts_bwd"] - m["combined_bwd"] - t.get("restore_s", 0.0)
+                    t["dispatch_bwd_s"] = m["bwd_end"] - m["experts_bwd"] - sink
+        self.runtime.record_layer(self, call.plan, t, call.job)
+
+    def _experts(self, recv: torch.Tensor, C: np.ndarray, plan, job: ReplicaJob | None) -> tuple[torch.Tensor, float]:
+        """Masters, then replicas, over the received rows; returns the outputs and the masters' seconds."""
         t = plan.topology
         M, S = t.num_masters, t.num_slots
         counts_S = C.sum(axis=0)
@@ -405,6 +327,7 @@ class BalancedExperts(nn.Module):
         slot_of_row = np.repeat(np.tile(np.arange(S), C.shape[0]), C.ravel())
         order = torch.as_tensor(np.argsort(slot_of_row, kind="stable"), device=recv.device)
         x = recv.index_select(0, order)
+        t0 = time.perf_counter()
         outs, at = [], 0
         params = self.master_params()
         for s in range(M):
@@ -412,10 +335,11 @@ class BalancedExperts(nn.Module):
             if c:
                 outs.append(self.adapter.forward(self.container, x[at:at + c], [p[s] for p in params]))
             at += c
-        job = None
-        if plan.num_replicas:  # the same on every rank: plans are identical
-            job = ReplicaJob(self, plan, counts_S)
-            outs.append(_ReplicaExperts.apply(x[at:], job, *params))
+        self.runtime.event("master_compute", self.layer)
+        master_s = time.perf_counter() - t0
+        if job is not None:
+            job.counts = [int(c) for c in counts_S[M:]]  # rows per replica slot, in slot order
+            outs.append(ReplicaExperts.apply(x[at:], job, *params))
         y_sorted = torch.cat(outs) if outs else x[:0]
         if not counts_S[:M].any() and torch.is_grad_enabled():
             # No row reached this rank's masters: tie them into the graph with a zero term so they still get a
@@ -423,4 +347,14 @@ class BalancedExperts(nn.Module):
             y_sorted = y_sorted + sum((p.reshape(-1)[:1] * 0).sum() for p in params).to(y_sorted.dtype)
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
-        return y_sorted.index_select(0, inv), job
+        return y_sorted.index_select(0, inv), master_s
+
+
+class _LayerCall:
+    """One forward of a layer waiting for its backward before it is recorded."""
+
+    __slots__ = ("plan", "timings", "job", "marks")
+
+    def __init__(self, plan, timings: dict, job: ReplicaJob | None, t_fwd_end: float) -> None:
+        self.plan, self.timings, self.job = plan, timings, job
+        self.marks: dict[str, float] = {"fwd_end": t_fwd_end}

@@ -17,6 +17,7 @@ from torch import nn
 from ultraep.adapters import UnsupportedModelError, adapter_for, supported
 from ultraep.config import BalancerConfig
 from ultraep.errors import UltraEPError
+from ultraep.replicas import ReplicaBuffers
 
 log = logging.getLogger("ultraep")
 
@@ -42,33 +43,55 @@ class EPRuntime:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        from ultraep.ep import ReplicaBuffers
-
-        self.buffers = ReplicaBuffers()
+        # Replica weights and gradients travel point-to-point on a group of their own, so they never queue
+        # behind the token all-to-alls (NCCL serialises one communicator's operations on one stream).
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        self.transfer_group = dist.new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=True)
+        self.buffers = ReplicaBuffers(0)
         self.recorder = recorder
         self.layers: list = []
         self.report = WrapReport()
         self.step = 0
         self.microbatch = -1
-        self.backward_s: dict[int, float] = {}
         self.recording_errors = 0
         #: (step, layer, policy, imbalance before, after, replicas, plan s, transfer s, layer fwd s) per call
         self.history: list[tuple] = []
+        #: when a list: (event, layer) in the order the balanced layers' steps ran (tests pin the order)
+        self.events: list[tuple[str, int]] | None = None
+
+    def event(self, name: str, layer: int) -> None:
+        if self.events is not None:
+            self.events.append((name, layer))
+
+    def reserve_replica_memory(self) -> None:
+        """Split ``config.replica_memory_budget`` over the layers, in layer order: a layer whose replica weights
+        fit keeps them (and their activations) from forward to backward; the others share buffers."""
+        budget = replica_budget_bytes(self.config.replica_memory_budget, self.layers)
+        self.buffers = ReplicaBuffers(budget)
+        for layer in self.layers:
+            t = layer.topology
+            if t.num_redundant_slots:
+                layer.replica_mode = "kept" if self.buffers.reserve(
+                    layer.layer, t.num_redundant_slots * t.expert_bytes) else "restore"
 
     # ------------------------------------------------------------------ step bookkeeping
     def next_step(self, loss: float | None = None, step_time_s: float | None = None) -> None:
         """Close the current training step (call once per optimizer step); records the step if recording."""
+        self.flush_records()
         if self.recorder is not None:
             self._safe(self.recorder.record_step, self.step, loss=loss, step_time_s=step_time_s)
         self.step += 1
         self.microbatch = -1
 
+    def flush_records(self) -> None:
+        """Record every layer call still waiting for its backward (at a step's end, or on a failure)."""
+        for layer in self.layers:
+            self._safe(layer.flush_record)
+
     def enter_layer(self, layer: int) -> None:
         if layer == 0:
             self.microbatch += 1
 
-    def note_backward(self, layer: int, seconds: float) -> None:
-        self.backward_s[layer] = self.backward_s.get(layer, 0.0) + seconds
 
     # ------------------------------------------------------------------ telemetry (never breaks training)
     def _safe(self, fn, *args, **kwargs) -> None:
@@ -96,11 +119,39 @@ class EPRuntime:
             else:
                 self._safe(rec.record_decision, step, mb, layer.layer, policy=chosen,
                            reason=f"configured policy {layer.policy_name!r}")
-        t = dict(timings)
-        t["backward_reduce_s"] = self.backward_s.pop(layer.layer, 0.0)
-        if job is not None:
-            t["transfer_bytes"] = float(job.bytes_sent)
-        self._safe(rec.record_timings, step, mb, layer.layer, t)
+        self._safe(rec.record_timings, step, mb, layer.layer, dict(timings))
+        if job is not None and len(plan.transfers):
+            self._safe(rec.record_transfer_times, step, mb, layer.layer, job.transfer_seconds())
+
+
+def _available_bytes(device) -> int:
+    """Memory free for new tensors on ``device`` (CUDA: the driver's free bytes; CPU: MemAvailable)."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def replica_budget_bytes(budget, layers) -> int:
+    """Bytes of ``BalancerConfig.replica_memory_budget`` for this rank's ``layers``."""
+    if budget == "auto":
+        if not layers:
+            return 0
+        return _available_bytes(layers[0].master_params()[0].device) // 4
+    if isinstance(budget, float):
+        masters = sum(p.numel() * p.element_size() for layer in layers for p in layer.master_params())
+        return int(budget * masters)
+    return int(budget)
 
 
 def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=None, *, recorder=None) -> nn.Module:
@@ -146,6 +197,7 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
         setattr(parent, attr, balanced)
         runtime.layers.append(balanced)
         runtime.report.layers.append((layer, name, balanced.policy_name, adapter.name))
+    runtime.reserve_replica_memory()
     object.__setattr__(model, _ATTR, runtime)
     if runtime.rank == 0:
         log.info("%s", runtime.report)

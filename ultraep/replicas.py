@@ -1,0 +1,412 @@
+"""Replica slots of a balanced layer: weights streamed in without a barrier, gradients reduced back without one.
+
+Legend: M master slots, N redundant slots, S = M + N, J tensors per expert, P tiles per expert,
+Nr rows this rank's replica slots receive (slot-major).
+
+Why no barrier: a blocking exchange between two unequal pieces of per-rank work (the masters' rows on one
+rank, the replicas' rows on another) makes the layer cost ``max_r(master) + max_r(replica)`` instead of
+``max_r(master + replica)``, re-creating the imbalance the plan removed. So every transfer is *posted*
+early and *waited* late, only where waiting is free:
+
+    forward  Step 1 (right after the plan, before the token dispatch): every rank posts its receives of
+                    replica weights and the stage-0 sends of its masters (:meth:`ReplicaJob.post_weights`).
+             Step 2 (after the dispatch, a barrier anyway): a relay forwards what it received
+                    (:meth:`ReplicaJob.relay`).
+             Step 3 masters compute while the weights travel; the replica slots wait for their weights
+                    only right before they compute (:meth:`ReplicaJob.wait_weights`).
+    backward Step 4 (start of the layer's backward): the masters' ranks post the gradient receives.
+             Step 5 each replica's weight gradient is packed and sent as soon as the replica backward made it
+                    (replicas run their backward first: their autograd node is the newest).
+             Step 6 :class:`GradSink` — the node every expert's backward feeds, right before the dispatch
+                    all-to-all's backward (a barrier) — waits for the gradients and returns them as the
+                    masters' gradient contribution, added in replica-rank order (deterministic).
+
+Replica weights and activations live from forward to backward when they fit the runtime's replica memory
+budget (``BalancerConfig.replica_memory_budget``; per-layer buffers, mode ``kept``); beyond it the layers share
+one set of buffers, and a layer whose replicas were overwritten restores them (a blocking exchange) and
+recomputes the replica forward in its backward (mode ``restore``).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ultraep.comm import Pending, post
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ultraep.ep import BalancedExperts
+
+TAG_WEIGHTS = 11  # point-to-point tags: weight and gradient messages never match each other
+TAG_GRADS = 12
+
+
+def _peers(*msg_lists) -> list[int]:
+    return sorted({int(p) for msgs in msg_lists for p, _ in msgs})
+
+
+class ReplicaBuffers:
+    """Replica weight buffers of one runtime: per-layer sets within the memory budget, one shared set beyond.
+
+    ``budget_bytes`` caps the bytes of per-layer sets; layers reserve in the order they are wrapped.
+    ``generation`` counts syncs into the shared set, so a backward can tell whether a later layer overwrote
+    its replicas; ``restorations`` counts the restores that caused.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = int(budget_bytes)
+        self.reserved_bytes = 0
+        self._private: dict[int, list[list[torch.Tensor]] | None] = {}
+        self._busy: dict[int, weakref.ref] = {}
+        self._sets: dict[tuple, list[list[torch.Tensor]]] = {}
+        self.generation = 0
+        self.restorations = 0
+
+    def reserve(self, layer: int, nbytes: int) -> bool:
+        """Give ``layer`` its own buffers (``nbytes`` = N x expert bytes) if the budget still holds them."""
+        if self.reserved_bytes + nbytes > self.budget_bytes:
+            return False
+        self.reserved_bytes += nbytes
+        self._private[layer] = None  # allocated on first use
+        return True
+
+    def has_private(self, layer: int) -> bool:
+        return layer in self._private
+
+    def private(self, layer: int, like: list[torch.Tensor], num_slots: int) -> list[list[torch.Tensor]] | None:
+        """``[N][J]`` buffers owned by ``layer``, or None when they still hold replicas a backward will read
+        (several forwards before one backward, e.g. gradient accumulation in a pipeline schedule)."""
+        if layer not in self._private or self.busy(layer):
+            return None
+        have = self._private[layer]
+        if have is None or len(have) < num_slots:
+            have = [[torch.empty_like(t) for t in like] for _ in range(num_slots)]
+            self._private[layer] = have
+        return have[:num_slots]
+
+    def set_busy(self, layer: int, job: "ReplicaJob") -> None:
+        """``job`` keeps its replicas in ``layer``'s buffers until its backward ran (or its graph is freed)."""
+        self._busy[layer] = weakref.ref(job)
+
+    def busy(self, layer: int) -> bool:
+        ref = self._busy.get(layer)
+        job = ref() if ref is not None else None
+        return job is not None and job._graph is not None
+
+    def shared(self, like: list[torch.Tensor], num_slots: int) -> list[list[torch.Tensor]]:
+        """``[N][J]`` tensors shaped like one expert's tensors ``like`` (allocated once per layout)."""
+        key = tuple((tuple(t.shape), t.dtype, t.device) for t in like)
+        have = self._sets.get(key, [])
+        while len(have) < num_slots:
+            have.append([torch.empty_like(t) for t in like])
+        self._sets[key] = have
+        return have[:num_slots]
+
+
+def with_all_transfers(plan):
+    """``plan`` with a transfer for every replica (historical policies list only *new* replicas)."""
+    import dataclasses
+
+    from ultraep.plan import Transfers
+    from ultraep.policies.transfers import RELAY_MODES, schedule_transfers
+
+    t = plan.topology
+    cols = schedule_transfers(t.home_E, plan.replicas.ptr, plan.replicas.rank, t.expert_bytes, t.num_ranks, t.D,
+                              RELAY_MODES["auto"])
+    return dataclasses.replace(plan, transfers=Transfers(*cols))
+
+
+class ReplicaJob:
+    """One layer's replicas for one plan, forward and backward (see the module docstring for the steps).
+
+    ``phases`` collects this rank's measured seconds per phase (the ``timings`` keys); ``events`` (when the
+    runtime traces) the order of the steps.
+    """
+
+    def __init__(self, layer: "BalancedExperts", plan, kept_slots: list[list[torch.Tensor]] | None) -> None:
+        from ultraep.kernels import ExpertLayout, GradReduceSchedule, StreamSchedule
+
+        self.layer = layer
+        self.rt = layer.runtime
+        t = plan.topology
+        if len(plan.transfers) != plan.num_replicas:
+            # Weights change every optimizer step and buffers may be shared by layers, so every replica is
+            # streamed again: schedule them all.
+            plan = with_all_transfers(plan)
+        self.plan = plan
+        self.M, self.S, self.me = t.num_masters, t.num_slots, self.rt.rank
+        self.params = layer.master_params()
+        like = [p[0].detach() for p in self.params]
+        self.layout = ExpertLayout.of(like)
+        self.grad_layout = self.layout.with_dtype(torch.float32)
+        self.schedule = StreamSchedule.from_plan(plan, self.me, self.layout)
+        self.grad_schedule = GradReduceSchedule.from_plan(plan, self.me, self.grad_layout)
+        self.kept = kept_slots is not None
+        self.slots = kept_slots if self.kept else self.rt.buffers.shared(like, t.num_redundant_slots)
+        self.counts: list[int] = []
+        self.needs_backward = False
+        self.x_rep: torch.Tensor | None = None
+        self.generation = -1
+        self.bytes_sent = 0
+        self.phases: dict[str, float] = {}
+        self._weights: Pending | None = None
+        self._relay: Pending | None = None
+        self._grads_in: Pending | None = None
+        self._grads_out: Pending | None = None
+        self._grad_arena: torch.Tensor | None = None
+        self._recv_seconds: dict[tuple[int, int, int], float] = {}
+        self._graph = None  # kept mode: (x, weights, y) of the replica forward, for its backward
+
+    def _add(self, key: str, seconds: float) -> None:
+        self.phases[key] = self.phases.get(key, 0.0) + seconds
+
+    def _event(self, name: str) -> None:
+        self.rt.event(name, self.layer.layer)
+
+    # ------------------------------------------------------------------ weights (forward)
+    def post_weights(self) -> None:
+        """Step 1: post every receive of replica weights and this rank's stage-0 sends; never waits."""
+        from ultraep.kernels import pack_sends
+
+        t0 = time.perf_counter()
+        sched, lay = self.schedule, self.layout
+        first = self.layer.first_expert
+        sending = {e for m in sched.sends0 for e in m.experts}
+        masters = {e: [p.detach()[e - first] for p in self.params] for e in sending}
+        self.arena = lay.empty(sched.arena_tiles, device=self.params[0].device)
+        P = lay.tiles_per_expert
+        recvs = [(m.peer, self.arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in sched.recvs]
+        sends = [(m.peer, buf) for m, buf in pack_sends(sched, masters, lay)]
+        with self.layer._collective("replica weight sync (post)", _peers(sends, recvs)):
+            self._weights = post(sends, recvs, self.rt.transfer_group, tag=TAG_WEIGHTS)
+        self._num_recv0 = sum(1 for m in sched.recvs if m.stage == 0)
+        self.bytes_sent = sum(int(b.numel()) for _, b in sends)
+        self._event("weight_sync_posted")
+        self._add("weight_post_s", time.perf_counter() - t0)
+
+    def relay(self) -> None:
+        """Step 2 (relay ranks only): forward the stage-0 tiles this rank received to its children."""
+        from ultraep.kernels import forward_sends
+
+        if not self.schedule.sends1:
+            return
+        t0 = time.perf_counter()
+        with self.layer._collective("replica weight sync (relay stage)", [m.peer for m in self.schedule.recvs]):
+            self._weights.wait(range(self._num_recv0))
+            sends = [(m.peer, buf) for m, buf in forward_sends(self.schedule, self.arena)]
+            self._relay = post(sends, [], self.rt.transfer_group, tag=TAG_WEIGHTS)
+        self.bytes_sent += sum(int(b.numel()) for _, b in sends)
+        self._add("relay_s", time.perf_counter() - t0)
+
+    def wait_weights(self) -> None:
+        """Step 3: block until this rank's replica weights arrived, then unpack them into the slots."""
+        from ultraep.kernels import unpack_received
+
+        t0 = time.perf_counter()
+        w = self._weights
+        with self.layer._collective("replica weight sync (wait)", [m.peer for m in self.schedule.recvs]):
+            w.poll()
+            w.wait(range(w.num_recvs))
+        self._event("weight_sync_waited")
+        if self.schedule.recvs:
+            unpack_received(self.schedule, self.arena, {self.M + i: self.slots[i] for i in range(len(self.slots))},
+                            self.layout)
+        if not self.kept:
+            self.rt.buffers.generation += 1
+            self.generation = self.rt.buffers.generation
+        self._recv_seconds = self._recv_seconds or {(m.peer, m.stage, e): w.seconds(i)
+                              for i, m in enumerate(self.schedule.recvs) for e in m.experts}
+        flight = max((w.seconds(i) for i in range(w.num_recvs)), default=0.0)
+        self._add("weight_sync_flight_s", flight)
+        self._add("weight_wait_s", time.perf_counter() - t0)
+
+    def finish_sends(self) -> None:
+        """Complete this rank's weight sends (after the combine: every receiver has long waited)."""
+        for p in (self._weights, self._relay):
+            if p is not None:
+                with self.layer._collective("replica weight sync (send)", []):
+                    p.wait(range(p.num_recvs, len(p.reqs)))
+        self._weights = self._relay = None
+        self.arena = None
+
+    def transfer_seconds(self) -> list[float]:
+        """Measured seconds of each of ``plan.transfers`` this rank received (posting to first seen
+        complete, an upper bound); NaN for transfers into other ranks."""
+        tr = self.plan.transfers
+        out = [float("nan")] * len(tr)
+        w = self._recv_seconds
+        if not w:
+            return out
+        for i in range(len(tr)):
+            key = (int(tr.src[i]), int(tr.stage[i]), int(tr.expert[i]))
+            if int(tr.dst[i]) == self.me and key in w:
+                out[i] = w[key]
+        return out
+
+    # ------------------------------------------------------------------ weights (backward restore)
+    def restore_weights(self) -> None:
+        """Mode ``restore``: a later layer overwrote the shared buffers; stream the replicas again (blocking)."""
+        t0 = time.perf_counter()
+        self.post_weights()
+        self.relay()
+        self.wait_weights()
+        self.finish_sends()
+        self.rt.buffers.restorations += 1
+        self._add("restore_s", time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ compute
+    def _chunks(self, x: torch.Tensor):
+        at = 0
+        for i, c in enumerate(self.counts):
+            yield i, x[at:at + c]
+            at += c
+
+    def compute(self, x_rep: torch.Tensor, build_graph: bool) -> torch.Tensor:
+        """Replica rows ``[Nr, H]`` → outputs ``[Nr, H]``; with ``build_graph`` the autograd graph of this
+        forward is kept for the backward (mode ``kept``: no recompute)."""
+        t0 = time.perf_counter()
+        fwd, mod = self.layer.adapter.forward, self.layer.container
+        if build_graph:
+            with torch.enable_grad():
+                xr = x_rep.detach().requires_grad_(True)
+                ws = [[w.detach().requires_grad_(True) for w in slot] for slot in self.slots]
+                y = self._run(fwd, mod, xr, ws)
+            self._graph = (xr, ws, y)
+            out = y.detach()
+        else:
+            with torch.no_grad():
+                out = self._run(fwd, mod, x_rep, self.slots)
+        self._event("replica_compute")
+        self._add("replica_compute_s", time.perf_counter() - t0)
+        return out
+
+    def _run(self, fwd, mod, x, slots) -> torch.Tensor:
+        outs = [fwd(mod, xs, slots[i]) if xs.shape[0] else xs.new_zeros(xs.shape) for i, xs in self._chunks(x)]
+        return torch.cat(outs) if outs else x.new_zeros(x.shape)
+
+    # ------------------------------------------------------------------ backward
+    def post_grad_recvs(self) -> None:
+        """Step 4: post the receives of replica gradients for this rank's masters (idempotent)."""
+        if self._grads_in is not None:
+            return
+        gs, lay = self.grad_schedule, self.grad_layout
+        self._grad_arena = lay.empty(gs.arena_tiles, device=self.params[0].device)
+        P = lay.tiles_per_expert
+        recvs = [(m.peer, self._grad_arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in gs.recvs]
+        with self.layer._collective("replica gradient reduction (post)", _peers(recvs)):
+            self._grads_in = post([], recvs, self.rt.transfer_group, tag=TAG_GRADS)
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor:
+        """Step 5: replica backward (restore + recompute in mode ``restore``), then post the weight gradients
+        to the masters' ranks. Returns the gradient of the replica rows."""
+        from ultraep.kernels import pack_grad_sends
+
+        if self.kept:
+            xr, ws, y = self._graph
+            self._graph = None
+            self.post_grad_recvs()
+        else:
+            if self.rt.buffers.generation != self.generation:
+                self.restore_weights()
+            self.post_grad_recvs()  # after the restore: point-to-point order stays the same on every rank
+            t0 = time.perf_counter()
+            with torch.enable_grad():
+                xr = self.x_rep.requires_grad_(True)
+                ws = [[w.detach().requires_grad_(True) for w in slot] for slot in self.slots]
+                y = self._run(self.layer.adapter.forward, self.layer.container, xr, ws)
+            self.x_rep = None
+            self._add("recompute_s", time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        flat_ws = [w for slot in ws for w in slot]
+        if y.requires_grad:
+            g = torch.autograd.grad(y, [xr, *flat_ws], grad, allow_unused=True)
+        else:  # no replica got a row: every gradient is zero
+            g = [None] * (1 + len(flat_ws))
+        gx = g[0] if g[0] is not None else torch.zeros_like(xr)
+        J = len(self.params)
+        wgrads = {self.M + i: [gw if gw is not None else torch.zeros_like(w)
+                               for gw, w in zip(g[1 + i * J:1 + (i + 1) * J], ws[i])] for i in range(len(ws))}
+        self._event("replica_backward")
+        t2 = time.perf_counter()
+        gs = self.grad_schedule
+        sends = [(m.peer, buf) for m, buf in
+                 pack_grad_sends(gs, {s: w for s, w in wgrads.items() if s in gs.slot_E.values()}, self.grad_layout)]
+        with self.layer._collective("replica gradient reduction (send)", _peers(sends)):
+            self._grads_out = post(sends, [], self.rt.transfer_group, tag=TAG_GRADS)
+        self._event("grad_sent")
+        t3 = time.perf_counter()
+        self._add("replica_backward_s", t2 - t1)
+        self._add("grad_post_s", t3 - t2)
+        return gx
+
+    def reduce_grads(self) -> list[torch.Tensor] | None:
+        """Step 6: wait for the replicas' gradients of this rank's masters; their sum per master (``[M, ...]``
+        per tensor, replica-rank order) or None if no master of this rank has replicas."""
+        from ultraep.kernels import reduce_received
+
+        self.post_grad_recvs()  # a no-op unless the layer's backward started without the output hook
+        t0 = time.perf_counter()
+        with self.layer._collective("replica gradient reduction (wait)", _peers([(m.peer, None) for m in
+                                                                                 self.grad_schedule.recvs])):
+            self._grads_in.wait()
+        self._event("grad_reduced")
+        t1 = time.perf_counter()
+        gs = self.grad_schedule
+        full = None
+        if gs.contributions:
+            full = [torch.zeros_like(p) for p in self.params]
+            first = self.layer.first_expert
+            reduce_received(gs, self._grad_arena, {e: [f[e - first] for f in full] for e in gs.contributions},
+                            self.grad_layout)
+        self._grads_in, self._grad_arena = None, None
+        self._add("grad_wait_s", t1 - t0)
+        self._add("grad_reduce_s", time.perf_counter() - t1)
+        return full
+
+    def finish_grad_sends(self) -> None:
+        if self._grads_out is not None:
+            with self.layer._collective("replica gradient reduction (send)", []):
+                self._grads_out.wait()
+            self._grads_out = None
+
+
+class ReplicaExperts(torch.autograd.Function):
+    """The replica slots of one layer: wait for weights + compute forward; backward + post gradients."""
+
+    @staticmethod
+    def forward(ctx, x_rep, job: ReplicaJob, *master_params):
+        # (grad mode is off inside a Function's forward: the layer decided ``job.needs_backward`` outside)
+        job.wait_weights()
+        ctx.job = job
+        if not job.kept and job.needs_backward:
+            job.x_rep = x_rep.detach()
+        return job.compute(x_rep, build_graph=job.kept and job.needs_backward)
+
+    @staticmethod
+    def backward(ctx, grad):
+        job: ReplicaJob = ctx.job
+        gx = job.backward(grad.contiguous())
+        return (gx, None, *([None] * len(job.params)))
+
+
+class GradSink(torch.autograd.Function):
+    """Identity on the dispatched rows; in backward, where every expert's backward of this rank has run and
+    the dispatch all-to-all (a barrier) comes next, it adds the replicas' gradients to the masters'."""
+
+    @staticmethod
+    def forward(ctx, recv, job: ReplicaJob, *master_params):
+        ctx.job = job
+        ctx.num_params = len(master_params)
+        return recv.view_as(recv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        job: ReplicaJob = ctx.job
+        full = job.reduce_grads()
+        job.finish_grad_sends()
+        grads = full if full is not None else [None] * ctx.num_params
+        return (grad, None, *grads)
