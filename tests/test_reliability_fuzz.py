@@ -134,9 +134,12 @@ def _seeds(d: Path) -> dict[str, Path]:
            "topk": 2, "top_indices": [[0, 1], [2, 3]]}  # Megatron router_trace's keys
     (d / "m.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "block": "mtp", "mtp_idx": 0}) + "\n")
     out["megatron-jsonl"] = d / "m.jsonl"
-    np.savez(d / "u_0.npz", load_before=np.ones((2, 2, 4), np.int64), layer=np.array([0, 1]))
-    (d / "u.manifest.json").write_text(json.dumps({"schema": "ultra_ep_trace_v1", "trace_id": "u",
-                                                   "chunks": ["u_0.npz"], "num_experts": 4}))
+    np.savez(d / "u.chunk000000.npz", metadata=np.asarray("{}"), layers=np.array([1, 2], np.int32),  # UltraEP's
+             virtual_layers=np.array([1, 2], np.int32), microbatches=np.array([0, 0], np.int64),  # profiler layout
+             pre_logical_loads=np.ones((2, 4), np.int32), post_physical_loads=np.eye(2, 6, dtype=np.int32) * 4)
+    (d / "u.manifest.json").write_text(json.dumps({"schema": "ultra_ep_trace_v1", "trace_id": "u", "chunks": 1,
+                                                   "ep_size": 2, "num_global_logical_experts": 4,
+                                                   "max_microbatches": 1}))
     out["ultraep-npz"] = d / "u.manifest.json"
     (d / "trt").mkdir()
     write_safetensors(d / "trt" / "rank0.safetensors", {"0_0": np.arange(4, dtype=np.int32),
@@ -202,14 +205,14 @@ def test_fuzz_importers_on_mutated_files(seeds, fmt, ops):
     d, files = seeds
     src = files[fmt]
     if fmt == "ultraep-npz":  # mutate the chunk; the manifest stays valid
-        src = d / "u_0.npz"
+        src = d / "u.chunk000000.npz"
     work = Path(tempfile.mkdtemp(dir=d))
     try:
         if fmt == "trtllm":
             target = work / "rank0.safetensors"
         elif fmt == "ultraep-npz":
             shutil.copy(files[fmt], work / "u.manifest.json")
-            target = work / "u_0.npz"
+            target = work / "u.chunk000000.npz"
         else:
             target = work / src.name
         target.write_bytes(_mutate(src.read_bytes(), ops))

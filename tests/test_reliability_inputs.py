@@ -216,11 +216,16 @@ def _mk_text(d, name, text):
     return p
 
 
-def _mk_manifest(d, chunks_written, chunks_listed, name="m"):
-    for c in chunks_written:
-        np.savez(d / c, load_before=np.ones((2, 2, 4), np.int64), layer=np.array([0, 1]))
-    (d / f"{name}.manifest.json").write_text(json.dumps({"schema": "ultra_ep_trace_v1", "trace_id": name,
-                                                         "chunks": chunks_listed}))
+def _mk_manifest(d, chunks_written, chunks_counted, name="m", **change):
+    """UltraEP's load profiler layout (ultra_ep/profiling.py): ``{name}.chunk{k:06d}.npz`` + manifest."""
+    arrays = dict(metadata=np.asarray("{}"), layers=np.array([1, 2], np.int32),
+                  virtual_layers=np.array([1, 2], np.int32), microbatches=np.array([0, 0], np.int64),
+                  pre_logical_loads=np.ones((2, 4), np.int32), post_physical_loads=np.eye(2, 6, dtype=np.int32) * 4)
+    for k in range(chunks_written):
+        np.savez(d / f"{name}.chunk{k:06d}.npz", **{**arrays, **change})
+    (d / f"{name}.manifest.json").write_text(json.dumps({
+        "schema": "ultra_ep_trace_v1", "trace_id": name, "chunks": chunks_counted, "ep_size": 2,
+        "num_global_logical_experts": 4, "max_microbatches": 1}))
     return d / f"{name}.manifest.json"
 
 
@@ -249,8 +254,8 @@ TRACE_CASES = [
     ("parquet bad metadata", lambda d: _parquet_variant(
         d, "b.parquet", lambda t: t.replace_schema_metadata({b"ultraep.trace": b'{"num_experts": 0}'})), {},
      ["num_experts (0)"]),
-    ("parquet without metadata", lambda d: _parquet_variant(d, "n.parquet", lambda t: t.replace_schema_metadata({})),
-     {}, ["no ultraep trace metadata"]),
+    ("parquet without metadata, expert beyond num_experts", lambda d: _parquet_variant(
+        d, "n.parquet", lambda t: t.replace_schema_metadata({})), {"num_experts": 1}, [".expert[", "outside 0..0"]),
     ("truncated .pt", lambda d: _mk_text(d, "t.pt", _mk_torch(d, "g.pt", {"logical_count": np.ones((2, 3, 4))
                                                                           }).read_bytes()[:100]), {},
      ["weights_only=True"]),
@@ -259,7 +264,7 @@ TRACE_CASES = [
      {}, [":logical_count[0, 0]", "(0.5)"]),
     (".pt wrong shape", lambda d: _mk_torch(d, "w.pt", {"logical_count": __import__("torch").ones(4)}), {},
      [":logical_count", "(4,)"]),
-    (".pt without logical_count", lambda d: _mk_torch(d, "k.pt", {"other": 1}), {}, ["no 'logical_count'", "other"]),
+    (".pt without logical_count", lambda d: _mk_torch(d, "k.pt", {"other": 1}), {}, ["neither 'logical_count'", "other"]),
     ("jsonl bad JSON line", lambda d: _mk_text(d, "b.jsonl", _mrec() + "{\"step\":\n"),
      {}, [":2", "not valid JSON"]),
     ("jsonl not an object", lambda d: _mk_text(d, "a.jsonl", "[1, 2]\n"), {}, [":1", "JSON object"]),
@@ -278,16 +283,13 @@ TRACE_CASES = [
     ("csv short row", lambda d: _mk_text(d, "s.csv", "layer_id,expert_id,count\n0,0\n"), {}, [":2", "['0', '0']"]),
     ("csv negative count", lambda d: _mk_text(d, "n.csv", "layer_id,expert_id,count\n0,0,-5\n"), {}, [":2", "-5"]),
     ("csv binary garbage", lambda d: _mk_text(d, "g.csv", b"\x92\x00\xff"), {}, ["sglang-csv", "UnicodeDecodeError"]),
-    ("manifest pointing to a missing part", lambda d: _mk_manifest(d, ["m_0.npz"], ["m_0.npz", "m_1.npz"]), {},
-     ["m_1.npz", "listed in the manifest but does not exist"]),
+    ("manifest counting a missing chunk", lambda d: _mk_manifest(d, 1, 2), {},
+     ["m.chunk000001.npz", "counted by the manifest but does not exist"]),
     ("manifest bad JSON", lambda d: _mk_text(d, "x.manifest.json", "{bad"), {}, ["not valid JSON"]),
     ("manifest wrong schema", lambda d: _mk_text(d, "y.manifest.json", '{"schema": "v0"}'), {},
      [".schema", "'v0'"]),
-    ("npz chunk step length", lambda d: (np.savez(d / "z_0.npz", load_before=np.ones((1, 2, 4), np.int64),
-                                                 layer=np.array([0]), step=np.array([1, 2, 3])),
-                                         _mk_text(d, "z.manifest.json", json.dumps(
-                                             {"schema": "ultra_ep_trace_v1", "chunks": ["z_0.npz"]})))[1], {},
-     ["z_0.npz:step", "3 entries for 1"]),
+    ("npz chunk layers length", lambda d: _mk_manifest(d, 1, 1, "z", layers=np.array([1, 2, 3], np.int32)), {},
+     ["z.chunk000000.npz:layers", "shape (3,) for 2 records"]),
     ("safetensors bad header", lambda d: _mk_safetensors(d, b"{bad}"), {}, ["rank0.safetensors", "header"]),
     ("safetensors misaligned data", lambda d: _mk_safetensors(d, json.dumps(
         {"0_0": {"dtype": "I32", "shape": [4], "data_offsets": [0, 15]}}).encode()), {}, ["trtllm", "multiple"]),
@@ -341,8 +343,7 @@ def test_malicious_pickles_are_never_executed(tmp_path):
     torch.save({"logical_count": torch.ones(2, 2, 4), "x": payload}, tmp_path / "evil_zip.pt")  # torch zip format
     (tmp_path / "evil_raw.pt").write_bytes(pickle.dumps({"logical_count": [[1]], "x": payload}))  # legacy pickle
     np.save(tmp_path / "evil.npy", np.array([payload], dtype=object), allow_pickle=True)  # object .npy
-    np.savez(tmp_path / "e_0.npz", load_before=np.array([payload], dtype=object), layer=np.array([0]))
-    (tmp_path / "e.manifest.json").write_text(json.dumps({"schema": "ultra_ep_trace_v1", "chunks": ["e_0.npz"]}))
+    _mk_manifest(tmp_path, 1, 1, "e", pre_logical_loads=np.array([payload, payload], dtype=object))  # object .npz
     assert not marker.exists()
     for name in ("evil_zip.pt", "evil_raw.pt", "e.manifest.json"):
         with pytest.raises(TraceError):

@@ -72,75 +72,8 @@ def test_trace_validation_errors(tmp_path):
         load_trace(tmp_path / "x.bin")
 
 
-# ---------------------------------------------------------------------------------------------- SGLang
-def test_sglang_pt(tmp_path):
-    import torch
-
-    lc = torch.arange(2 * 3 * 4).reshape(2, 3, 4)
-    torch.save({"logical_count": lc, "rank": 0}, tmp_path / "dump.pt")
-    tr = load_trace(tmp_path / "dump.pt")
-    assert tr.meta.source == "sglang-pt" and tr.meta.num_experts == 4 and tr.meta.num_ranks is None
-    assert tr.points().tolist() == [[0, 0], [1, 0]]
-    load = _loads(tr, 2, 2)[1]
-    assert load.sum(axis=0).tolist() == lc[1, 2].tolist() and load.shape == (2, 4)
-    torch.save({"logical_count": lc[0]}, tmp_path / "one.pt")
-    assert len(load_trace(tmp_path / "one.pt").points()) == 1
-    torch.save({"physical_count": lc}, tmp_path / "wrong.pt")
-    with pytest.raises(TraceError, match="no 'logical_count'.*physical_count"):
-        load_trace(tmp_path / "wrong.pt")
-    torch.save({"logical_count": -lc - 1}, tmp_path / "neg.pt")
-    with pytest.raises(TraceError, match="negative count"):
-        load_trace(tmp_path / "neg.pt")
-
-
-class _Gadget:  # an arbitrary class: weights_only loading must refuse it
-    pass
-
-
-def test_sglang_pt_refuses_pickled_objects(tmp_path):
-    import torch
-
-    torch.save({"logical_count": torch.zeros(1, 2, 2), "x": _Gadget()}, tmp_path / "evil.pt")
-    with pytest.raises(TraceError, match="weights_only=True"):
-        load_trace(tmp_path / "evil.pt")
-
-
-def test_sglang_csv(tmp_path):
-    p = tmp_path / "dist.csv"
-    p.write_text("expert_id,layer_id,count\n0,0,5\n3,0,2\n1,1,7\n")
-    tr = load_trace(p)
-    assert tr.meta.num_experts == 4 and tr.meta.extra["num_experts_inferred"]
-    assert _loads(tr, 0, 1)[0].tolist() == [[5, 0, 0, 2]]
-    assert load_trace(p, num_experts=8).meta.num_experts == 8
-    p.write_text("layer_id,expert_id,count\n0,0,5\n0,x,2\n")
-    with pytest.raises(TraceError, match=r"dist.csv:3.*integers"):
-        load_trace(p)
-    p.write_text("layer,expert,count\n")
-    with pytest.raises(TraceError, match="header must contain layer_id,expert_id,count"):
-        load_trace(p)
-
-
-# Megatron router traces: tests/test_trace_importers.py (written in the writer's exact layout)
-
-
-# ---------------------------------------------------------------------------------------------- UltraEP
-def test_ultraep_npz_manifest(tmp_path):
-    load = np.arange(3 * 2 * 4).reshape(3, 2, 4)  # 3 records, 2 source ranks, 4 experts
-    np.savez(tmp_path / "abc.chunk0.npz", load_before=load, load_after=load, layer=np.array([0, 1, 0]),
-             step=np.array([0, 0, 1]))
-    man = {"schema": "ultra_ep_trace_v1", "trace_id": "abc", "ep_size": 2, "num_experts": 4,
-           "chunks": ["abc.chunk0.npz"]}
-    (tmp_path / "abc.manifest.json").write_text(json.dumps(man))
-    tr = load_trace(tmp_path / "abc.manifest.json")
-    assert tr.meta.source == "ultraep-npz" and tr.meta.num_ranks == 2
-    assert [l.tolist() for l in _loads(tr, 0, 2)] == [load[0].tolist(), load[2].tolist()]
-    assert load_trace(tmp_path / "abc.chunk0.npz").num_rows == tr.num_rows  # a chunk finds its manifest
-    np.savez(tmp_path / "abc.chunk0.npz", weird=load, layer=np.array([0, 1, 0]))
-    with pytest.raises(TraceError, match=r"needs one of \['load_before'.*found: \['layer', 'weird'\]"):
-        load_trace(tmp_path / "abc.manifest.json")
-    (tmp_path / "abc.manifest.json").write_text(json.dumps({**man, "schema": "other"}))
-    with pytest.raises(TraceError, match="ultra_ep_trace_v1"):
-        load_trace(tmp_path / "abc.manifest.json")
+# SGLang, Megatron, UltraEP and TensorRT-LLM dumps: tests/test_trace_importers.py (fixtures in each writer's
+# exact layout)
 
 
 # ---------------------------------------------------------------------------------------------- TensorRT-LLM
@@ -156,21 +89,6 @@ def test_safetensors_reader(tmp_path):
     (tmp_path / "short.safetensors").write_bytes((10**9).to_bytes(8, "little"))
     with pytest.raises(TraceError, match="declares a header"):
         read_safetensors(tmp_path / "short.safetensors")
-
-
-def test_trtllm_expert_statistics(tmp_path):
-    d = tmp_path / "expert_statistic"
-    d.mkdir()
-    (d / "meta_info.json").write_text(json.dumps({"num_experts": 4, "num_experts_per_token": 2}))
-    write_safetensors(d / "rank0.safetensors", {"10_0": np.array([1, 2, 0, 3]), "11_0": np.array([0, 0, 4, 0])})
-    write_safetensors(d / "rank1.safetensors", {"10_0": np.array([5, 0, 0, 1]), "10_1": np.array([1, 1, 1, 1])})
-    tr = load_trace(d)
-    assert tr.meta.source == "trtllm" and tr.meta.num_ranks == 2 and tr.meta.top_k == 2
-    assert _loads(tr, 0, 2)[0].tolist() == [[1, 2, 0, 3], [5, 0, 0, 1]]
-    assert tr.points().tolist() == [[10, 0], [11, 0]]
-    write_safetensors(d / "rank1.safetensors", {"ten_0": np.array([1, 1, 1, 1])})
-    with pytest.raises(TraceError, match="'<iter>_<layer>'"):
-        load_trace(d)
 
 
 # ---------------------------------------------------------------------------------------------- OLMoE

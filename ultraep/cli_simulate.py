@@ -38,7 +38,8 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="auto", choices=["auto", *sorted(FORMATS)],
                    help="trace format (default: guessed from the name)")
     p.add_argument("--trace-opt", action="append", metavar="KEY=VALUE",
-                   help="importer option, e.g. model=olmoe, domains='[\"c4\",\"github\"]', num_experts=64")
+                   help="importer option, e.g. num_experts=64 num_ranks=8 top_k=8 (plain Parquet/CSV), model=olmoe, "
+                   "domains='[\"c4\",\"github\"]', trace_id=..., microbatches_per_step=4 (UltraEP)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,8 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "before/after (mean, p99), replicas, bytes moved, predicted time per layer, %% of the force-balanced "
         "ideal and speed-up over none.",
     )
-    p.add_argument("trace", type=Path, help="trace file or directory (Parquet, SGLang .pt/.csv, Megatron .jsonl, "
-                   "UltraEP manifest, TensorRT-LLM dir, OLMoE json)")
+    p.add_argument("trace", type=Path, help="trace file or directory (Parquet/CSV, SGLang .pt/.csv, Megatron "
+                   "router_trace dir, UltraEP profile dir, TensorRT-LLM dir, OLMoE .pkl/json, recorded run)")
     add_trace_args(p)
     p.add_argument("--topology", default="gb200-nvl72", choices=sorted(PRESETS), help="cluster preset")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="overrides",
@@ -111,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--policies", f"unknown policy {unknown[0]!r}; available: {', '.join(ALL_POLICIES)}",
                           unknown[0])
     trace = load_trace(args.trace, args.format, **parse_kv(args.trace_opt, "--trace-opt"))
-    ranks = args.ranks if args.ranks is not None else trace.meta.num_ranks
+    # global-count dumps may still say how large their EP group was (UltraEP's ep_size)
+    ranks = args.ranks if args.ranks is not None else (trace.meta.num_ranks or trace.meta.extra.get("ep_size"))
     if ranks is None:
         raise ConfigError("--ranks", "the trace holds global counts only (no source ranks); pass --ranks R", None)
     E = trace.meta.num_experts

@@ -14,11 +14,6 @@ from ultraep.errors import TraceError
 
 from . import COLUMNS, Trace, TraceMeta
 
-# The simulator densifies one layer's load as ``[R, E]`` int64 and the planners keep several arrays of
-# that width; an expert id taken from a file (2e9, say) must not decide that width. No MoE model in use has
-# more than a few thousand experts per layer; 2**20 keeps a [256, E] int64 load under 2 GiB.
-MAX_EXPERTS = 1 << 20
-
 
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
@@ -48,18 +43,19 @@ def int_array(arr, path: str, what: str) -> np.ndarray:
 
 
 def check_num_experts(num_experts: int, path: str, inferred: bool) -> int:
-    """Refuse an expert count too wide to densify (see :data:`MAX_EXPERTS`) before anything is allocated.
-
-    A local check: the general size-check module of issue 22 did not exist when this was written.
-    """
+    """Refuse an expert count beyond :data:`ultraep.limits.MAX_EXPERTS` or too wide to densify, before
+    anything of that width is allocated (an id of 2e9 in a file must not decide an array's width)."""
     E = int(num_experts)
-    if E < 1:
-        raise TraceError(f"{path}.num_experts", f"must be >= 1, got {E}", E)
-    if E > MAX_EXPERTS:
-        how = ("inferred as the largest expert id + 1; pass --trace-opt num_experts=E if the id is real"
-               if inferred else "given")
-        raise TraceError(f"{path}.num_experts", f"({E}, {how}) exceeds the {MAX_EXPERTS} experts a layer's "
-                         "[ranks, experts] load may hold", E)
+    field = f"{path}.num_experts" + (" (inferred: largest expert id + 1; pass --trace-opt num_experts=E)"
+                                     if inferred else "")
+    try:
+        from ultraep import limits  # issue 22's size checks (landing beside this change)
+    except ImportError:  # until then, the same bound checked here
+        if not 1 <= E <= 1 << 24:
+            raise TraceError(field, f"({E:,}) must be in 1..16,777,216 (experts per layer)", E) from None
+        return E
+    limits.check_bound(field, E, 1, "MAX_EXPERTS", "experts per layer")
+    limits.check_dense(field, 4, E, what=f"the per-record [{E:,}] counts of the import")
     return E
 
 
