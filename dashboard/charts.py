@@ -29,8 +29,9 @@ HEAT = "YlOrRd"
 
 
 def policy_color(name) -> str:
-    """The colour of a policy: fixed for the built-in ones, a stable pick for any other name."""
-    name = str(name)
+    """The colour of a policy: fixed for the built-in ones, a stable pick for any other name. A candidate
+    an adaptive layer chose (``"quota via adaptive"``) takes the candidate's colour."""
+    name = str(name).split(" via ", 1)[0]
     if name in POLICY_COLORS:
         return POLICY_COLORS[name]
     h = int(hashlib.blake2b(name.encode(), digest_size=2).hexdigest(), 16)

@@ -33,6 +33,7 @@ import numpy as np
 
 from ultraep.dashboard.mirror import UNIT_OF, RunMirror
 from ultraep.telemetry import semconv as sc
+from ultraep.telemetry.queries import SHOWN_POLICY as _SHOWN
 from ultraep.telemetry.queries import Query
 
 # A run whose newest runs_log row says 'running' is live while parts keep arriving; after this many
@@ -350,10 +351,14 @@ SELECT count(*) AS plans, sum(solve_time_s) AS solve_time_s, avg(num_replicas) A
 FROM plan_facts
 """)
 
-POLICY_SHARES = _q("policy_shares", """
-SELECT policy, count(*) AS plans, count(*) / sum(count(*)) OVER () AS share
-FROM layer_facts GROUP BY policy ORDER BY plans DESC, policy
-""", doc="As queries.POLICY_SHARES: share of layer-microbatches planned by each policy.")
+# An adaptive layer-microbatch counts under the candidate its decision chose (queries.SHOWN_POLICY).
+_SHOWN_FACTS = ("layer_facts", "decision_facts")
+
+POLICY_SHARES = _q("policy_shares", f"""
+SELECT {_SHOWN} AS policy, count(*) AS plans, count(*) / sum(count(*)) OVER () AS share
+FROM layer_facts b LEFT JOIN decision_facts d USING (step, microbatch, layer)
+GROUP BY 1 ORDER BY plans DESC, policy
+""", doc="As queries.POLICY_SHARES: share of layer-microbatches planned by each policy ('quota via adaptive').")
 
 IMBALANCE_OVER_STEPS = _q("imbalance_over_steps", f"""
 SELECT {_BIN} AS step, avg(imbalance_before) AS imbalance_before, avg(imbalance_after) AS imbalance_after,
@@ -422,8 +427,7 @@ def headline(mirror: RunMirror) -> dict[str, Any]:
 
 
 def policy_shares(mirror: RunMirror):
-    mirror.refresh(("layer",))
-    return mirror_query(mirror, POLICY_SHARES, ("layer_facts",))
+    return mirror_query(mirror, POLICY_SHARES, _SHOWN_FACTS)
 
 
 def imbalance_over_steps(mirror: RunMirror, bins: Bins):
@@ -822,12 +826,12 @@ def transfer_step_range(mirror: RunMirror) -> Bins | None:
 
 
 # --------------------------------------------------------------------------- compare
-COMPARE = _q("compare", """
+COMPARE = _q("compare", f"""
 WITH b AS (SELECT * FROM layer_facts),
 t AS (SELECT step, microbatch, layer, bytes FROM transfer_plan_facts),
 m AS (SELECT step, microbatch, layer, coalesce(measured_s, predicted_s) AS time_s, measured_s, predicted_s,
              ideal_s FROM timing_facts)
-SELECT b.policy, count(*) AS plans,
+SELECT {_SHOWN} AS policy, count(*) AS plans,
        count(*) / sum(count(*)) OVER () AS share,
        avg(b.imbalance_before) AS mean_imbalance_before, avg(b.imbalance_after) AS mean_imbalance_after,
        sum(b.mean_after) / nullif(sum(b.max_after), 0) AS load_ideal_after,
@@ -837,10 +841,11 @@ SELECT b.policy, count(*) AS plans,
        sum(m.ideal_s) FILTER (WHERE m.time_s IS NOT NULL) /
            nullif(sum(m.time_s) FILTER (WHERE m.ideal_s IS NOT NULL), 0) AS time_ideal
 FROM b LEFT JOIN t USING (step, microbatch, layer) LEFT JOIN m USING (step, microbatch, layer)
-GROUP BY b.policy ORDER BY plans DESC, b.policy
+     LEFT JOIN decision_facts d USING (step, microbatch, layer)
+GROUP BY 1 ORDER BY plans DESC, policy
 """, doc="Per policy within one run; as queries.POLICY_COMPARISON plus the share of the ideal.")
 
-COMPARE_UNITS = ("layer", "timing", "transfer", "runs_log")
+COMPARE_UNITS = ("layer", "decision", "timing", "transfer", "runs_log")
 
 
 def compare_runs(mirrors: list[RunMirror], bins_max: int = MAX_BINS):
@@ -850,7 +855,7 @@ def compare_runs(mirrors: list[RunMirror], bins_max: int = MAX_BINS):
     rows, series = [], []
     for m in mirrors:
         m.refresh(COMPARE_UNITS)
-        df = mirror_query(m, COMPARE, ("layer_facts", "transfer_plan_facts", "timing_facts"))
+        df = mirror_query(m, COMPARE, _SHOWN_FACTS + ("transfer_plan_facts", "timing_facts"))
         if not len(df):
             continue
         df.insert(0, "run_id", m.run_id)
@@ -859,7 +864,7 @@ def compare_runs(mirrors: list[RunMirror], bins_max: int = MAX_BINS):
         rows.append(df)
         bins, _ = layer_bins(m, bins_max)
         if bins is not None:
-            s = mirror_query(m, COMPARE_OVER_STEPS, ("layer_facts",), first=bins.first_step, bin=bins.bin)
+            s = mirror_query(m, COMPARE_OVER_STEPS, _SHOWN_FACTS, first=bins.first_step, bin=bins.bin)
             s.insert(0, "run_id", m.run_id)
             series.append(s)
     cmp = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
@@ -868,8 +873,10 @@ def compare_runs(mirrors: list[RunMirror], bins_max: int = MAX_BINS):
 
 
 COMPARE_OVER_STEPS = _q("compare_over_steps", f"""
-SELECT policy, {_BIN} AS step, avg(imbalance_after) AS imbalance_after, count(*) AS plans
-FROM layer_facts GROUP BY policy, 2 ORDER BY policy, 2
+SELECT {_SHOWN} AS policy, {_BIN} AS step, avg(imbalance_after) AS imbalance_after,
+       count(*) AS plans
+FROM layer_facts b LEFT JOIN decision_facts d USING (step, microbatch, layer)
+GROUP BY 1, 2 ORDER BY 1, 2
 """, params=("first", "bin"))
 
 

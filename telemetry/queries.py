@@ -168,18 +168,6 @@ ORDER BY run_id, step, microbatch, layer
     doc="Every policy decision in order, with the predicted seconds of each candidate.",
 )
 
-POLICY_SHARES = Query(
-    "policy_shares", "Policy shares",
-    f"""
-SELECT run_id, policy, count(*) AS plans,
-       count(*) / sum(count(*)) OVER (PARTITION BY run_id) AS share
-FROM layer_balance WHERE {_RUN}
-GROUP BY run_id, policy
-ORDER BY run_id, plans DESC, policy
-""",
-    doc="Share of layer-microbatches planned by each policy.",
-)
-
 _MEASURED = f"""
     SELECT run_id, step, microbatch, layer,
            max(measured_s) AS measured_s, max(predicted_s) AS timing_predicted_s
@@ -191,6 +179,25 @@ _DECIDED = f"""
     FROM decisions WHERE {_RUN}
     QUALIFY row_number() OVER (PARTITION BY run_id, step, microbatch, layer ORDER BY rank, ts) = 1
 """
+
+# The policy a layer-microbatch is shown under (``b``: its layer_balance row, ``d``: its decision): the
+# recorded policy, or "<chosen> via <policy>" when the decision names another policy (the adaptive engine
+# records the candidate it chose). The dashboard's queries use the same expression.
+SHOWN_POLICY = "CASE WHEN d.policy IS NOT NULL AND d.policy <> b.policy THEN d.policy || ' via ' || b.policy ELSE b.policy END"
+
+POLICY_SHARES = Query(
+    "policy_shares", "Policy shares",
+    f"""
+WITH d AS ({_DECIDED})
+SELECT run_id, {SHOWN_POLICY} AS policy, count(*) AS plans,
+       count(*) / sum(count(*)) OVER (PARTITION BY run_id) AS share
+FROM (SELECT * FROM layer_balance WHERE {_RUN}) b LEFT JOIN d USING (run_id, step, microbatch, layer)
+GROUP BY run_id, 2
+ORDER BY run_id, plans DESC, policy
+""",
+    doc="Share of layer-microbatches planned by each policy; a layer whose policy delegates (adaptive) "
+        "counts under the candidate it chose, shown as 'quota via adaptive'.",
+)
 
 _PVM = f"""
 WITH m AS ({_MEASURED}), d AS ({_DECIDED})
@@ -266,17 +273,19 @@ POLICY_COMPARISON = Query(
     f"""
 WITH b AS (SELECT * FROM layer_balance WHERE {_RUN}),
 t AS (SELECT run_id, step, microbatch, layer, sum(bytes)::BIGINT AS bytes FROM transfer_detail WHERE {_RUN} GROUP BY ALL),
-m AS ({_MEASURED})
-SELECT b.run_id, b.policy, count(*) AS plans,
+m AS ({_MEASURED}), d AS ({_DECIDED})
+SELECT b.run_id, {SHOWN_POLICY} AS policy, count(*) AS plans,
        count(*) / sum(count(*)) OVER (PARTITION BY b.run_id) AS share,
        avg(b.imbalance_before) AS mean_imbalance_before, avg(b.imbalance_after) AS mean_imbalance_after,
        avg(coalesce(t.bytes, 0)) AS mean_transfer_bytes,
        avg(m.measured_s) AS mean_measured_s, avg(m.timing_predicted_s) AS mean_predicted_s
 FROM b LEFT JOIN t USING (run_id, step, microbatch, layer) LEFT JOIN m USING (run_id, step, microbatch, layer)
-GROUP BY b.run_id, b.policy
-ORDER BY b.run_id, plans DESC
+     LEFT JOIN d USING (run_id, step, microbatch, layer)
+GROUP BY b.run_id, 2
+ORDER BY b.run_id, plans DESC, policy
 """,
-    doc="Per policy: how often it ran and what it achieved (imbalance, bytes moved, measured time).",
+    doc="Per policy (the candidate an adaptive layer chose, 'quota via adaptive'): how often it ran and "
+        "what it achieved (imbalance, bytes moved, measured time).",
 )
 
 STEP_SUMMARY = Query(
