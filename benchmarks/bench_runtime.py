@@ -1,18 +1,23 @@
 """Runtime benchmark: one balanced MoE layer, forward + backward, on 2 local gloo ranks (one thread each).
 
-The layer is a transformers v5 ``Qwen3MoeExperts`` container big enough that expert compute dominates.
-Routing is skewed so that the rank-level imbalance without balancing is about 1.6 (hot experts on rank 0);
-the same tokens are then run
+The layer is a transformers v5 experts container (``Qwen3MoeExperts``, or ``MixtralExperts``) big enough that
+expert compute dominates. Routing is skewed so that the rank-level imbalance without balancing is about 1.6
+(hot experts on rank 0); the same tokens are then run
 
   * ``none``            no balancing,
   * ``quota``           exact-load real-time balancing (planning, weight streaming, replica gradient
-                        reduction and the replica recompute in backward all included in the time),
+                        reduction all included in the time),
+  * ``adaptive``        the adaptive engine choosing per call,
   * ``force-balanced``  the router forced uniform (the ideal: every rank gets the mean load, no overhead).
 
 Layer time = max over ranks of (forward + backward) wall time per iteration (the all-to-alls make every
-rank wait for the slowest). Goals: quota >= 1.25x faster than none, and >= 90 % of force-balanced.
+rank wait for the slowest). Goals (issue "Balancing must pay"): quota >= 1.20x over none and >= 90 % of
+force-balanced at the default shape. A second table gives quota's per-phase time on each rank, exposed
+(on the rank's critical path) and hidden (weight transfer in flight behind compute).
 
-    .venv/bin/python benchmarks/bench_runtime.py [--tokens 2048] [--hidden 1024] [--iters 3]
+    .venv/bin/python benchmarks/bench_runtime.py                 # the whole shape matrix
+    .venv/bin/python benchmarks/bench_runtime.py --shapes default,mixtral --iters 3
+    .venv/bin/python benchmarks/bench_runtime.py --shapes custom --tokens 2048 --hidden 1024 --ffn 1024
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,38 +37,82 @@ from benchmarks.common import row, write_rows  # noqa: E402
 from ultraep.launch import launch  # noqa: E402
 
 
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    tokens: int = 2048
+    hidden: int = 1024
+    ffn: int = 1024
+    experts: int = 8
+    top_k: int = 2
+    family: str = "qwen3-moe"
+
+    def label(self) -> str:
+        return f"{self.family} T={self.tokens} H={self.hidden} I={self.ffn} E={self.experts} k={self.top_k}"
+
+
+SHAPES = {
+    "default": Shape("default"),
+    "tok64": Shape("tok64", tokens=64),
+    "tok512": Shape("tok512", tokens=512),
+    "tok1024": Shape("tok1024", tokens=1024),
+    "tok4096": Shape("tok4096", tokens=4096),
+    "h512": Shape("h512", hidden=512),
+    "mixtral": Shape("mixtral", family="mixtral"),
+    "e16": Shape("e16", experts=16),
+}
+POLICIES = [("none", "none", True), ("quota", "quota", True), ("adaptive", "adaptive", True),
+            ("force-balanced", "none", False)]
+PHASES = [  # (timings key, label, exposed?)
+    ("plan_s", "plan", True), ("weight_post_s", "weight post", True), ("relay_s", "relay", True),
+    ("weight_wait_s", "weight wait+unpack", True), ("weight_sync_hidden_s", "weight in flight (hidden)", False),
+    ("dispatch_s", "dispatch a2a", True), ("master_compute_s", "master compute", True),
+    ("replica_compute_s", "replica compute", True), ("combine_s", "combine a2a", True),
+    ("combine_bwd_s", "combine a2a bwd", True), ("backward_compute_s", "expert backward", True),
+    ("grad_post_s", "grad pack+post", True), ("grad_wait_s", "grad wait", True),
+    ("grad_reduce_s", "grad reduce", True), ("dispatch_bwd_s", "dispatch a2a bwd", True),
+]
+
+
 def _routing(rank: int, T: int, K: int, E: int, skew: bool, seed: int) -> torch.Tensor:
-    """Top-k ids ``[T, K]``: skewed (hot experts 0..3 on rank 0) or uniform (force-balanced)."""
+    """Top-k ids ``[T, K]``: skewed (rank 0's masters 4x as popular) or uniform (force-balanced)."""
     g = torch.Generator().manual_seed(seed + rank)
+    p = torch.full((E,), 1.0)
     if skew:
-        p = torch.full((E,), 1.0)
         p[: E // 2] = 4.0  # rank 0's masters get 4x the popularity -> rank loads 1.6 : 0.4 of the mean
-    else:
-        p = torch.ones(E)
     return torch.multinomial(p.expand(T, E), K, replacement=False, generator=g)
 
 
-def _body(rank, world, args, policy, skew):
+def _experts(shape: Shape):
     import transformers as tf
 
+    if shape.family == "mixtral":
+        cfg = tf.MixtralConfig(hidden_size=shape.hidden, intermediate_size=shape.ffn, num_local_experts=shape.experts,
+                               num_experts_per_tok=shape.top_k)
+        return tf.models.mixtral.modeling_mixtral.MixtralExperts(cfg)
+    cfg = tf.Qwen3MoeConfig(hidden_size=shape.hidden, moe_intermediate_size=shape.ffn, num_experts=shape.experts,
+                            num_experts_per_tok=shape.top_k)
+    return tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(cfg)
+
+
+def _body(rank, world, shape: Shape, args, policy, skew):
     import ultraep
 
-    cfg = tf.Qwen3MoeConfig(hidden_size=args.hidden, moe_intermediate_size=args.ffn, num_experts=args.experts,
-                            num_experts_per_tok=args.top_k)
     torch.manual_seed(0)
-    experts = tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(cfg)
+    experts = _experts(shape)
     with torch.no_grad():
-        experts.gate_up_proj.normal_(0, 0.02)
-        experts.down_proj.normal_(0, 0.02)
+        for p in experts.parameters():
+            p.normal_(0, 0.02)
     holder = torch.nn.Module()
     holder.experts = experts
     ultraep.wrap(holder, {"policy": policy, "num_redundant_slots": args.slots})
     layer = holder.experts
+    rt = ultraep.runtime_of(holder)
     g = torch.Generator().manual_seed(7 + rank)
-    x = torch.randn(args.tokens, args.hidden, generator=g).requires_grad_(True)
-    idx = _routing(rank, args.tokens, args.top_k, args.experts, skew, args.seed)
-    w = torch.softmax(torch.randn(args.tokens, args.top_k, generator=g), -1)
-    times = []
+    x = torch.randn(shape.tokens, shape.hidden, generator=g).requires_grad_(True)
+    idx = _routing(rank, shape.tokens, shape.top_k, shape.experts, skew, args.seed)
+    w = torch.softmax(torch.randn(shape.tokens, shape.top_k, generator=g), -1)
+    times, phases, chosen = [], [], []
     for it in range(args.warmup + args.iters):
         torch.distributed.barrier()
         t0 = time.perf_counter()
@@ -71,55 +121,95 @@ def _body(rank, world, args, policy, skew):
         t = time.perf_counter() - t0
         layer.zero_grad(set_to_none=True)
         x.grad = None
+        rt.next_step()  # records the call (with its backward phases) into layer.last_timings
         if it >= args.warmup:
             times.append(t)
+            phases.append(dict(layer.last_timings))
+            chosen.append(rt.history[-1][2])
     plan = layer.last_plan
-    return {"times": times, "imb_before": plan.imbalance_before, "imb_after": plan.imbalance_after,
-            "replicas": plan.num_replicas}
+    return {"times": times, "phases": phases, "chosen": chosen, "imb_before": plan.imbalance_before,
+            "imb_after": plan.imbalance_after, "replicas": plan.num_replicas}
+
+
+def _run_shape(shape: Shape, args, policies) -> dict:
+    res = {}
+    for name, policy, skew in policies:
+        out = launch(_body, 2, shape, args, policy, skew, backend="gloo", threads_per_rank=1)
+        per_iter = np.max(np.array([o["times"] for o in out]), axis=0)  # the slowest rank sets the pace
+        res[name] = (per_iter, out)
+    return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--ffn", type=int, default=1024, help="expert intermediate size")
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}, custom")
+    ap.add_argument("--policies", default=",".join(p for p, _, _ in POLICIES))
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per rank (custom shape)")
+    ap.add_argument("--hidden", type=int, default=1024, help="(custom shape)")
+    ap.add_argument("--ffn", type=int, default=1024, help="expert intermediate size (custom shape)")
+    ap.add_argument("--experts", type=int, default=8, help="(custom shape)")
+    ap.add_argument("--top-k", type=int, default=2, help="(custom shape)")
+    ap.add_argument("--family", default="qwen3-moe", choices=["qwen3-moe", "mixtral"], help="(custom shape)")
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    from ultraep.models import preload
-
-    preload()
-    cases = [("none", "none", True), ("quota", "quota", True), ("force-balanced", "none", False)]
-    res = {}
-    for name, policy, skew in cases:
-        out = launch(_body, 2, args, policy, skew, backend="gloo", threads_per_rank=1)
-        per_iter = np.max(np.array([o["times"] for o in out]), axis=0)  # the slowest rank sets the pace
-        res[name] = (per_iter, out[0])
     from rich.console import Console
     from rich.table import Table
 
-    t_none = np.median(res["none"][0])
-    t_ideal = np.median(res["force-balanced"][0])
-    table = Table(title=f"one MoE layer fwd+bwd, 2 ranks x 1 thread, {args.tokens} tokens/rank, H={args.hidden}, "
-                        f"I={args.ffn}, E={args.experts}, top-{args.top_k}")
-    for c in ["run", "imbalance before", "imbalance after", "replicas", "layer time p50 (s)", "speed-up vs none",
-              "% of force-balanced"]:
-        table.add_column(c, justify="right")
+    from ultraep.models import preload
+
+    preload()
+    shapes = []
+    for s in args.shapes.split(","):
+        if s == "custom":
+            shapes.append(Shape("custom", args.tokens, args.hidden, args.ffn, args.experts, args.top_k, args.family))
+        elif s in SHAPES:
+            shapes.append(SHAPES[s])
+        else:
+            sys.exit(f"--shapes: unknown shape {s!r}; choose from {', '.join(SHAPES)}, custom")
+    wanted = args.policies.split(",")
+    policies = [p for p in POLICIES if p[0] in wanted or p[0] == "none"]
+    console = Console(width=220)
+    main_t = Table(title=f"one MoE layer fwd+bwd, 2 ranks x 1 thread, load avg {os.getloadavg()[0]:.2f} at start")
+    for c in ["shape", "run", "imb. before", "imb. after", "replicas", "p50 (s)", "min..max (s)", "vs none",
+              "% of force-balanced", "adaptive chose"]:
+        main_t.add_column(c, justify="right")
+    phase_t = Table(title="quota: per-phase seconds per iteration (rank 0 / rank 1, median); exposed unless marked")
+    phase_t.add_column("shape")
+    for _, label, _ in PHASES:
+        phase_t.add_column(label, justify="right")
     rows = []
-    for name, (t, info) in res.items():
-        p50 = float(np.median(t))
-        table.add_row(name, f"{info['imb_before']:.3f}", f"{info['imb_after']:.3f}", str(info["replicas"]),
-                      f"{p50:.3f}", f"{t_none / p50:.2f}x", f"{100 * t_ideal / p50:.1f} %")
-        rows.append(row("runtime_layer_fwd_bwd", name, "layer_time", "s", f"2x1/{args.tokens}tok", t))
-        rows.append(row("runtime_layer_fwd_bwd", name, "speedup_vs_none", "ratio", f"2x1/{args.tokens}tok",
-                        t_none / p50))
-        rows.append(row("runtime_layer_fwd_bwd", name, "pct_of_force_balanced", "%", f"2x1/{args.tokens}tok",
-                        100 * t_ideal / p50))
-    Console(width=200).print(table)
+    for shape in shapes:
+        res = _run_shape(shape, args, policies)
+        t_none = float(np.median(res["none"][0]))
+        t_ideal = float(np.median(res["force-balanced"][0])) if "force-balanced" in res else float("nan")
+        x = f"2x1/{shape.name}"
+        for name, (t, out) in res.items():
+            p50 = float(np.median(t))
+            info = out[0]
+            chose = ""
+            if name == "adaptive":
+                ch = [c for o in out for c in o["chosen"]]
+                chose = ", ".join(f"{c} {ch.count(c)}" for c in sorted(set(ch)))
+            main_t.add_row(shape.label() if name == "none" else "", name, f"{info['imb_before']:.3f}",
+                           f"{info['imb_after']:.3f}", str(info["replicas"]), f"{p50:.3f}",
+                           f"{t.min():.3f}..{t.max():.3f}", f"{t_none / p50:.2f}x", f"{100 * t_ideal / p50:.1f} %", chose)
+            rows.append(row("runtime_layer_fwd_bwd", name, "layer_time", "s", x, t))
+            rows.append(row("runtime_layer_fwd_bwd", name, "speedup_vs_none", "ratio", x, t_none / p50))
+            rows.append(row("runtime_layer_fwd_bwd", name, "pct_of_force_balanced", "%", x, 100 * t_ideal / p50))
+        if "quota" in res:
+            cells = []
+            for key, _, _ in PHASES:
+                per_rank = [float(np.median([ph.get(key, 0.0) for ph in o["phases"]])) for o in res["quota"][1]]
+                cells.append(" / ".join(f"{v:.3f}" for v in per_rank))
+                for r, v in enumerate(per_rank):
+                    rows.append(row("runtime_phase", f"quota/rank{r}", key, "s", x, v))
+            phase_t.add_row(shape.name, *cells)
+        main_t.add_section()
+    console.print(main_t)
+    console.print(phase_t)
     print(f"rows appended to {write_rows('bench_runtime', rows)}")
 
 

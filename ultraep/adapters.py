@@ -335,3 +335,9 @@ def supported() -> list[str]:
     out.append("every transformers v5 experts-interface module whose flags ultraep implements (docs/models.md)")
     out += [a.name for a in _CUSTOM.values()]
     return out
+
+
+def prepare(model: nn.Module) -> None:
+    """Rewrite, in place, MoE blocks whose experts are not an experts container into one (exactly), before
+    :func:`~ultraep.runtime.wrap` looks for containers. Today: nothing to rewrite."""
+    return None

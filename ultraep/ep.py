@@ -102,6 +102,8 @@ class BalancedExperts(nn.Module):
         self.last_plan = None
         self.replica_mode = "none"  # "kept" / "restore" once the runtime split its replica memory budget
         self._record = None
+        #: this rank's measured phases of the last recorded call (the ``timings`` keys, seconds)
+        self.last_timings: dict[str, float] = {}
         self.calibrator = None
         if hasattr(self.policy, "cost_model"):  # adaptive: a cost model of this machine, calibrated as we go
             self.calibrator = self._local_calibrator(like)
@@ -316,6 +318,7 @@ class BalancedExperts(nn.Module):
                     sink = t.get("grad_wait_s", 0.0) + t.get("grad_reduce_s", 0.0)
                     t["backward_compute_s"] = m["experts_bwd"] - m["combined_bwd"] - t.get("restore_s", 0.0)
                     t["dispatch_bwd_s"] = m["bwd_end"] - m["experts_bwd"] - sink
+        self.last_timings = t
         self.runtime.record_layer(self, call.plan, t, call.job)
 
     def _experts(self, recv: torch.Tensor, C: np.ndarray, plan, job: ReplicaJob | None) -> tuple[torch.Tensor, float]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch import nn
 
-from ultraep.adapters import UnsupportedModelError, adapter_for, supported
+from ultraep.adapters import UnsupportedModelError, adapter_for, prepare, supported
 from ultraep.config import BalancerConfig
 from ultraep.errors import UltraEPError
 from ultraep.replicas import ReplicaBuffers
@@ -174,6 +174,7 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
         config = BalancerConfig.model_validate(config)
     if getattr(model, _ATTR, None) is not None:
         raise UltraEPError("model", "is already wrapped by ultraep")
+    prepare(model)  # MoE blocks whose experts need an exact rewrite into the experts-container form
     found = [(name, mod) for name, mod in model.named_modules() if adapter_for(mod) is not None]
     if not found:
         raise UnsupportedModelError(
