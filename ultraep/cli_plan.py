@@ -36,21 +36,47 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _read_load(path: Path) -> np.ndarray:
+#: CLI flag of each size field, so refusals name what the user typed
+_NAMES = {"num_ranks": "--ranks", "num_experts": "--experts", "num_redundant_slots": "--slots", "top_k": "--top-k",
+          "tokens_per_rank": "--tokens"}
+
+
+def _read_load(path: Path, ranks: int, slots: int, policies: int) -> np.ndarray:
+    """Read the ``[R, E]`` .npy, checking the size its header declares before reading the data."""
+    from ultraep import limits
+
     if not path.exists():
         raise LoadError(str(path), "no such file", str(path))
-    try:
-        arr = np.load(path, allow_pickle=False)
+    try:  # a memory map reads only the header: the shape is known before any data is loaded
+        arr = np.load(path, allow_pickle=False, mmap_mode="r")
     except ValueError as exc:  # object arrays need pickles: refused
         raise LoadError(str(path), f"is not a plain numeric .npy array ({exc})") from None
     except Exception as exc:
         raise LoadError(str(path), f"cannot be read as .npy ({type(exc).__name__}: {exc})") from None
     if not isinstance(arr, np.ndarray):
         raise LoadError(str(path), "holds several arrays (.npz); pass a single [R, E] .npy")
-    return arr
+    if arr.ndim == 2 and arr.shape[0] == ranks and arr.shape[1] >= 1:
+        names = {**_NAMES, "num_experts": f"{path} (columns)"}
+        limits.check_plan(ranks, int(arr.shape[1]), slots, policies=policies, names=names)
+    return np.array(arr)  # read it (validate_load refuses other shapes with their own message)
+
+
+def _check_expert_totals(load: np.ndarray, args: argparse.Namespace) -> None:
+    """Name ``--tokens`` when the sampled load is beyond what the planners split exactly (the load check would
+    only name a cell). Sampling costs the same for any token count, so this is known within a second."""
+    from ultraep.load import MAX_EXPERT_LOAD
+
+    col = load.sum(axis=0)
+    e = int(np.argmax(col))
+    if col[e] > MAX_EXPERT_LOAD:
+        fit = max(1, int(args.tokens * MAX_EXPERT_LOAD // int(col[e])))
+        raise ConfigError("--tokens", f"({args.tokens:,}) gives expert {e} {int(col[e]):,} token-expert assignments over "
+                          f"{args.ranks} ranks; the planners split at most {MAX_EXPERT_LOAD:,} (2^31 - 1) exactly, "
+                          f"about --tokens {fit:,} here", args.tokens)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ultraep import limits
     from ultraep.load import validate_load
     from ultraep.planning import plan_layer
     from ultraep.policies import POLICIES
@@ -58,23 +84,29 @@ def run(args: argparse.Namespace) -> int:
 
     if args.ranks < 1:
         raise ConfigError("--ranks", f"must be >= 1, got {args.ranks}", args.ranks)
+    policies = list(POLICIES) if args.compare else [args.policy]
     if args.synthetic:
         from ultraep.workload import synthetic_load
 
         if args.experts is None:
             raise ConfigError("--experts", "is required with --synthetic")
+        if args.experts >= 1 and args.slots >= 0:  # sizes before anything is allocated; bad values: below
+            limits.check_plan(args.ranks, args.experts, args.slots, policies=len(policies), names=_NAMES)
         try:
             load = synthetic_load(args.ranks, args.experts, top_k=args.top_k, tokens_per_rank=args.tokens,
-                                  target_imbalance=args.imbalance, seed=args.seed)
+                                  target_imbalance=args.imbalance, seed=args.seed, names=_NAMES)
+        except UltraEPError:
+            raise
         except ValueError as exc:
             raise ConfigError("--synthetic", str(exc)) from None
+        _check_expert_totals(load, args)
         source = f"synthetic (target imbalance {args.imbalance}, top-{args.top_k}, {args.tokens} tokens/rank)"
     else:
-        load = validate_load(_read_load(args.load), num_ranks=args.ranks, path=str(args.load))
+        load = validate_load(_read_load(args.load, args.ranks, max(args.slots, 0), len(policies)),
+                             num_ranks=args.ranks, path=str(args.load))
         source = str(args.load)
     topo = Topology(num_ranks=args.ranks, num_experts=load.shape[1], num_redundant_slots=args.slots,
                     domain_size=args.domain_size)
-    policies = list(POLICIES) if args.compare else [args.policy]
     plans = [plan_layer(load, name, topology=topo) for name in policies]
     if args.json:
         out = [p.summary() | {"transfers": p.transfers.rows()} for p in plans]

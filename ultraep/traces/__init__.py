@@ -30,6 +30,7 @@ points, L layers.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -219,7 +220,14 @@ class Trace:
         table = pa.table({c: self.columns[c][order] for c in COLUMNS})
         table = table.replace_schema_metadata({META_KEY: self.meta.model_dump_json().encode()})
         path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, path, compression="zstd", row_group_size=1 << 20)
+        # Write beside the target and rename on success: an interrupted or failed write (Ctrl-C, full disk)
+        # leaves no file under the final name that looks like a complete trace.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        try:
+            pq.write_table(table, tmp, compression="zstd", row_group_size=1 << 20)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return path
 
     @classmethod
@@ -287,6 +295,9 @@ class Trace:
         if max_points is not None:
             chosen = chosen[:max_points]
         Rs = self.meta.num_ranks
+        from ultraep.limits import check_trace_densify  # the dense width comes from the file: check it fits
+
+        check_trace_densify(num_ranks, Rs, E, path="trace")
         for i in chosen:
             rows = sel[bounds[i]:bounds[i + 1]]
             load = np.zeros((num_ranks, E), dtype=np.int64)

@@ -25,11 +25,14 @@ Legend: T steps, B microbatches, L layers, R source ranks, E experts, k top-k.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from ultraep.errors import ConfigError
-from ultraep.workload import power_law_popularity
+from ultraep.limits import check_bound, check_synthetic_trace, limit
+from ultraep.workload import fit_popularity, solve_inclusion
 
 from . import Trace, TraceMeta
 
@@ -55,10 +58,25 @@ class SyntheticSpec(BaseModel):
     burst_len: int = Field(default=5, ge=1, description="Steps a burst lasts.")
     domain_shift_every: int = Field(default=0, ge=0, description="Steps between domain shifts (0 = never).")
     per_source: bool = Field(default=False, description="Record per-source-rank counts (else global counts).")
-    seed: int = Field(default=0, description="Random seed.")
+    seed: int = Field(default=0, ge=0, description="Random seed.")
 
     @model_validator(mode="after")
-    def _check(self) -> "SyntheticSpec":
+    def _check(self, info: ValidationInfo) -> "SyntheticSpec":
+        # Sane bounds first (machine independent); memory and work are checked by synthetic_trace, on the machine
+        # that generates. ``model_validate(..., context={"names": {"num_ranks": "--ranks", ...}})`` renames fields.
+        names = (info.context or {}).get("names") if info is not None else None
+        for field, low, cap, why in (("num_ranks", 1, "MAX_RANKS", "source ranks"),
+                                     ("num_experts", 1, "MAX_EXPERTS", "experts per layer"),
+                                     ("num_layers", 1, "MAX_LAYERS", "MoE layers"),
+                                     ("num_steps", 1, "MAX_STEPS", "trace step ids are int32"),
+                                     ("microbatches", 1, "MAX_MICROBATCHES", "trace microbatch ids have 20 bits"),
+                                     ("tokens_per_rank", 1, "MAX_TOTAL_TOKENS", "tokens per rank"),
+                                     ("burst_len", 1, "MAX_STEPS", "steps")):
+            check_bound((names or {}).get(field, f"synthetic.{field}"), getattr(self, field), low, cap, why)
+        if self.tokens_per_rank * self.num_ranks > limit("MAX_TOTAL_TOKENS"):
+            raise ConfigError((names or {}).get("tokens_per_rank", "synthetic.tokens_per_rank"),
+                              f"({self.tokens_per_rank:,}) x {self.num_ranks:,} ranks exceeds limits.MAX_TOTAL_TOKENS "
+                              f"({int(limit('MAX_TOTAL_TOKENS')):,}, exact in float64)", self.tokens_per_rank)
         if self.num_experts % self.num_ranks:
             raise ConfigError("synthetic.num_experts", f"num_experts ({self.num_experts}) must be a multiple of "
                               f"num_ranks ({self.num_ranks})", self.num_experts)
@@ -68,53 +86,7 @@ class SyntheticSpec(BaseModel):
         lo, hi = self.imbalance
         if not 1.0 <= lo <= hi:
             raise ConfigError("synthetic.imbalance", f"needs 1.0 <= low <= high, got {self.imbalance}", self.imbalance)
-        cells = self.num_steps * self.microbatches * self.num_layers * self.num_experts
-        if self.per_source and cells * self.num_ranks > 400_000_000:
-            raise ConfigError("synthetic.per_source", f"per-source counts would hold {cells * self.num_ranks:,} "
-                              "cells (> 4e8); use global counts (per_source=False)", True)
         return self
-
-
-def solve_inclusion(w_TE: np.ndarray, k: int, iters: int = 60) -> np.ndarray:
-    """``[T, E] -> [T, E]`` inclusion probabilities ``1 − exp(−c_t · w)`` with ``Σ_e = k`` per row
-    (bisection on ``log c``, vectorised over rows)."""
-    w = np.maximum(np.asarray(w_TE, dtype=np.float64), 1e-300)
-    E = w.shape[1]
-    if k >= E:
-        return np.ones_like(w)
-    lo = np.full(w.shape[0], -60.0)
-    hi = np.full(w.shape[0], 60.0)
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        s = (-np.expm1(-np.exp(mid)[:, None] * w)).sum(axis=1)
-        big = s > k
-        hi = np.where(big, mid, hi)
-        lo = np.where(big, lo, mid)
-    return -np.expm1(-np.exp((lo + hi) / 2)[:, None] * w)
-
-
-def _expected_imbalance(pi_E: np.ndarray, num_ranks: int) -> float:
-    per_rank = pi_E.reshape(num_ranks, -1).sum(axis=1)
-    return float(per_rank.max() / per_rank.mean())
-
-
-def _popularity(spec: SyntheticSpec, target: float, seed: int) -> np.ndarray:
-    """``[E]`` base popularity whose expected rank-level imbalance is close to ``target``."""
-    R, E, k = spec.num_ranks, spec.num_experts, spec.top_k
-
-    def at(alpha):
-        return power_law_popularity(R, E, alpha, np.random.default_rng(seed))
-
-    lo, hi = 0.0, 12.0
-    if _expected_imbalance(solve_inclusion(at(hi)[None], k)[0], R) < target:
-        return at(hi)  # the top-k cap makes the target unreachable: take the most skewed
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        if _expected_imbalance(solve_inclusion(at(mid)[None], k)[0], R) < target:
-            lo = mid
-        else:
-            hi = mid
-    return at((lo + hi) / 2)
 
 
 def layer_weights(spec: SyntheticSpec, layer: int, target: float) -> np.ndarray:
@@ -122,7 +94,7 @@ def layer_weights(spec: SyntheticSpec, layer: int, target: float) -> np.ndarray:
     T, E, R = spec.num_steps, spec.num_experts, spec.num_ranks
     M = E // R
     rng = np.random.default_rng([spec.seed, layer, 1])
-    base = _popularity(spec, target, seed=int(rng.integers(2**31)))
+    base = fit_popularity(R, E, spec.top_k, target, seed=int(rng.integers(2**31)))
     t = np.arange(T)
     # Rank block each step reads its experts' weights from: domain shift permutation, then drift.
     if spec.domain_shift_every > 0:
@@ -152,8 +124,16 @@ def layer_targets(spec: SyntheticSpec) -> np.ndarray:
     return np.random.default_rng([spec.seed, 7]).permutation(targets)
 
 
-def synthetic_trace(spec: SyntheticSpec) -> Trace:
-    """Generate the trace described by ``spec``."""
+def synthetic_trace(spec: SyntheticSpec, *, progress: Callable[[int, int], None] | None = None,
+                    names: dict[str, str] | None = None) -> Trace:
+    """Generate the trace described by ``spec``.
+
+    Memory and work are checked first (:func:`ultraep.limits.check_synthetic_trace`; ``names`` renames the
+    fields in its messages). ``progress(done, total)`` is called as (point, layer) cells are sampled, in
+    blocks of steps, so a bar can advance and Ctrl-C is honoured between blocks; sampling row by row in
+    step order draws the same numbers as one call, so the result does not depend on the blocks.
+    """
+    check_synthetic_trace(spec, names=names)
     T, B, L, R, E, k = (spec.num_steps, spec.microbatches, spec.num_layers, spec.num_ranks, spec.num_experts,
                         spec.top_k)
     targets = layer_targets(spec)
@@ -162,14 +142,22 @@ def synthetic_trace(spec: SyntheticSpec) -> Trace:
         counts = np.empty((P, L, R, E), dtype=np.int64)
     else:
         counts = np.empty((P, L, E), dtype=np.int64)
+    # steps per block: about 2^22 sampled cells, at least one step
+    block = max(1, (1 << 22) // max(1, B * E * (R if spec.per_source else 1)))
     for layer in range(L):
-        pi = solve_inclusion(layer_weights(spec, layer, float(targets[layer])), k)  # [T, E]
-        pi_P = np.repeat(pi, B, axis=0)
+        w = layer_weights(spec, layer, float(targets[layer]))  # [T, E]
         rng = np.random.default_rng([spec.seed, layer, 2])
-        if spec.per_source:
-            counts[:, layer] = rng.binomial(spec.tokens_per_rank, np.broadcast_to(pi_P[:, None, :], (P, R, E)))
-        else:
-            counts[:, layer] = rng.binomial(spec.tokens_per_rank * R, pi_P)
+        for t0 in range(0, T, block):
+            t1 = min(T, t0 + block)
+            pi_P = np.repeat(solve_inclusion(w[t0:t1], k), B, axis=0)  # [(t1 - t0) * B, E]
+            p0, p1 = t0 * B, t1 * B
+            if spec.per_source:
+                counts[p0:p1, layer] = rng.binomial(spec.tokens_per_rank,
+                                                    np.broadcast_to(pi_P[:, None, :], (p1 - p0, R, E)))
+            else:
+                counts[p0:p1, layer] = rng.binomial(spec.tokens_per_rank * R, pi_P)
+            if progress is not None:
+                progress(layer * P + p1, L * P)
     meta = TraceMeta(
         num_experts=E, num_ranks=R if spec.per_source else None, top_k=k, source="synthetic",
         description="synthetic: " + spec.model_dump_json(), extra={"layer_targets": targets.tolist()},
