@@ -1,8 +1,8 @@
 """The ``ultraep`` command line.
 
 Every subcommand lives in its own module exposing ``register(subparsers)``; they are listed in
-``COMMANDS``. User mistakes (bad arguments, files, values) print one line on stderr and exit with code 2,
-without a traceback.
+``COMMANDS``. User mistakes (bad arguments, files, values, sizes beyond :mod:`ultraep.limits`) print one line on
+stderr and exit with code 2, without a traceback; Ctrl-C prints one line and exits with 130.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         rc = args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: outputs are written under a temporary name and renamed on success
+        print("ultraep: interrupted", file=sys.stderr)
+        return 130
     except UltraEPError as exc:
         print(f"ultraep: error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from numbers import Integral
 from pydantic import ValidationError
 
 from ultraep.errors import ConfigError, UltraEPError, format_pydantic_error
+from ultraep.limits import check_plan
 from ultraep.load import validate_load
 from ultraep.plan import Plan
 from ultraep.topology import Topology
@@ -65,6 +66,8 @@ def plan_layer(
         topology = _topology(arr.shape[0], arr.shape[1], int(num_redundant_slots), domain_size)
     else:
         arr = validate_load(load, topology.num_ranks, topology.num_experts)
+    # the [R, R, S] routes and per-plan copies are the big allocations: refuse what cannot fit, before planning
+    check_plan(topology.num_ranks, topology.num_experts, topology.num_redundant_slots)
     if policy == "eplb":
         options.setdefault("use_current_load", True)
     try:
