@@ -181,6 +181,7 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
             "model", f"{type(model).__name__} has no experts container ultraep can balance; supported: "
             + "; ".join(supported()))
     config.validate_layers(len(found))  # a `layers` override for a layer that does not exist is refused
+    __import__("ultraep.planning").planning.warm_up()  # compile the planners now, not inside step 0's timing
     runtime = EPRuntime(config, group, recorder)
     R = runtime.world_size
     from ultraep.ep import BalancedExperts
