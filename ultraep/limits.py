@@ -273,7 +273,7 @@ def check_trace_densify(num_ranks: int, source_ranks: int | None, E: int, path: 
     ``[Rs, E]`` per-source matrix (float64 bincount + int64) and the ``[R, E]`` spread of global counts."""
     check_bound(f"{path}.num_experts", E, 1, "MAX_EXPERTS", "experts per layer")
     Rs = source_ranks or 0
-    check_memory(f"{path}.num_experts", E, 8.0 * E * (3 * num_ranks + 2 * Rs),
+    check_memory(f"ranks x {path}.num_experts", f"{num_ranks:,} x {E:,}", 8.0 * E * (3 * num_ranks + 2 * Rs),
                  f"the dense per-point load of {num_ranks:,} ranks ({Rs:,} source ranks) x {E:,} experts")
 
 

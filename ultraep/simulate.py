@@ -245,6 +245,13 @@ def simulate(trace: Trace, cm: CostModel, policies=ALL_POLICIES, *, layers=None,
     if trace.meta.num_experts != t.num_experts:
         raise ConfigError("experts", f"the trace has {trace.meta.num_experts} experts but the topology "
                           f"{t.num_experts}", t.num_experts)
+    # every replayed point densifies a [R, E] load and plans it with each policy: refuse what cannot fit now,
+    # not in a worker after the pool started
+    from ultraep.limits import check_plan, check_trace_densify
+
+    check_trace_densify(t.num_ranks, trace.meta.num_ranks, t.num_experts)
+    check_plan(t.num_ranks, t.num_experts, t.num_redundant_slots, policies=len(names),
+               names={"num_ranks": "ranks", "num_experts": "experts", "num_redundant_slots": "slots"})
     all_layers = [int(x) for x in trace.layers]
     if layers is not None:
         missing = sorted(set(int(x) for x in layers) - set(all_layers))
