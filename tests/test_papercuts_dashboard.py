@@ -78,7 +78,10 @@ def test_signal_to_dashboard_stops_the_streamlit_server(tmp_path, sig):
             time.sleep(0.2)
         assert not _listening(port), f"something still listens on port {port} after {sig.name} to the dashboard"
         assert not any(map(_alive, children)), f"Streamlit child left running after {sig.name}"
-        assert parent.returncode == 0, parent.stderr.read().decode()  # Streamlit exits cleanly on both
+        # Ctrl+C is a normal stop (0); after SIGTERM Streamlit exits 0, or 143 (128 + 15) when the signal
+        # lands before it has installed its own handler
+        ok = (0,) if sig == signal.SIGINT else (0, 128 + signal.SIGTERM)
+        assert parent.returncode in ok, parent.stderr.read().decode()
     finally:
         for pid in [*children, parent.pid]:  # never leave a server behind, whatever failed above
             try:
