@@ -62,9 +62,11 @@ class AdaptivePolicy:
     """
 
     name = "adaptive"
+    needs_cost_model = True  # the engine hands it the calibrated model of its layer
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, margin: float = 0.005, patience: int = 2,
                  switch_now: float = 0.02, deadline_s: float | None = None, screen: bool = True,
+                 probe_every: int = 32, probe_max_loss: float = 0.25, outcome_alpha: float = 0.3,
                  candidate_options: dict | None = None, cost_model=None, policies: dict | None = None,
                  owns_candidates: bool = True) -> None:
         from ultraep.errors import ConfigError
@@ -95,6 +97,13 @@ class AdaptivePolicy:
         self.screen = bool(screen)
         self.cost_model = cost_model
         self.owns_candidates = bool(owns_candidates)
+        self.probe_every = int(probe_every)
+        self.probe_max_loss = float(probe_max_loss)
+        self.outcome_alpha = float(outcome_alpha)
+        #: per candidate: EWMA of log(measured / predicted layer time) when it ran, and how often it ran
+        self._outcome: dict[str, tuple[float, int]] = {}
+        self._since: dict[str, int] = {}  # decisions since each candidate last ran
+        self._none_streak = 0  # consecutive decisions none won by more than switch_now
         self._models: dict = {}
         self._current: str | None = None
         self._pending: tuple[str, int] | None = None
@@ -102,17 +111,39 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------------ helpers
     def _cost(self, topology: Topology):
-        if self.cost_model is not None and self.cost_model.topology == topology:
-            return self.cost_model
+        """The cost model for ``topology``: the one the engine handed over (calibrated), re-targeted to another
+        topology with the *current* calibrated parameters (a cached copy is dropped when they change)."""
+        base = self.cost_model
+        if base is not None and base.topology == topology:
+            return base
         cm = self._models.get(topology)
-        if cm is None:
+        if cm is None or (base is not None and cm.params is not base.params):
             from ultraep.cost import CostModel
 
-            base = self.cost_model
             cm = self._models[topology] = CostModel(
                 topology, base.hardware if base else None, base.expert if base else None, base.params if base else None
             )
         return cm
+
+    # ------------------------------------------------------------------ measured outcomes
+    def observe_outcome(self, name: str, predicted_s: float, measured_s: float) -> None:
+        """Fold one measured layer time of candidate ``name`` into its outcome correction (log-ratio EWMA;
+        the first observations weigh 1/n)."""
+        if predicted_s <= 0 or measured_s <= 0 or name not in self.policies:
+            return
+        x = float(np.log(measured_s / predicted_s))
+        old, n = self._outcome.get(name, (0.0, 0))
+        a = max(self.outcome_alpha, 1.0 / (n + 1))
+        self._outcome[name] = ((1 - a) * old + a * x, n + 1)
+
+    def correction(self, name: str) -> float:
+        """Multiplier of ``name``'s model prediction: its own measured/predicted ratio when it has run, else
+        the mean of the others' (the model's error is largely shared), else 1."""
+        if name in self._outcome:
+            return float(np.exp(self._outcome[name][0]))
+        if self._outcome:
+            return float(np.exp(np.mean([v for v, _ in self._outcome.values()])))
+        return 1.0
 
     @staticmethod
     def exposed_planner_s(cm, name: str) -> float:
@@ -131,6 +162,9 @@ class AdaptivePolicy:
         todo = [n for n in self.policies if n in SCREENABLE and n != self._current]  # hysteresis needs it
         if not todo:
             return []
+        if self._current == "none" and self._none_streak >= self.probe_every:
+            # none has won clearly for a while: plan the others only when they are due for a probe
+            return [n for n in todo if self._since.get(n, 0) < self.probe_every]
         from .base import identity_plan
 
         if none_s is None:
@@ -166,7 +200,7 @@ class AdaptivePolicy:
             else:
                 bd = cm.predict(pl, sync_s=cm.full_sync_time(pl) if switch else None)
             breakdowns[name] = bd
-            predictions[name] = bd.total_s
+            predictions[name] = bd.total_s * self.correction(name)
         # Step 4: late plans.
         late = []
         if self.deadline_s is not None:
@@ -200,6 +234,17 @@ class AdaptivePolicy:
                 pending = (best, count)
             else:
                 chosen, reason = cur, f"hysteresis: {best} only {gain:.2%} faster (margin {self.margin:.2%})"
+        # Step 5b: bounded-regret probe: a candidate that has not run for probe_every decisions runs once, if
+        # its corrected prediction is within probe_max_loss of the best (so a probe costs at most that
+        # fraction of one layer call per probe_every calls: regret <= probe_max_loss / probe_every).
+        probe = False
+        if self.probe_every > 0 and cur is not None:
+            due = [n for n in sorted(feasible) if n != chosen and self._since.get(n, 0) >= self.probe_every
+                   and feasible[n] <= (1 + self.probe_max_loss) * feasible[best]]
+            if due:
+                probe_of = max(due, key=lambda n: (self._since.get(n, 0), n))
+                chosen, reason, probe = probe_of, f"probe: {probe_of} last ran {self._since.get(probe_of, 0)} " \
+                    f"decisions ago (kept {cur})", True
         # Step 6: the engine's exposed overhead.
         planned_max = max((self.exposed_planner_s(cm, n) for n in plans), default=0.0)
         engine_s = cm.params.engine_overhead_s + max(0.0, planned_max - self.exposed_planner_s(cm, chosen))
@@ -216,6 +261,10 @@ class AdaptivePolicy:
             "screened": list(screened),
             "previous": cur,
             "pending": list(pending) if pending else None,
+            "probe": probe,
+            "none_clear": bool(best == "none" and len(feasible) > 1 and min(
+                (v for n, v in feasible.items() if n != "none"), default=float("inf"))
+                > feasible["none"] * (1 + self.switch_now)),
         }
         if chosen == "eplb" and cur != "eplb":
             info["sync_s"] = breakdowns["eplb"].weight_sync_s
@@ -225,8 +274,12 @@ class AdaptivePolicy:
 
     def commit(self, plan: Plan) -> None:
         a = plan.info["adaptive"]
-        self._current = a["chosen"]
-        self._pending = tuple(a["pending"]) if a.get("pending") else None
+        if not a.get("probe"):  # a probe runs once; the current policy stays
+            self._current = a["chosen"]
+            self._pending = tuple(a["pending"]) if a.get("pending") else None
+        for n in self.policies:
+            self._since[n] = 0 if n == a["chosen"] else self._since.get(n, 0) + 1
+        self._none_streak = self._none_streak + 1 if a.get("none_clear") else 0
         if not self.owns_candidates:
             return
         if self._memo is not None and self._memo[0] is plan:

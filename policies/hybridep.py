@@ -142,6 +142,7 @@ class HybridEPPolicy:
     """
 
     name = "hybridep"
+    needs_cost_model = True  # the engine hands it the calibrated model
 
     def __init__(self, domain_sizes: list[int] | None = None, compression: float = 1.0, cost_model=None) -> None:
         self.domain_sizes = None if domain_sizes is None else [int(s) for s in domain_sizes]

@@ -133,9 +133,12 @@ def test_calibration_ewma_of_log_ratio_and_records_pairs():
     rec = FakeRecorder()
     cal = Calibrator(cm, alpha=0.5, recorder=rec)
     rows = cal.observe(bd, {"compute_fwd_s": 2 * bd.compute_fwd_s, "a2a_fwd_s": bd.a2a_fwd_s}, step=3, layer=1)
-    # log s = 0.5 * log 1 + 0.5 * log 2 -> s = sqrt(2); a2a measured = predicted -> unchanged
-    assert cal.params.compute_scale == pytest.approx(math.sqrt(2))
+    # the first observation of a term weighs 1/1 (a running mean first): s = 2; a2a measured = predicted
+    assert cal.params.compute_scale == pytest.approx(2.0)
     assert cal.params.a2a_scale == pytest.approx(1.0)
+    # the second weighs max(alpha, 1/2) = 0.5: log s = 0.5 * log 2 + 0.5 * log 1 -> s = sqrt(2)
+    cal.observe(cal.model.ideal(load), {"compute_fwd_s": cm.ideal(load).compute_fwd_s})
+    assert cal.params.compute_scale == pytest.approx(math.sqrt(2))
     assert {r["term"] for r in rows} == {"compute_fwd_s", "a2a_fwd_s"}
     step, mb, layer, timings = rec.rows[0]
     assert (step, layer) == (3, 1)

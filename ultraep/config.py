@@ -149,6 +149,18 @@ class AdaptiveOptions(_Options):
         default=None, gt=0.0, description="Planning + weight sync later than this falls back to 'none' (seconds)."
     )
     screen: StrictBool = Field(default=True, description="Skip planning candidates that cannot pay for their planner.")
+    probe_every: StrictInt = Field(
+        default=32, ge=0,
+        description="A candidate not run for this many decisions runs once to be measured (0: never probe).",
+    )
+    probe_max_loss: StrictFloat = Field(
+        default=0.25, ge=0.0,
+        description="Probe only candidates predicted at most this much slower than the best (bounds the regret).",
+    )
+    outcome_alpha: StrictFloat = Field(
+        default=0.3, gt=0.0, le=1.0,
+        description="EWMA weight of a candidate's newest measured/predicted layer-time ratio.",
+    )
 
 
 LayerPolicy = Annotated[

@@ -11,6 +11,9 @@ arXiv 2604.19654 §2; the terms are listed in ``docs/simulator.md`` with the num
     dispatch     = max_levels max_r max(send_r, recv_r) · token_bytes / (B_level · a2a_eff) + latency
     a2a_fwd      = 2 · dispatch                      (dispatch + combine move the same bytes)
     weight_sync  = Σ_relay stages max_r max(send_r, recv_r) / (B_up · copy_eff) + latency
+                   exposed: all of it (UltraEP Eq. 1), or with ``weight_sync_overlap`` only what exceeds the
+                   dispatch plus the smallest per-rank master compute (posted early, waited late)
+    copy         = max_r replica bytes r packs/unpacks/reduces · copy_s_per_byte (host runtime; 0 on GPUs)
     plan         = planner time of the policy (model figures from the papers, or measured)
     engine       = the adaptive engine's decision overhead (``plan.info["engine_s"]``), else 0
     fwd          = engine + plan + weight_sync + a2a_fwd + compute_fwd + non_moe_fwd   (UltraEP Eq. 1)
@@ -67,6 +70,19 @@ class CostParams(BaseModel):
     weight_sync_scale: float = Field(default=1.0, gt=0, description="Calibrated multiplier of weight sync.")
     grad_reduce_scale: float = Field(default=1.0, gt=0, description="Calibrated multiplier of grad reduction.")
     plan_scale: float = Field(default=1.0, gt=0, description="Calibrated multiplier of planner latency.")
+    copy_scale: float = Field(default=1.0, gt=0, description="Calibrated multiplier of the exposed replica copies.")
+    copy_s_per_byte: float = Field(
+        default=0.0, ge=0,
+        description="Exposed seconds per byte of replica state a rank packs, unpacks or reduces on its own critical "
+        "path (forward: weights packed and unpacked; backward: fp32 gradients packed and reduced). 0 on GPUs, "
+        "where copy kernels overlap; the host runtime on CPU pays it.",
+    )
+    weight_sync_overlap: bool = Field(
+        default=False,
+        description="Replica weights are posted before the token dispatch and waited for right before the "
+        "replicas compute (the ultraep runtime): only what exceeds the dispatch and the masters' compute is "
+        "exposed. False: the sync precedes the dispatch (UltraEP Eq. 1).",
+    )
     backward_compute_factor: float = Field(
         default=2.0, gt=0, description="Expert backward compute / forward compute (UltraEP: ≈ 2)."
     )
@@ -179,6 +195,7 @@ class CostBreakdown:
     grad_reduce_s: float = 0.0
     grad_reduce_exposed_s: float = 0.0
     non_moe_bwd_s: float = 0.0
+    copy_s: float = 0.0
     bwd_s: float = 0.0
     total_s: float = 0.0
     gemm_straggler_s: float = 0.0
@@ -346,12 +363,31 @@ class CostModel:
         if sync_s is None:
             sync_s = plan.info.get("sync_s")
         wsync = self.weight_sync_time(plan) if sync_s is None else float(sync_s)
+        master_s = None
+        if self.params.weight_sync_overlap and wsync > 0:
+            M = self.topology.num_masters
+            mq = plan.quota_RS[:, :M]
+            master_s = float(self.compute_time_R(mq.sum(axis=1), (mq > 0).sum(axis=1)).min())
         return self._assemble(
             tr, plan_s=self.planner_time(plan), wsync=wsync,
             grad_s=self.grad_reduce_time(plan) if self.params.mode == "training" else 0.0,
             overlap_static=plan.info.get("overlap") == "static_compute", ag_bytes=ag_bytes_R,
-            engine_s=float(plan.info.get("engine_s", 0.0)),
+            engine_s=float(plan.info.get("engine_s", 0.0)), master_s=master_s, copy_s=self.copy_time(plan),
         )
+
+    def copy_time(self, plan: Plan) -> float:
+        """Exposed host copies of ``plan``'s replicas: the busiest rank's bytes packed/unpacked (weights) and,
+        in training, packed/reduced (fp32 gradients), at ``copy_s_per_byte``."""
+        p = self.params
+        if p.copy_s_per_byte <= 0 or plan.num_replicas == 0:
+            return 0.0
+        tree = self.replica_tree(plan)
+        R = self.topology.num_ranks
+        moves = np.bincount(tree.src, minlength=R) + np.bincount(tree.dst, minlength=R)
+        nbytes = moves * self.expert_bytes
+        if p.mode == "training":
+            nbytes = nbytes + moves * self.grad_bytes
+        return float(nbytes.max()) * p.copy_s_per_byte * p.copy_scale
 
     def predict_hybrid(self, load_RE: np.ndarray, expert_domain_size: int, compression: float = 1.0) -> CostBreakdown:
         """Predicted time of a HybridEP overlay (no replicas, no planner on the critical path)."""
@@ -378,7 +414,8 @@ class CostModel:
         return self._assemble(tr, plan_s=0.0, wsync=0.0, grad_s=0.0, overlap_static=False, ag_bytes=None)
 
     def _assemble(self, tr: Traffic, *, plan_s: float, wsync: float, grad_s: float, overlap_static: bool,
-                  ag_bytes, engine_s: float = 0.0) -> CostBreakdown:
+                  ag_bytes, engine_s: float = 0.0, master_s: float | None = None,
+                  copy_s: float = 0.0) -> CostBreakdown:
         p = self.params
         comp_R = self.compute_time_R(tr.tokens_R, tr.instances_R)
         compute = float(comp_R.max()) if comp_R.size else 0.0
@@ -391,6 +428,9 @@ class CostModel:
             window = float(static_R[tr.tokens_R > tr.static_tokens_R].min()) if (tr.tokens_R > tr.static_tokens_R).any() else float("inf")
             sync_exposed = max(0.0, plan_s + wsync - window) if wsync > 0 else 0.0
             plan_exposed = 0.0
+        elif master_s is not None:  # posted before the dispatch, waited for after the masters computed
+            sync_exposed = max(0.0, wsync - a2a / 2 - master_s)
+            plan_exposed = plan_s
         else:
             sync_exposed = wsync
             plan_exposed = plan_s
@@ -399,7 +439,7 @@ class CostModel:
             ag_s = float(ag_bytes.max()) / (self.bw_L[1] * self.a2a_eff) + self.lat_L[1] if ag_bytes.max() > 0 else 0.0
             ag_s *= p.a2a_scale
             ag_exposed = max(0.0, ag_s - self.prefetch_window)
-        fwd = engine_s + plan_exposed + sync_exposed + a2a + compute + ag_exposed + p.non_moe_fwd_s
+        fwd = engine_s + plan_exposed + sync_exposed + a2a + compute + ag_exposed + p.non_moe_fwd_s + copy_s
         if p.mode == "training":
             comp_b = p.backward_compute_factor * compute
             a2a_b = p.backward_a2a_factor * a2a
@@ -420,7 +460,7 @@ class CostModel:
             hybrid_ag_s=ag_s, hybrid_ag_exposed_s=ag_exposed, non_moe_fwd_s=p.non_moe_fwd_s, fwd_s=fwd,
             compute_bwd_s=comp_b, a2a_bwd_s=a2a_b, restore_exposed_s=restore, grad_reduce_s=grad_s,
             grad_reduce_exposed_s=grad_exposed, non_moe_bwd_s=p.non_moe_bwd_s if p.mode == "training" else 0.0,
-            bwd_s=bwd, total_s=fwd + bwd,
+            copy_s=copy_s, bwd_s=bwd, total_s=fwd + bwd,
             gemm_straggler_s=float(comp_R.max() - comp_R.mean()) if comp_R.size else 0.0,
             token_straggler=float(tokens.max() - mean) if tokens.size else 0.0,
             imbalance=float(tokens.max() / mean) if mean > 0 else 1.0,
@@ -436,6 +476,7 @@ CALIBRATED_TERMS: dict[str, str] = {
     "weight_sync_s": "weight_sync_scale",
     "grad_reduce_s": "grad_reduce_scale",
     "plan_s": "plan_scale",
+    "copy_s": "copy_scale",
 }
 
 
@@ -444,7 +485,8 @@ class Calibrator:
 
     Estimator (per term k with a measurement): ``log s_k ← (1 - α) · log s_k + α · log(m_k / u_k)`` where
     ``u_k`` is the *unscaled* model prediction (``predicted_k / s_k``) and ``m_k`` the measurement: an EWMA
-    of the log ratio. ``compute_bwd_s`` measurements update ``backward_compute_factor`` the same way
+    of the log ratio, whose weight is ``max(α, 1/n)`` for the n-th observation of a term (a running mean
+    first, so a few observations replace the seed figures instead of nudging them). ``compute_bwd_s`` measurements update ``backward_compute_factor`` the same way
     (ratio to the forward compute). Terms predicted or measured as 0 are skipped.
 
     Args:
@@ -463,6 +505,12 @@ class Calibrator:
         self.alpha = float(alpha)
         self.recorder = recorder
         self.history: list[dict[str, Any]] = []
+        self._n: dict[str, int] = {}  # observations per scale: the first ones weigh 1/n (a running mean)
+
+    def _alpha(self, name: str) -> float:
+        n = self._n.get(name, 0)
+        self._n[name] = n + 1
+        return max(self.alpha, 1.0 / (n + 1))
 
     @property
     def params(self) -> CostParams:
@@ -481,7 +529,8 @@ class Calibrator:
                 if base > 0 and value > 0:
                     old = p.backward_compute_factor
                     ratio = value / base
-                    updates["backward_compute_factor"] = math.exp((1 - self.alpha) * math.log(old) + self.alpha * math.log(ratio))
+                    a = self._alpha("backward_compute_factor")
+                    updates["backward_compute_factor"] = math.exp((1 - a) * math.log(old) + a * math.log(ratio))
                     rows.append({"term": key, "predicted_s": pred.get("compute_bwd_s", 0.0), "measured_s": float(value),
                                  "ratio": float(value / pred["compute_bwd_s"]) if pred.get("compute_bwd_s") else float("nan")})
                 continue
@@ -496,7 +545,8 @@ class Calibrator:
                 continue
             old = getattr(p, scale_name)
             unscaled = pv / old
-            updates[scale_name] = math.exp((1 - self.alpha) * math.log(old) + self.alpha * math.log(value / unscaled))
+            a = self._alpha(scale_name)
+            updates[scale_name] = math.exp((1 - a) * math.log(old) + a * math.log(value / unscaled))
         if updates:
             self.model = self.model.with_params(p.model_copy(update=updates))
         self.history.extend({"step": step, "microbatch": microbatch, "layer": layer, **r} for r in rows)

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from ultraep.config import BalancerConfig
 from ultraep.cost import Calibrator, CostBreakdown, CostModel
 from ultraep.load import validate_load
@@ -42,34 +44,54 @@ class Decision:
 
 
 class Engine:
-    """Per-layer policies, predictions, recording and calibration.
+    """Per-layer policies, predictions, recording and calibration: the one decide → commit → observe loop,
+    used by the runtime's balanced layers and by anything else that balances online.
 
     Args:
         config: the validated balancer config (checked against the topology here).
         topology: the EP group; per-layer slot overrides derive from it.
-        cost_model: the cost model (default: built from the topology's preset).
+        cost_model: the cost model (default: built from the topology's preset). Its scales are calibrated
+            from every layer's measurements (one hardware, one set of scales); each layer predicts with its
+            own topology and expert geometry.
         recorder: a telemetry recorder (``Recorder`` / ``NullRecorder``) or ``None``.
-        calibration_alpha: EWMA weight of the calibrator.
+        calibration_alpha: EWMA weight of the calibrator (the first observations weigh 1/n, a running mean).
+        layer_topologies, layer_experts: per-layer topology / :class:`~ultraep.presets.ExpertSpec` (the
+            runtime's layers may differ); layers not listed derive from ``topology`` and the cost model.
+        record_timings: record predictions (and calibration rows) as timing rows; the runtime turns this off
+            and puts them into its own per-call timing row.
     """
 
     def __init__(self, config: BalancerConfig, topology: Topology, *, cost_model: CostModel | None = None,
-                 recorder=None, calibration_alpha: float = 0.2) -> None:
+                 recorder=None, calibration_alpha: float = 0.2, layer_topologies: dict[int, Topology] | None = None,
+                 layer_experts: dict | None = None, record_timings: bool = True) -> None:
         config.validate_for(topology.num_ranks, topology.num_masters)
         self.config = config
         self.topology = topology
-        self.calibrator = Calibrator(cost_model or CostModel(topology), calibration_alpha, recorder)
+        self.calibrator = Calibrator(cost_model or CostModel(topology), calibration_alpha,
+                                     recorder if record_timings else None)
         self.recorder = recorder
+        self.record_timings = record_timings
         self._policies: dict[int, Any] = {}
-        self._topologies: dict[int, Topology] = {}
-        self._pending: dict[tuple[int, int, int], CostBreakdown] = {}
+        self._topologies: dict[int, Topology] = dict(layer_topologies or {})
+        self._experts: dict[int, Any] = dict(layer_experts or {})
+        self._models: dict[int, CostModel] = {}
+        self._pending: dict[tuple[int, int, int], tuple[CostBreakdown, str]] = {}
 
     @property
     def cost_model(self) -> CostModel:
         return self.calibrator.model
 
-    def _model_for(self, topo: Topology) -> CostModel:
-        cm = self.cost_model
-        return cm if cm.topology == topo else cm.__class__(topo, cm.hardware, cm.expert, cm.params)
+    def cost_model_for(self, layer: int) -> CostModel:
+        """The calibrated cost model of ``layer`` (its topology and expert geometry, the shared scales)."""
+        cm = self._models.get(layer)
+        if cm is None:
+            base = self.cost_model
+            topo = self.topology_for(layer)
+            expert = self._experts.get(layer, base.expert)
+            cm = base if (base.topology == topo and expert is base.expert) else CostModel(
+                topo, base.hardware, expert, base.params)
+            self._models[layer] = cm
+        return cm
 
     def topology_for(self, layer: int) -> Topology:
         t = self._topologies.get(layer)
@@ -82,19 +104,17 @@ class Engine:
     def policy_for(self, layer: int):
         pol = self._policies.get(layer)
         if pol is None:
-            from ultraep.policies import make_policy
+            from ultraep.policies import get_policy_class, make_policy
 
             opts = self.config.layer_options(layer)
             kwargs = opts.policy_options()
-            cm = self._model_for(self.topology_for(layer))
-            if opts.kind == "hybridep":
-                kwargs["cost_model"] = cm
-            elif opts.kind == "adaptive":
-                kwargs["cost_model"] = cm
+            if getattr(get_policy_class(opts.kind), "needs_cost_model", False):  # the policy says what it needs
+                kwargs["cost_model"] = self.cost_model_for(layer)
+            if "candidates" in kwargs:  # a policy choosing among others plans them with the configured options
                 kwargs["candidates"] = tuple(kwargs["candidates"])
-                kwargs["candidate_options"] = {
-                    c: getattr(self.config, c).policy_options() for c in ("quota", "eplb") if c in kwargs["candidates"]
-                }
+                kwargs["candidate_options"] = {c: getattr(self.config, c).policy_options()
+                                               for c in kwargs["candidates"] if isinstance(getattr(
+                                                   self.config, c, None), BaseModel)}
             pol = self._policies[layer] = make_policy(opts.kind, **kwargs)
         return pol
 
@@ -104,15 +124,15 @@ class Engine:
         load = validate_load(load_RE, topo.num_ranks, topo.num_experts, path=f"layers.{layer}.load")
         pol = self.policy_for(layer)
         plan = pol.plan(load, topo)
-        cm = self._model_for(topo)
+        cm = self.cost_model_for(layer)
         bd = cm.predict(plan)
         kind = self.config.layer_options(layer).kind
-        a = plan.info.get("adaptive")
-        if a is not None:
-            chosen, reason, preds = a["chosen"], a["reason"], dict(a["predictions"])
+        d = plan.decision
+        if d is not None:
+            chosen, reason, preds = d.chosen, d.reason, dict(d.predictions)
         else:
             chosen, reason, preds = kind, f"configured policy {kind}", {kind: bd.total_s}
-        self._pending[(step, microbatch, layer)] = bd
+        self._pending[(step, microbatch, layer)] = (bd, chosen)
         if len(self._pending) > 4096:  # bounded: forget the oldest unobserved predictions
             self._pending.pop(next(iter(self._pending)))
         rec = self.recorder
@@ -120,33 +140,41 @@ class Engine:
             rec.record_plan(step, microbatch, layer, plan)
             rec.record_decision(step, microbatch, layer, policy=chosen, reason=reason, predictions=preds,
                                 chosen_predicted_s=bd.total_s)
-            rec.record_timings(step, microbatch, layer, {"predicted_s": bd.total_s, **{
-                f"predicted.{k}": v for k, v in bd.as_dict().items() if k.endswith("_s")}})
+            if self.record_timings:
+                rec.record_timings(step, microbatch, layer, {"predicted_s": bd.total_s, **{
+                    f"predicted.{k}": v for k, v in bd.as_dict().items() if k.endswith("_s")}})
         return Decision(step, microbatch, layer, kind, chosen, reason, preds, bd, plan)
 
     def commit(self, decision: Decision) -> None:
         """Accept the decision: the layer's policy history advances."""
         self.policy_for(decision.layer).commit(decision.plan)
 
-    def observe(self, step: int, microbatch: int, layer: int, measured: dict[str, float]) -> list[dict]:
+    def observe(self, step: int, microbatch: int, layer: int, measured: dict[str, float],
+                measured_total_s: float | None = None) -> list[dict]:
         """Fold measured timings (keys like ``compute_fwd_s``, ``a2a_fwd_s``, ``weight_sync_s``) into the
-        cost model; return (and record) the prediction next to each measurement."""
-        bd = self._pending.pop((step, microbatch, layer), None)
-        if bd is None:
+        cost model; return (and record) the prediction next to each measurement. ``measured_total_s``: the
+        whole layer's measured time, which a policy that chooses among candidates keeps per candidate."""
+        pending = self._pending.pop((step, microbatch, layer), None)
+        if pending is None:
             return []
+        bd, chosen = pending
         rows = self.calibrator.observe(bd, measured, step=step, microbatch=microbatch, layer=layer)
-        cm = self.cost_model
-        for pol in self._policies.values():  # policies that predict use the calibrated model
-            _refresh(pol, cm)
+        self._models.clear()
+        for lay, pol in self._policies.items():  # policies that predict use the calibrated model
+            _refresh(pol, self.cost_model_for(lay))
+        if measured_total_s is not None and bd.total_s > 0:
+            rows.append({"term": "total_s", "predicted_s": bd.total_s, "measured_s": float(measured_total_s),
+                         "ratio": float(measured_total_s / bd.total_s)})
+            outcome = getattr(self.policy_for(layer), "observe_outcome", None)
+            if outcome is not None:
+                outcome(chosen, bd.total_s, float(measured_total_s))
         return rows
 
 
 def _refresh(pol, cm: CostModel) -> None:
     if getattr(pol, "cost_model", None) is not None:
-        old = pol.cost_model
-        pol.cost_model = cm if cm.topology == old.topology else CostModel(old.topology, cm.hardware, cm.expert, cm.params)
+        pol.cost_model = cm
         if hasattr(pol, "_models"):
             pol._models.clear()
     for sub in getattr(pol, "policies", {}).values():
         _refresh(sub, cm)
-

@@ -61,6 +61,42 @@ class RankFailureError(RuntimeError):
         self.layer, self.name, self.phase, self.rank, self.peers, self.step = layer, name, phase, rank, peers, step
 
 
+#: what each rank measured of a layer's last complete call, piggy-backed on the next call's load all-gather
+#: (int64 nanoseconds), so every rank calibrates from every rank's timings and decides identically
+MEASURED = ("compute_fwd_s", "compute_bwd_s", "a2a_fwd_s", "a2a_bwd_s", "weight_sync_s", "copy_s", "plan_s",
+            "total_s")
+
+
+def _phases(t: dict[str, float]) -> np.ndarray:
+    """``[len(MEASURED)]`` seconds from one call's recorded timings on this rank."""
+    g = t.get
+    bwd = "backward_s" in t
+    return np.array([
+        g("master_compute_s", 0.0) + g("replica_compute_s", 0.0),
+        max(0.0, g("backward_compute_s", 0.0) - g("grad_post_s", 0.0) - g("recompute_s", 0.0)) if bwd else 0.0,
+        g("dispatch_s", 0.0) + g("combine_s", 0.0),
+        g("combine_bwd_s", 0.0) + g("dispatch_bwd_s", 0.0) if bwd else 0.0,
+        g("weight_sync_flight_s", 0.0),
+        g("weight_post_s", 0.0) + g("weight_unpack_s", 0.0) + g("grad_post_s", 0.0) + g("grad_reduce_s", 0.0),
+        g("plan_s", 0.0),
+        g("measured_s", 0.0) + g("backward_s", 0.0),
+    ])
+
+
+def _reduce_measured(meas_RK: np.ndarray) -> tuple[dict[str, float], float]:
+    """Every rank's ``[R, K]`` phases → the layer's measurements: the slowest rank sets compute, copies and
+    the layer time; the all-to-alls take the *fastest* rank's time (the last to arrive waits for nobody, so
+    its time is the exchange itself, not another rank's straggling)."""
+    hi, lo = meas_RK.max(axis=0), meas_RK.min(axis=0)
+    m = dict(zip(MEASURED, hi.tolist()))
+    m["a2a_fwd_s"], m["a2a_bwd_s"] = float(lo[2]), float(lo[3])
+    total = m.pop("total_s")
+    if m["compute_bwd_s"] <= 0:  # forward only (serving): nothing measured of the backward
+        m.pop("compute_bwd_s")
+        m.pop("a2a_bwd_s")
+    return m, total
+
+
 class BalancedExperts(nn.Module):
     """Drop-in replacement of an experts container: same call, balanced expert-parallel execution.
 
@@ -71,7 +107,6 @@ class BalancedExperts(nn.Module):
     def __init__(self, container: nn.Module, adapter: "ExpertsAdapter", layer: int, name: str,
                  runtime: "EPRuntime") -> None:
         super().__init__()
-        from ultraep.policies import make_policy
         from ultraep.topology import Topology
 
         self.adapter = adapter
@@ -83,9 +118,14 @@ class BalancedExperts(nn.Module):
         R, r = runtime.world_size, runtime.rank
         cfg = runtime.config
         like = [getattr(container, n)[0] for n in adapter.param_names]
+        from ultraep.presets import local_seed
+
+        # this machine's seed figures; the links go into the layer's topology, so the plans and the engine's
+        # cost model of this layer share one topology (calibration then reaches every decision)
+        _, self.expert_spec, link, _ = local_seed(like, like[0].is_cuda)
         self.topology = Topology(
             num_ranks=R, num_experts=E, num_redundant_slots=cfg.slots_for(layer), domain_size=cfg.domain_size,
-            expert_bytes=int(sum(t.numel() * t.element_size() for t in like)),
+            expert_bytes=int(sum(t.numel() * t.element_size() for t in like)), scale_up=link, scale_out=link,
         )
         M = self.topology.num_masters
         self.first_expert = r * M
@@ -96,46 +136,18 @@ class BalancedExperts(nn.Module):
             # Free the full tensor; unwrap() gathers the masters back.
             setattr(container, n, nn.Parameter(torch.empty(0, dtype=full.dtype, device=full.device),
                                                requires_grad=False))
-        opts = cfg.layer_options(layer)
-        self.policy_name = opts.kind
-        self.policy = make_policy(opts.kind, **opts.policy_options())
+        self.policy_name = cfg.layer_options(layer).kind
         self.last_plan = None
         self.replica_mode = "none"  # "kept" / "restore" once the runtime split its replica memory budget
         self._record = None
+        self._observation: tuple[int, int, np.ndarray] | None = None  # last complete call: (step, mb, phases)
         #: this rank's measured phases of the last recorded call (the ``timings`` keys, seconds)
         self.last_timings: dict[str, float] = {}
-        self.calibrator = None
-        if hasattr(self.policy, "cost_model"):  # adaptive: a cost model of this machine, calibrated as we go
-            self.calibrator = self._local_calibrator(like)
 
-    def _local_calibrator(self, like: list[torch.Tensor]):
-        """A cost model seeded with rough CPU/gloo figures; measured timings correct it every microbatch."""
-        from ultraep.cost import Calibrator, CostModel
-        from ultraep.presets import ExpertSpec, HardwareSpec
-        from ultraep.topology import LinkSpec
-
-        H = int(min(min(t.shape) for t in like if t.dim() == 2))
-        weights = sum(t.numel() for t in like if t.dim() == 2)
-        size = like[0].element_size()
-        expert = ExpertSpec(hidden_size=H, ffn_size=max(1, weights // (3 * H)), num_matrices=3, weight_bytes=size,
-                            activation_bytes=size)
-        cuda = like[0].is_cuda
-        hw = HardwareSpec(name="local-gpu" if cuda else "local-cpu", gemm_tflops=100.0 if cuda else 0.05)
-        link = LinkSpec(bandwidth_GBps=100.0 if cuda else 2.0, latency_us=10.0 if cuda else 100.0)
-        topo = self.topology.model_copy(update={"scale_up": link, "scale_out": link})
-        cm = CostModel(topo, hw, expert)
-        self.policy.cost_model = cm
-        return Calibrator(cm, recorder=self.runtime.recorder)
-
-    def _calibrate(self, plan, timings: dict[str, float]) -> None:
-        cal = self.calibrator
-        predicted = cal.model.predict(plan)
-        cal.observe(predicted, {"compute_fwd_s": timings["experts_s"],
-                                "a2a_fwd_s": timings["dispatch_s"] + timings["combine_s"],
-                                "weight_sync_s": timings["transfer_s"], "plan_s": timings["plan_s"]},
-                    step=self.runtime.step, microbatch=max(self.runtime.microbatch, 0), layer=self.layer)
-        self.policy.cost_model = cal.model
-        timings["predicted_s"] = predicted.fwd_s if hasattr(predicted, "fwd_s") else predicted.total_s
+    @property
+    def policy(self):
+        """This layer's policy instance (owned by the runtime's engine)."""
+        return self.runtime.engine.policy_for(self.layer)
 
     def master_params(self) -> list[torch.Tensor]:
         return [getattr(self, n) for n in self.adapter.param_names]
@@ -182,14 +194,36 @@ class BalancedExperts(nn.Module):
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         rt.enter_layer(self.layer)
-        # Step 1: exact load.
+        # Step 1: exact load, and every rank's timings of this layer's last complete call.
         counts = torch.bincount(top_k_index.reshape(-1).to(torch.int64), minlength=E)
+        obs, self._observation = self._observation, None
+        K = len(MEASURED)
+        mine = torch.zeros(K + 2, dtype=torch.int64)
+        mine[0] = int(counts[E:].sum())  # sentinel ids (>= E): dropped slots, which this layer does not take
+        if obs is not None:
+            mine[1] = 1
+            mine[2:] = torch.as_tensor(np.round(obs[2] * 1e9).astype(np.int64))
         with self._collective("load all-gather"):
-            load = gather_load(counts, rt.group)
+            gathered = gather_load(torch.cat([counts[:E], mine.to(counts.device)]), rt.group)
+        load, extra = gathered[:, :E], gathered[:, E:]
+        if extra[:, 0].any():
+            from ultraep.adapters import UnsupportedModelError
+
+            bad = [r for r in range(R) if extra[r, 0]]
+            raise UnsupportedModelError(
+                f"{self.name}.top_k_index", f"rank(s) {bad} routed {int(extra[:, 0].sum())} slot(s) to the dropped-"
+                f"slot sentinel id {E} (ids must be < num_experts = {E}); ultraep does not balance layers that "
+                "drop slots (e.g. transformers' own expert parallelism or capacity dropping)", E)
         t1 = time.perf_counter()
+        eng = rt.engine
+        if obs is not None and extra[:, 1].all():  # every rank measured the same call: calibrate identically
+            measured, total = _reduce_measured(extra[:, 2:].astype(np.float64) * 1e-9)
+            rt._safe(eng.observe, obs[0], obs[1], self.layer, measured, total)
         # Step 2: plan (identical on every rank) and commit.
-        plan = self.policy.plan(load, t)
-        self.policy.commit(plan)
+        step, mb = rt.step, max(rt.microbatch, 0)
+        decision = eng.decide(step, mb, self.layer, load)
+        plan = decision.plan
+        eng.commit(decision)
         if rt.config.check_plan_hash:
             with self._collective("plan-hash all-gather"):
                 digests = all_gather_bytes(plan.digest().encode(), rt.group)
@@ -258,12 +292,13 @@ class BalancedExperts(nn.Module):
             for k in ("weight_post_s", "relay_s", "weight_wait_s"):
                 timings[k] = ph.get(k, 0.0)
             flight = ph.get("weight_sync_flight_s", 0.0)
+            timings["weight_sync_flight_s"] = flight
+            timings["weight_unpack_s"] = ph.get("weight_unpack_s", 0.0)
             timings["weight_sync_hidden_s"] = max(0.0, flight - ph.get("weight_wait_s", 0.0))
             timings["replica_kept"] = 1.0 if job.kept else 0.0
             timings["transfer_bytes"] = float(job.bytes_sent)
-        if self.calibrator is not None:
-            rt._safe(self._calibrate, plan, timings)
-        self._record = _LayerCall(plan, timings, job, t7)
+        timings["predicted_s"] = decision.predicted.total_s
+        self._record = _LayerCall(plan, timings, job, t7, (step, mb), needs_backward, decision)
         if needs_backward and out.requires_grad:
             self._hook_backward(out, y_recv, recv, send)
         else:
@@ -319,7 +354,10 @@ class BalancedExperts(nn.Module):
                     t["backward_compute_s"] = m["experts_bwd"] - m["combined_bwd"] - t.get("restore_s", 0.0)
                     t["dispatch_bwd_s"] = m["bwd_end"] - m["experts_bwd"] - sink
         self.last_timings = t
-        self.runtime.record_layer(self, call.plan, t, call.job)
+        complete = "backward_s" in t or not call.needs_backward
+        if complete:  # sent with the next call's load: the engine calibrates from every rank's phases
+            self._observation = (call.key[0], call.key[1], _phases(t))
+        self.runtime.record_layer(self, call.plan, t, call.job, call.decision, call.key)
 
     def _experts(self, recv: torch.Tensor, C: np.ndarray, plan, job: ReplicaJob | None) -> tuple[torch.Tensor, float]:
         """Masters, then replicas, over the received rows; returns the outputs and the masters' seconds."""
@@ -356,8 +394,10 @@ class BalancedExperts(nn.Module):
 class _LayerCall:
     """One forward of a layer waiting for its backward before it is recorded."""
 
-    __slots__ = ("plan", "timings", "job", "marks")
+    __slots__ = ("plan", "timings", "job", "marks", "key", "needs_backward", "decision")
 
-    def __init__(self, plan, timings: dict, job: ReplicaJob | None, t_fwd_end: float) -> None:
-        self.plan, self.timings, self.job = plan, timings, job
+    def __init__(self, plan, timings: dict, job: ReplicaJob | None, t_fwd_end: float, key: tuple[int, int],
+                 needs_backward: bool, decision) -> None:
+        self.plan, self.timings, self.job, self.key = plan, timings, job, key
+        self.needs_backward, self.decision = needs_backward, decision
         self.marks: dict[str, float] = {"fwd_end": t_fwd_end}

@@ -82,6 +82,32 @@ class Replicas:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """How a policy that chooses among candidates (``adaptive``) decided one plan.
+
+    chosen       the candidate whose plan this is          reason       why, in words
+    predictions  ``{candidate: predicted layer seconds}`` (corrected by measured outcomes where known)
+    predicted_s  the chosen plan's prediction, with the engine's own overhead
+    probe        True when the candidate ran only to be measured (bounded-regret re-probe)
+    """
+
+    chosen: str
+    reason: str
+    predictions: dict[str, float]
+    predicted_s: float
+    screened: tuple[str, ...] = ()
+    probe: bool = False
+
+    @staticmethod
+    def of(info: dict) -> "Choice | None":
+        a = info.get("adaptive")
+        if a is None:
+            return None
+        return Choice(a["chosen"], a["reason"], dict(a["predictions"]), float(a["predicted_s"]),
+                      tuple(a.get("screened", ())), bool(a.get("probe", False)))
+
+
+@dataclass(frozen=True)
 class Plan:
     """One layer's balancing decision. Immutable; derived figures are computed on first access."""
 
@@ -100,6 +126,17 @@ class Plan:
     def __post_init__(self) -> None:
         for name in ("load_RE", "phy2log_RS", "quota_RS"):
             getattr(self, name).setflags(write=False)
+
+    @property
+    def decision(self) -> Choice | None:
+        """The typed choice of a policy that chose among candidates; None for a fixed policy."""
+        return Choice.of(self.info)
+
+    @property
+    def chosen_policy(self) -> str:
+        """The policy whose plan this is: the candidate an ``adaptive`` layer chose, else ``policy``."""
+        d = self.decision
+        return d.chosen if d is not None else self.policy
 
     @cached_property
     def routes_RRS(self) -> np.ndarray:

@@ -212,9 +212,11 @@ class ReplicaJob:
             w.poll()
             w.wait(range(w.num_recvs))
         self._event("weight_sync_waited")
+        t1 = time.perf_counter()
         if self.schedule.recvs:
             unpack_received(self.schedule, self.arena, {self.M + i: self.slots[i] for i in range(len(self.slots))},
                             self.layout)
+        self._add("weight_unpack_s", time.perf_counter() - t1)
         if not self.kept:
             self.rt.buffers.generation += 1
             self.generation = self.rt.buffers.generation

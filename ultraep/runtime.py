@@ -102,23 +102,39 @@ class EPRuntime:
             if self.recording_errors == 1:
                 log.warning("ultraep: recording failed (%s: %s); training continues", type(exc).__name__, exc)
 
-    def record_layer(self, layer, plan, timings: dict, job) -> None:
-        decision = plan.info.get("adaptive")  # the adaptive engine says what it chose and why
-        chosen = decision["chosen"] if decision else plan.policy
-        self.history.append((self.step, layer.layer, chosen, plan.imbalance_before, plan.imbalance_after,
+    def build_engine(self) -> None:
+        """The one decision loop of this model's layers: their policies, a cost model seeded with this
+        machine's figures (:func:`~ultraep.presets.local_seed`) and calibrated from every rank's measured phases."""
+        from ultraep.cost import CostModel, CostParams
+        from ultraep.engine import Engine
+        from ultraep.presets import local_seed
+
+        first = self.layers[0]
+        like = [p[0].detach() for p in first.master_params()]
+        hw, _, _, copy_s = local_seed(like, like[0].is_cuda)
+        params = CostParams(weight_sync_overlap=True, copy_s_per_byte=copy_s,
+                            restore_in_backward=any(la.replica_mode == "restore" for la in self.layers))
+        cm = CostModel(first.topology, hw, first.expert_spec, params)
+        # plans and decisions are recorded by the layers (with the transfers that really moved), not the engine
+        self.engine = Engine(self.config, first.topology, cost_model=cm, recorder=None,
+                             layer_topologies={la.layer: la.topology for la in self.layers},
+                             layer_experts={la.layer: la.expert_spec for la in self.layers}, record_timings=False)
+
+    def record_layer(self, layer, plan, timings: dict, job, decision, key: tuple[int, int]) -> None:
+        """Record one layer call (``key`` = its step and microbatch) once its backward ran (or never will)."""
+        step, mb = key
+        chosen = plan.chosen_policy
+        self.history.append((step, layer.layer, chosen, plan.imbalance_before, plan.imbalance_after,
                              plan.num_replicas, timings["plan_s"], timings["transfer_s"], timings["measured_s"]))
         rec = self.recorder
         if rec is None:
             return
-        step, mb = self.step, max(self.microbatch, 0)
         if self.rank == 0:  # plans are identical on every rank: one copy is enough
             self._safe(rec.record_plan, step, mb, layer.layer, plan)
-            if decision:
-                self._safe(rec.record_decision, step, mb, layer.layer, policy=chosen, reason=decision["reason"],
-                           predictions=decision["predictions"], chosen_predicted_s=decision["predicted_s"])
-            else:
-                self._safe(rec.record_decision, step, mb, layer.layer, policy=chosen,
-                           reason=f"configured policy {layer.policy_name!r}")
+            if decision is not None:
+                self._safe(rec.record_decision, step, mb, layer.layer, policy=decision.chosen,
+                           reason=decision.reason, predictions=decision.predictions,
+                           chosen_predicted_s=decision.predicted.total_s)
         self._safe(rec.record_timings, step, mb, layer.layer, dict(timings))
         if job is not None and len(plan.transfers):
             self._safe(rec.record_transfer_times, step, mb, layer.layer, job.transfer_seconds())
@@ -200,6 +216,7 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
         runtime.layers.append(balanced)
         runtime.report.layers.append((layer, name, balanced.policy_name, adapter.name))
     runtime.reserve_replica_memory()
+    runtime.build_engine()
     object.__setattr__(model, _ATTR, runtime)
     if runtime.rank == 0:
         log.info("%s", runtime.report)

@@ -109,6 +109,16 @@ class Topology(BaseModel):
         return self
 
     # ------------------------------------------------------------------ derived, cached, read-only
+    def __eq__(self, other: object) -> bool:
+        # Fields only: the cached derived arrays (home_E, ...) live in __dict__ too, and pydantic's __eq__
+        # would compare them elementwise (ambiguous truth value) once they are computed.
+        if not isinstance(other, Topology):
+            return NotImplemented
+        return self is other or all(getattr(self, f) == getattr(other, f) for f in type(self).model_fields)
+
+    def __hash__(self) -> int:
+        return hash(tuple(getattr(self, f) for f in type(self).model_fields))
+
     @cached_property
     def D(self) -> int:
         """Ranks per scale-up domain."""
