@@ -78,7 +78,7 @@ def _check_expert_totals(load: np.ndarray, args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from ultraep import limits
     from ultraep.load import validate_load
-    from ultraep.planning import plan_layer
+    from ultraep.planning import plan_layer, warm_up
     from ultraep.policies import POLICIES
     from ultraep.topology import Topology
 
@@ -107,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
         source = str(args.load)
     topo = Topology(num_ranks=args.ranks, num_experts=load.shape[1], num_redundant_slots=args.slots,
                     domain_size=args.domain_size)
+    # compile the planners (or load numba's cache) only now: refusals above must not wait ~20 s for a cold
+    # compile, and the solve times printed below must not include it
+    warm_up()
     plans = [plan_layer(load, name, topology=topo) for name in policies]
     if args.json:
         out = [p.summary() | {"transfers": p.transfers.rows()} for p in plans]
