@@ -190,7 +190,7 @@ class BalancerConfig(_Model):
     check_plan_hash: StrictBool = Field(
         default=False, description="Debug: all-gather each plan's hash and stop if ranks disagree."
     )
-    replica_memory_budget: Literal["auto"] | Annotated[int, Field(ge=0)] | Annotated[float, Field(ge=0.0)] = Field(
+    replica_memory_budget: Literal["auto"] | Annotated[StrictInt, Field(ge=0)] | Annotated[StrictFloat, Field(ge=0.0)] = Field(
         default="auto",
         description="Memory a rank may spend on per-layer replica weight buffers that live from forward to "
         "backward (no restore, no recompute): bytes (int), a multiple of this rank's master expert bytes "
