@@ -40,7 +40,7 @@ DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "models.md")
 # if one of these is installed it must be *checked*, never refused.
 MUST_BALANCE = {"qwen2_moe", "olmoe", "granitemoe", "deepseek_v2", "glm4_moe", "dots1", "ernie4_5_moe",
                 "hunyuan_v1_moe", "phimoe", "qwen3_next", "minimax", "jamba", "flex_olmo", "lfm2_moe", "mixtral",
-                "qwen3_moe", "deepseek_v3", "gpt_oss"}
+                "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "dbrx", "jetmoe"}
 
 
 @dataclass
@@ -54,6 +54,7 @@ class Family:
     build_error: str = ""
     prepare: str = ""  # "" or "frozen_norm": freeze shared parameters before wrap
     flags: dict = field(default_factory=dict)
+    block: type | None = None  # the MoE block built instead of the container (ultraep.adapters_rewrite)
 
 
 def _config_candidates(family: str):
@@ -96,7 +97,12 @@ def _set(cfg, key, val, old):
             continue
 
 
-def _shrink(cfg):
+def _shrink(cfg, depth=0):
+    from transformers.configuration_utils import PreTrainedConfig
+
+    for key in (getattr(type(cfg), "sub_configs", None) or {}) if depth < 3 else ():
+        if isinstance(getattr(cfg, key, None), PreTrainedConfig):  # DBRX's block reads its ffn_config
+            _shrink(getattr(cfg, key), depth + 1)
     for key, val in list(cfg.to_dict().items()):
         if isinstance(val, bool) or not (val is None or isinstance(val, (int, list))):
             continue
@@ -106,6 +112,8 @@ def _shrink(cfg):
             _set(cfg, key, H, val)
         elif _INTER.search(key):
             _set(cfg, key, I, val)
+        elif key in ("num_experts_per_tok", "moe_top_k") and isinstance(val, int):  # blocks route top-K
+            _set(cfg, key, K, val)
     if getattr(cfg, "zero_expert_num", None):  # Longcat: keep its zero-computation experts (they are refused)
         cfg.zero_expert_num = 2
     return cfg
@@ -120,11 +128,12 @@ def _size_kwargs(cls) -> dict:
 def _tiny(fam: Family):
     """Build ``fam.cls`` from the first config candidate that yields E experts of hidden size H, or explain."""
     errors = []
+    build = fam.block or fam.cls
     for cfg in _config_candidates(fam.family):
         _shrink(cfg)
         try:
             with torch.device("meta"):
-                mod = fam.cls(cfg, **_size_kwargs(fam.cls))
+                mod = build(cfg, **_size_kwargs(build))
         except Exception as exc:  # noqa: BLE001
             errors.append(f"{type(cfg).__name__}: {type(exc).__name__}")
             continue
@@ -141,6 +150,9 @@ def discover() -> list[Family]:
     import transformers.models as tm
 
     from ultraep.adapters import KNOWN_NON_INTERFACE, REFUSED, _declared_flags  # noqa: F401
+    from ultraep.adapters_rewrite import BLOCKS
+
+    rewritten = {c: b for b, c in BLOCKS.items()}  # container class -> the block prepare() rewrites
 
     root = os.path.dirname(tm.__file__)
     named = set(KNOWN_NON_INTERFACE) | set(REFUSED)
@@ -159,7 +171,9 @@ def discover() -> list[Family]:
             code = getattr(cls.__dict__.get("__init__"), "__code__", None)
             declared = code is not None and {"original_init", "has_gate"} <= set(code.co_freevars)
             if declared or name in named:
-                fam = Family(family, cls, label=f"{family}")
+                block = getattr(module, rewritten.get(name, ""), None)
+                fam = Family(family, cls, label=f"{family}" + (f" ({block.__name__} block)" if block else ""),
+                             block=block)
                 fam.config, fam.build_error = _tiny(fam)
                 out.append(fam)
                 if "has_post_expert_norm" in src and declared and fam.config is not None:
@@ -174,11 +188,14 @@ def discover() -> list[Family]:
 
 def _build(fam: Family, seed: int):
     torch.manual_seed(seed)
-    mod = fam.cls(fam.config, **_size_kwargs(fam.cls))
+    build = fam.block or fam.cls
+    mod = build(fam.config, **_size_kwargs(build))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in sorted(mod.named_parameters()):
             p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1))
+            if fam.block is not None and "router" in n and p.shape[0] == E:
+                p[:2] += 0.25  # with inputs of mean 0.5: experts 0 and 1 (rank 0's masters) are hot
     if fam.prepare == "frozen_norm":
         mod.post_expert_norm.requires_grad_(False)
     return mod
@@ -193,6 +210,18 @@ class Holder(torch.nn.Module):
 
     def forward(self, x, idx, w):
         return self.experts(x, idx, w)
+
+
+class BlockHolder(torch.nn.Module):
+    """A whole MoE block (router included) that ``prepare`` rewrites: wrap replaces ``self.block.experts``."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, idx=None, w=None):
+        out = self.block(x)
+        return out[0] if isinstance(out, tuple) else out  # Llama4 also returns its router logits
 
 
 def _inputs(rank: int, hidden: int):
@@ -218,21 +247,38 @@ def _compare(rank, model, ref, hidden, perturb=False):
         with torch.no_grad():
             getattr(layer, layer.adapter.param_names[1])[0].add_(0.05)
     x, idx, w, cot = _inputs(rank, hidden)
+    block = isinstance(model, BlockHolder)
+    if block:  # the block routes: [1, T, H] rows of mean 0.5, so its skewed router favours experts 0 and 1
+        x = (x + 0.5)[None]
     xs = [x.clone().requires_grad_(True) for _ in range(2)]
     ws = [w.clone().requires_grad_(True) for _ in range(2)]
     out = model(xs[0], idx, ws[0])
     ref_out = ref(xs[1], idx, ws[1])
-    (out * cot).sum().backward()
-    (ref_out * cot).sum().backward()
+    (out * cot.view(out.shape)).sum().backward()
+    (ref_out * cot.view(ref_out.shape)).sum().backward()
 
     def rel(a, b):
         a, b = a.detach(), b.detach()
         return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-12)
 
-    diffs = {"out": rel(out, ref_out), "x.grad": rel(xs[0].grad, xs[1].grad), "w.grad": rel(ws[0].grad, ws[1].grad)}
+    diffs = {"out": rel(out, ref_out), "x.grad": rel(xs[0].grad, xs[1].grad)}
+    if block:  # the original block's gradients, now under the container's names (grads carried), and its
+        from ultraep.adapters_rewrite import prepare  # router/shared parameters, rank-local on both sides
+
+        prepare(ref)
+        ref_experts = ref.block.experts
+        ref_params = dict(ref.named_parameters())
+        for n, p in model.named_parameters():
+            if not n.startswith("block.experts."):
+                zero = torch.zeros_like(p)  # a missing gradient is a zero one, never a skipped check
+                diffs[n + ".grad"] = rel(zero if p.grad is None else p.grad,
+                                         zero if ref_params[n].grad is None else ref_params[n].grad)
+    else:
+        diffs["w.grad"] = rel(ws[0].grad, ws[1].grad)
+        ref_experts = ref.experts
     M = layer.topology.num_masters
     for n in layer.adapter.param_names:
-        full = getattr(ref.experts, n)
+        full = getattr(ref_experts, n)
         g = full.grad.clone() if full.grad is not None else torch.zeros_like(full)
         dist.all_reduce(g)
         mine = getattr(layer, n).grad
@@ -240,8 +286,13 @@ def _compare(rank, model, ref, hidden, perturb=False):
     return diffs, int(layer.last_plan.num_replicas)
 
 
-def _hidden(mod, adapter) -> int:
-    down = getattr(mod, adapter.param_names[1])
+def _hidden(holder) -> int:
+    from ultraep.adapters import adapter_for
+
+    if isinstance(holder, BlockHolder):
+        return H
+    mod = holder.experts
+    down = getattr(mod, adapter_for(mod).param_names[1])
     return int(down.shape[2] if getattr(mod, "is_transposed", False) else down.shape[1])
 
 
@@ -259,6 +310,13 @@ def _unbuilt(fam: Family) -> dict:
     return {"status": "not built", "cls": fam.cls.__name__, "why": fam.build_error}
 
 
+def _pair(fam: Family, seed: int):
+    """(unwrapped reference, model to wrap): the same container, or block, twice."""
+    container = _build(fam, seed)
+    holder = BlockHolder if fam.block is not None else Holder
+    return holder(copy.deepcopy(container)), holder(container)
+
+
 def _conformance(rank, world, families):
     import ultraep
     from ultraep.adapters import UnsupportedModelError, adapter_for
@@ -270,15 +328,13 @@ def _conformance(rank, world, families):
             continue
         res = {"status": "checked", "cls": fam.cls.__name__, "diff": 0.0, "replicas": [], "worst": ""}
         for slots in (1, 2):
-            container = _build(fam, seed=i)
-            ref = Holder(copy.deepcopy(container))
-            model = Holder(container)
+            ref, model = _pair(fam, seed=i)
             try:
                 ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": slots})
             except UnsupportedModelError as exc:
                 res = {"status": "refused", "cls": fam.cls.__name__, "why": str(exc)}
                 break
-            diffs, replicas = _compare(rank, model, ref, _hidden(ref.experts, adapter_for(ref.experts)))
+            diffs, replicas = _compare(rank, model, ref, _hidden(ref))
             worst = max(diffs, key=diffs.get)
             if diffs[worst] >= res["diff"]:
                 res["diff"], res["worst"] = diffs[worst], worst
@@ -286,10 +342,9 @@ def _conformance(rank, world, families):
         results[fam.label] = res
     # negative control: the same comparison on a perturbed master must fail
     fam = next(f for f in families if results.get(f.label, {}).get("status") == "checked")
-    container = _build(fam, seed=0)
-    ref, model = Holder(copy.deepcopy(container)), Holder(container)
+    ref, model = _pair(fam, seed=0)
     ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 1})
-    diffs, _ = _compare(rank, model, ref, _hidden(ref.experts, adapter_for(ref.experts)), perturb=True)
+    diffs, _ = _compare(rank, model, ref, _hidden(ref), perturb=True)
     results["__negative_control__"] = {"family": fam.label, "diff": max(diffs.values())}
     return results
 

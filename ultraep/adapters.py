@@ -81,10 +81,12 @@ KNOWN_NON_INTERFACE = {
 
 #: containers ultraep recognises and refuses, with the reason (one line each)
 REFUSED = {
-    "Llama4TextExperts": "forward(hidden [E*T, H]) over a dense expert-major layout with the routing weight "
-                         "applied to the input, not the (hidden, top_k_index, top_k_weights) experts interface",
-    "DbrxExperts": "weights w1/v1/w2 live in the submodule 'mlp' as [E*I, H] matrices, not [E, ...] parameters",
-    "JetMoeParallelExperts": "one projection per container, called as forward(inputs, expert_size) by its block",
+    "Llama4TextExperts": "outside a Llama4TextMoe block (the block ultraep.wrap rewrites exactly): forward(hidden "
+                         "[E*T, H]) over a dense expert-major layout is not the experts interface",
+    "DbrxExperts": "outside a DbrxFFN block (the block ultraep.wrap rewrites exactly): weights w1/v1/w2 live in "
+                   "the submodule 'mlp' as [E*I, H] matrices, not [E, ...] parameters",
+    "JetMoeParallelExperts": "outside a JetMoeMoE/JetMoeMoA block (the blocks ultraep.wrap rewrites exactly): one "
+                             "projection per container, called as forward(inputs, expert_size)",
     "NllbMoeExperts": "experts are separate submodules (ModuleDict), not [E, ...] parameters",
     "SwitchTransformersExperts": "experts are separate submodules (ModuleDict), not [E, ...] parameters",
 }
@@ -315,6 +317,11 @@ def adapter_for(mod: nn.Module) -> ExpertsAdapter | None:
 
 
 def _adapter_uncached(mod: nn.Module) -> ExpertsAdapter | None:
+    from ultraep.adapters_rewrite import adapter_of
+
+    decided, adapter = adapter_of(mod)  # a container prepare() built or marked
+    if decided:
+        return adapter
     for cls, adapter in _CUSTOM.items():
         if isinstance(mod, cls):
             return _custom_checked(mod, adapter)
@@ -337,7 +344,10 @@ def supported() -> list[str]:
     return out
 
 
-def prepare(model: nn.Module) -> None:
-    """Rewrite, in place, MoE blocks whose experts are not an experts container into one (exactly), before
-    :func:`~ultraep.runtime.wrap` looks for containers. Today: nothing to rewrite."""
-    return None
+def prepare(model: nn.Module) -> list[str]:
+    """Rewrite, in place and exactly, MoE blocks whose experts are not an experts container (Llama4, DBRX,
+    JetMoE) into one, before :func:`~ultraep.runtime.wrap` looks for containers; returns the rewritten blocks'
+    names. See :mod:`ultraep.adapters_rewrite` (and its ``restore`` to undo it after ``unwrap``)."""
+    from ultraep.adapters_rewrite import prepare as _prepare
+
+    return _prepare(model)
