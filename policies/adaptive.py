@@ -160,11 +160,13 @@ class AdaptivePolicy:
             return []
         cm = self._cost(topology)
         todo = [n for n in self.policies if n in SCREENABLE and n != self._current]  # hysteresis needs it
+        if self.probe_every > 0:  # a candidate due for a probe is planned: the model may be wrong about it
+            todo = [n for n in todo if self._since.get(n, 0) < self.probe_every]
         if not todo:
             return []
         if self._current == "none" and self._none_streak >= self.probe_every:
             # none has won clearly for a while: plan the others only when they are due for a probe
-            return [n for n in todo if self._since.get(n, 0) < self.probe_every]
+            return todo
         from .base import identity_plan
 
         if none_s is None:

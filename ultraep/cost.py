@@ -480,6 +480,13 @@ CALIBRATED_TERMS: dict[str, str] = {
 }
 
 
+#: measured backward term → (the CostParams factor it calibrates, the forward term the factor multiplies)
+FACTOR_TERMS: dict[str, tuple[str, str]] = {
+    "compute_bwd_s": ("backward_compute_factor", "compute_fwd_s"),
+    "a2a_bwd_s": ("backward_a2a_factor", "a2a_fwd_s"),
+}
+
+
 class Calibrator:
     """Learns the per-term scales of :class:`CostParams` from measured timings.
 
@@ -524,15 +531,15 @@ class Calibrator:
         updates: dict[str, float] = {}
         rows = []
         for key, value in measured.items():
-            if key == "compute_bwd_s":
-                base = pred.get("compute_fwd_s", 0.0)
+            if key in FACTOR_TERMS:  # a backward term: its ratio to the forward term it multiplies
+                factor, fwd_key = FACTOR_TERMS[key]
+                base = pred.get(fwd_key, 0.0)
                 if base > 0 and value > 0:
-                    old = p.backward_compute_factor
-                    ratio = value / base
-                    a = self._alpha("backward_compute_factor")
-                    updates["backward_compute_factor"] = math.exp((1 - a) * math.log(old) + a * math.log(ratio))
-                    rows.append({"term": key, "predicted_s": pred.get("compute_bwd_s", 0.0), "measured_s": float(value),
-                                 "ratio": float(value / pred["compute_bwd_s"]) if pred.get("compute_bwd_s") else float("nan")})
+                    old = getattr(p, factor)
+                    a = self._alpha(factor)
+                    updates[factor] = math.exp((1 - a) * math.log(old) + a * math.log(value / base))
+                    rows.append({"term": key, "predicted_s": pred.get(key, 0.0), "measured_s": float(value),
+                                 "ratio": float(value / pred[key]) if pred.get(key) else float("nan")})
                 continue
             scale_name = CALIBRATED_TERMS.get(key)
             pv = pred.get(key, 0.0)

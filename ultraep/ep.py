@@ -297,7 +297,10 @@ class BalancedExperts(nn.Module):
             timings["weight_sync_hidden_s"] = max(0.0, flight - ph.get("weight_wait_s", 0.0))
             timings["replica_kept"] = 1.0 if job.kept else 0.0
             timings["transfer_bytes"] = float(job.bytes_sent)
-        timings["predicted_s"] = decision.predicted.total_s
+        pred = decision.predicted
+        timings["predicted_s"] = pred.total_s
+        for k in MEASURED:  # predicted next to measured, per phase (the measured ones once the backward ran)
+            timings[f"predicted.{k}"] = float(getattr(pred, k))
         self._record = _LayerCall(plan, timings, job, t7, (step, mb), needs_backward, decision)
         if needs_backward and out.requires_grad:
             self._hook_backward(out, y_recv, recv, send)
@@ -355,8 +358,11 @@ class BalancedExperts(nn.Module):
                     t["dispatch_bwd_s"] = m["bwd_end"] - m["experts_bwd"] - sink
         self.last_timings = t
         complete = "backward_s" in t or not call.needs_backward
+        phases = _phases(t)
+        for k, v in zip(MEASURED, phases.tolist()):
+            t[f"measured.{k}"] = v  # this rank's; the engine calibrates from every rank's (next call)
         if complete:  # sent with the next call's load: the engine calibrates from every rank's phases
-            self._observation = (call.key[0], call.key[1], _phases(t))
+            self._observation = (call.key[0], call.key[1], phases)
         self.runtime.record_layer(self, call.plan, t, call.job, call.decision, call.key)
 
     def _experts(self, recv: torch.Tensor, C: np.ndarray, plan, job: ReplicaJob | None) -> tuple[torch.Tensor, float]:

@@ -126,6 +126,8 @@ def _make_policies(names, cm: CostModel, stride: int, policy_options: dict | Non
         pols[n] = make_policy(n, **o)
     adaptive = None
     if want_adaptive:
+        # replayed layers are predicted, not measured: a probe could only lose (the model is the outcome here)
+        a_opts.setdefault("probe_every", 0)
         adaptive = AdaptivePolicy(policies={c: pols[c] for c in candidates}, cost_model=cm, owns_candidates=False,
                                   **a_opts)
     return pols, adaptive
