@@ -319,7 +319,7 @@ def _pair(fam: Family, seed: int):
 
 def _conformance(rank, world, families):
     import ultraep
-    from ultraep.adapters import UnsupportedModelError, adapter_for
+    from ultraep.adapters import UnsupportedModelError
 
     results = {}
     for i, fam in enumerate(families):
@@ -463,6 +463,10 @@ def _whole_model(family: str):
                              attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0, mamba_d_state=8,
                              mamba_expand=2, use_mamba_kernels=False)
         cls = tf.JambaForCausalLM
+    elif family == "jetmoe":  # MoE MLPs (rewritten by prepare) and mixture-of-attention experts (stay replicated)
+        cfg = tf.JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+                              intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)
+        cls = tf.JetMoeForCausalLM
     else:  # qwen3_next: gated linear attention + full attention hybrid, with a gated shared expert
         cfg = tf.Qwen3NextConfig(**common, head_dim=8, intermediate_size=32, moe_intermediate_size=16,
                                  shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
@@ -480,14 +484,18 @@ def _whole(rank, world, family):
 
     import ultraep
 
+    from ultraep.adapters_rewrite import prepare, restore
+
     model = _whole_model(family)
     ref = copy.deepcopy(model)
+    orig = copy.deepcopy(model)  # untouched: what unwrap + restore must give back
     ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 2})
     ids = torch.randint(0, 3, (2, 12), generator=torch.Generator().manual_seed(rank + 1))  # few ids: skewed routing
     out, ref_out = model(input_ids=ids).logits, ref(input_ids=ids).logits
     out.pow(2).mean().backward()
     ref_out.pow(2).mean().backward()
     rt = ultraep.runtime_of(model)
+    prepare(ref)  # a rewritten family's reference gradients under the container's names (no-op otherwise)
     grad = 0.0
     for layer in rt.layers:
         M = layer.topology.num_masters
@@ -498,12 +506,20 @@ def _whole(rank, world, family):
                        max(float(g.abs().max()), 1e-12))
     ref_params = dict(ref.named_parameters())
     other = max(float((p.grad - ref_params[n].grad).abs().max()) for n, p in model.named_parameters()
-                if p.grad is not None and n in ref_params and ".experts." not in n)
-    return float((out - ref_out).detach().abs().max()), grad, other, [lay.last_plan.num_replicas for lay in rt.layers]
+                if p.grad is not None and not any(n.startswith(lay.name + ".") for lay in rt.layers))
+    result = [float((out - ref_out).detach().abs().max()), grad, other, [lay.last_plan.num_replicas for lay in rt.layers]]
+    ultraep.unwrap(model)
+    restore(model)  # the original module tree: same classes, keys (in order), values and logits
+    sd, osd = model.state_dict(), orig.state_dict()
+    assert list(sd) == list(osd) and all(torch.equal(sd[k], osd[k]) for k in osd), family
+    assert [type(m) for m in model.modules()] == [type(m) for m in orig.modules()], family
+    result.append(float((model(input_ids=ids).logits - orig(input_ids=ids).logits).abs().max()))
+    return result
 
 
-@pytest.mark.parametrize("family", ["jamba", "qwen3_next"])
+@pytest.mark.parametrize("family", ["jamba", "qwen3_next", "jetmoe"])
 def test_whole_hybrid_model_balances_exactly(family):
-    for logits, grad, other, replicas in run_ranks(_whole, 2, family, timeout=120):
+    for logits, grad, other, replicas, back in run_ranks(_whole, 2, family, timeout=120):
         assert logits < 1e-5 and grad < 1e-5 and other < 1e-5, (logits, grad, other)
         assert max(replicas) > 0, replicas
+        assert back < 1e-5, back  # unwrap + restore: the original model

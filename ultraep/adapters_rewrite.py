@@ -6,8 +6,9 @@ experts another way; :func:`prepare` rewrites their MoE block, in place, into th
 
 * **Llama4** (``Llama4TextMoe``): the block feeds *every* token to *every* expert in an expert-major
   ``[E·T, H]`` layout, the input pre-scaled by the router score (sigmoid of the top-k logits, exactly 0 for
-  an unselected expert), and sums the E outputs. An expert has no bias and ``act(0) = 0`` (SiLU), so
-  ``f_e(0 · x) = 0`` and an unselected expert contributes exactly zero (and zero gradient). The output is
+  an unselected expert), and sums the E outputs. An expert has no bias, so on a zero row its ``up`` half is 0
+  and ``f_e(0) = (act(0) · 0) W_down = 0`` for any finite activation: an unselected expert contributes exactly
+  zero, and zero gradient to every weight (the unselected scores are constants). The output is
   therefore ``Σ_k f_{idx[t,k]}(s[t,k] · x[t])``: the experts protocol applied to ``T·K`` rows ``s · x`` with
   unit weights, summed over ``k``. The container stays the *original* ``Llama4TextExperts`` (its
   ``gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]`` are already ``[E, ...]``: transposed layout); only
@@ -319,7 +320,7 @@ def _prepare_jetmoe(block: nn.Module) -> None:
     # F.linear(x, w_in[e]) -> [gate; up] chunks, act(gate) * up, F.linear(., w_out[e]): the interface's
     # default non-transposed concatenated layout, on the very same parameter objects
     params = {"gate_up_proj": w_in, "down_proj": w_out}
-    origin = {"module": (lin_in, lin_out), "keys": {"experts.gate_up_proj": ("input_linear.weight", tuple(w_in.shape)),
+    origin = {"module": (lin_in, lin_out), "order": list(block._modules), "keys": {"experts.gate_up_proj": ("input_linear.weight", tuple(w_in.shape)),
                                                     "experts.down_proj": ("output_linear.weight", tuple(w_out.shape))}}
     container = StackedExperts("rewrite:JetMoeParallelExperts", params, block.activation, _make_hf_forward(FLAGS),
                                origin)
@@ -379,6 +380,7 @@ def restore(model: nn.Module) -> nn.Module:
             lin_in.weight, lin_out.weight = experts.gate_up_proj, experts.down_proj
             del block._modules["experts"]
             block.input_linear, block.output_linear = lin_in, lin_out
+            block._modules = {k: block._modules[k] for k in experts.origin["order"]}  # original key order
         elif getattr(experts, _MARK, None) is not None:
             delattr(experts, _MARK)
         block.__class__ = base
