@@ -20,11 +20,16 @@ def _mixtral_experts(E=8, H=16, I=8):
 
     cfg = tf.MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E)
     cfg._experts_implementation = "eager"
+    return randomized(MixtralExperts, cfg)
+
+
+def randomized(cls, cfg, std=0.3):
+    """``cls(cfg)`` with every parameter drawn from N(0, std) (seeded: the same module every call)."""
     torch.manual_seed(0)
-    mod = MixtralExperts(cfg)
+    mod = cls(cfg)
     with torch.no_grad():
         for p in mod.parameters():
-            p.normal_(0, 0.3)
+            p.normal_(0, std)
     return mod
 
 

@@ -4,12 +4,17 @@ it cannot rewrite exactly (single process; the 2-rank exactness checks are in te
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
 
 from ultraep.adapters import UnsupportedModelError, adapter_for
 from ultraep.adapters_rewrite import prepare, restore
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_adapters import randomized  # noqa: E402
 
 H, I, E = 16, 8, 8
 
@@ -29,12 +34,7 @@ def _block(kind: str):
         from transformers.models.jetmoe.modeling_jetmoe import JetMoeMoE as cls
 
         cfg = tf.JetMoeConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    block = cls(cfg)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, 0.3)
-    return block
+    return randomized(cls, cfg)
 
 
 def _out(block, x):
