@@ -9,7 +9,10 @@ Check, container level, on 2 gloo ranks in ONE launch for all families, policy `
 slots: every rank routes 24 tokens top-2 with a skew towards rank 0's masters (so replicas are used —
 asserted), and the wrapped container must equal the unwrapped one: outputs, input and routing-weight
 gradients on each rank, and each master's gradient equals the sum over ranks of the unwrapped expert's
-gradient (fp32, 1e-5 relative). A family is otherwise refused at ``wrap`` with a one-line
+gradient (fp32, 1e-5 relative). A container whose MoE block ``ultraep.wrap`` rewrites first
+(:data:`ultraep.adapters_rewrite.BLOCKS`: Llama4, DBRX, JetMoE) is checked the same way on the whole block, router
+included (skewed towards rank 0's masters), against the original block, with its router gradients. A family is
+otherwise refused at ``wrap`` with a one-line
 :class:`~ultraep.adapters.UnsupportedModelError`. A negative control perturbs one master after ``wrap`` and
 the same comparison must fail.
 
@@ -415,7 +418,10 @@ def render_doc(results, families) -> str:
         f"{transformers.__version__} (do not edit by hand). **balanced** = on 2 gloo ranks, policy `quota` with 1 "
         "and 2 redundant slots and skewed routing (replicas used), the wrapped experts container equals the "
         "unwrapped one: outputs, input and routing-weight gradients, and master gradients (sum over ranks), "
-        f"max relative difference below {TOL:g}. **refused** = `ultraep.wrap` raises this one line.",
+        f"max relative difference below {TOL:g}. **refused** = `ultraep.wrap` raises this one line. A family "
+        "marked *(X block)* keeps its experts another way: `ultraep.wrap` rewrites block X into an experts "
+        "container first (`ultraep/adapters_rewrite.py`), and the check runs on the whole block (its own router "
+        "routes; router and shared-parameter gradients compared too) against the original, unrewritten block.",
         "",
         "| family | container | result | detail |",
         "|---|---|---|---|",

@@ -24,7 +24,9 @@ container as a non-submodule (ep.py), so such a weight would be neither trained 
 only when frozen (``requires_grad=False``, e.g. inference or a frozen norm), where forward and every
 gradient are exact. The rule a trainable one would need is in ``docs/design.md`` (§ experts adapters).
 
-Plain PyTorch containers register with :func:`register_experts` (see the protocol there).
+Plain PyTorch containers register with :func:`register_experts` (see the protocol there). MoE blocks that keep
+their experts another way (Llama4, DBRX, JetMoE) are rewritten exactly into a container by :func:`prepare`
+(``ultraep/adapters_rewrite.py``) before ``wrap`` looks for containers.
 
 Legend: E experts, H hidden size, I expert intermediate size, T rows of one expert, K top-k.
 """
