@@ -327,28 +327,35 @@ def layer_bins(mirror: RunMirror, max_bins: int = MAX_BINS) -> tuple[Bins | None
 _BIN = "($first + (step - $first) // $bin * $bin)"
 
 # --------------------------------------------------------------------------- overview
-HEADLINE_LAYERS = _q("headline_layers", """
+# The headline leaves warm-up steps (steps.warmup; the runtime's step 0: compiles, allocations, first
+# plans) out of every mean, summed time and share, as the canned summaries do (queries.WARM_JOIN); counts
+# keep every step. A fact row is settled when no steps row marks its step as warm-up.
+_SETTLED = f"step NOT IN (SELECT step FROM {sc.T_STEPS} WHERE warmup)"
+
+HEADLINE_LAYERS = _q("headline_layers", f"""
 SELECT count(*) AS plans, count(DISTINCT layer) AS layers, count(DISTINCT step) AS steps,
+       count(DISTINCT step) FILTER (WHERE NOT settled) AS warmup_steps,
        min(step) AS first_step, max(step) AS last_step, sum(tokens)::BIGINT AS tokens,
-       avg(imbalance_before) AS mean_imbalance_before, avg(imbalance_after) AS mean_imbalance_after,
-       sum(mean_before) / nullif(sum(max_before), 0) AS load_ideal_before,
-       sum(mean_after) / nullif(sum(max_after), 0) AS load_ideal_after
-FROM layer_facts
+       avg(imbalance_before) FILTER (WHERE settled) AS mean_imbalance_before,
+       avg(imbalance_after) FILTER (WHERE settled) AS mean_imbalance_after,
+       sum(mean_before) FILTER (WHERE settled) / nullif(sum(max_before) FILTER (WHERE settled), 0) AS load_ideal_before,
+       sum(mean_after) FILTER (WHERE settled) / nullif(sum(max_after) FILTER (WHERE settled), 0) AS load_ideal_after
+FROM (SELECT *, {_SETTLED} AS settled FROM layer_facts)
 """)
 
-HEADLINE_TIMINGS = _q("headline_timings", """
+HEADLINE_TIMINGS = _q("headline_timings", f"""
 SELECT count(*) AS timed, sum(plan_s) AS plan_s, sum(transfer_s) AS transfer_s,
        sum(measured_s) AS measured_s, sum(predicted_s) AS predicted_s,
        sum(coalesce(measured_s, predicted_s)) AS time_s,
        sum(ideal_s) FILTER (WHERE coalesce(measured_s, predicted_s) IS NOT NULL) AS ideal_s,
        sum(coalesce(measured_s, predicted_s)) FILTER (WHERE ideal_s IS NOT NULL) AS time_with_ideal_s
-FROM timing_facts
+FROM timing_facts WHERE {_SETTLED}
 """)
 
-HEADLINE_PLANS = _q("headline_plans", """
-SELECT count(*) AS plans, sum(solve_time_s) AS solve_time_s, avg(num_replicas) AS mean_replicas,
-       sum(num_transfers)::BIGINT AS transfers
-FROM plan_facts
+HEADLINE_PLANS = _q("headline_plans", f"""
+SELECT count(*) AS plans, sum(solve_time_s) FILTER (WHERE settled) AS solve_time_s,
+       avg(num_replicas) FILTER (WHERE settled) AS mean_replicas, sum(num_transfers)::BIGINT AS transfers
+FROM (SELECT *, {_SETTLED} AS settled FROM plan_facts)
 """)
 
 # An adaptive layer-microbatch counts under the candidate its decision chose (queries.SHOWN_POLICY).
@@ -389,13 +396,15 @@ def headline(mirror: RunMirror) -> dict[str, Any]:
       the ideal, no overhead counted), ``ideal_basis`` 'load'.
     * ``plan_s`` / ``transfer_s``: summed planning / transfer seconds (timings; planning falls back to
       the planners' ``solve_time_s``), and their share of the summed layer time when one is known.
+    * ``warmup_steps``: steps marked warm-up; every figure above leaves them out (counts keep them).
     """
     mirror.refresh(OVERVIEW_UNITS)
-    lay = mirror_query(mirror, HEADLINE_LAYERS, ("layer_facts",)).iloc[0].to_dict()
-    tim = mirror_query(mirror, HEADLINE_TIMINGS, ("timing_facts",)).iloc[0].to_dict()
-    pl = mirror_query(mirror, HEADLINE_PLANS, ("plan_facts",)).iloc[0].to_dict()
+    lay = mirror_query(mirror, HEADLINE_LAYERS, ("layer_facts", sc.T_STEPS)).iloc[0].to_dict()
+    tim = mirror_query(mirror, HEADLINE_TIMINGS, ("timing_facts", sc.T_STEPS)).iloc[0].to_dict()
+    pl = mirror_query(mirror, HEADLINE_PLANS, ("plan_facts", sc.T_STEPS)).iloc[0].to_dict()
     out: dict[str, Any] = {
         "plans": int(lay["plans"] or 0), "layers": int(lay["layers"] or 0), "steps": int(lay["steps"] or 0),
+        "warmup_steps": int(lay["warmup_steps"] or 0),
         "first_step": _num(lay["first_step"]), "last_step": _num(lay["last_step"]),
         "tokens": int(_num(lay["tokens"]) or 0),
         "mean_imbalance_before": _num(lay["mean_imbalance_before"]),

@@ -27,7 +27,7 @@ from ultraep.telemetry import semconv as sc
 # decision:  (step, microbatch, layer, ts_ns, policy, reason, predictions | None, chosen_predicted_s)
 # timings:   (step, microbatch, layer, ts_ns, timings_dict)
 # ttimes:    (step, microbatch, layer, ts_ns, seconds)
-# step:      (step, ts_ns, loss, step_time_s, extra | None)
+# step:      (step, ts_ns, loss, step_time_s, extra | None, warmup)
 
 
 @dataclass
@@ -368,6 +368,12 @@ def _float(v) -> float | None:
     return float(v)  # numpy scalars, 0-d tensors
 
 
+def _bool(v) -> bool:
+    if not isinstance(v, (bool, np.bool_)):  # 1 or "yes" would silently mark a warm-up step
+        raise TypeError(f"expected a bool, got {v!r}")
+    return bool(v)
+
+
 def _str(v) -> str:
     if not isinstance(v, str):
         raise TypeError(f"expected a string, got {type(v).__name__}")
@@ -508,14 +514,16 @@ def transfer_times_table(run_id: str, rank: int, records: list, built: Built) ->
 
 
 def _steps_cols(recs) -> dict:
-    steps, tss, loss, st, extra = zip(*recs)
+    steps, tss, loss, st, extra, warm = zip(*recs)
+    warm = [_bool(w) for w in warm]
     return {sc.C_STEP: steps, sc.C_TS: _ints(tss), "loss": pa.array(loss, type=pa.float64()),
             "step_time_s": pa.array(st, type=pa.float64()),
-            "extra_json": pa.array([None if e is None else _dumps(e) for e in extra], type=pa.string())}
+            "extra_json": pa.array([None if e is None else _dumps(e) for e in extra], type=pa.string()),
+            "warmup": pa.array(warm, type=pa.bool_())}
 
 
 def _steps_clean(r) -> tuple:
-    return (_int(r[0]), int(r[1]), _float(r[2]), _float(r[3]), r[4])
+    return (_int(r[0]), int(r[1]), _float(r[2]), _float(r[3]), r[4], _bool(r[5]))
 
 
 def steps_table(run_id: str, rank: int, records: list, built: Built) -> None:

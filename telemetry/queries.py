@@ -9,6 +9,11 @@ Conventions (see ``schema.sql``): plans and loads come from the derived views, w
 layer-microbatch; measured times are the slowest rank's (``max`` over recording ranks), because a layer
 finishes when its last rank does; imbalance is max / mean rank load (1.0 = perfect).
 
+Warm-up steps (``steps.warmup``, the ``warmup_steps`` view: the runtime's step 0 pays for compiles,
+allocations and first plans) are left out of every average, maximum and summed time of the summaries
+(:data:`REPORT`, :data:`POLICY_COMPARISON`), whose titles say "(warm-up excluded)"; counts (plans, layers,
+transfers, bytes, policy shares) keep every step, and per-step queries show every step.
+
 Legend: R ranks, E experts.
 """
 
@@ -38,9 +43,13 @@ class Query:
 
 
 _RUN = "($run_id IS NULL OR run_id = $run_id)"
+# Joined to a table with (run_id, step): WARM_JOIN, then FILTER (WHERE SETTLED) on each statistic.
+WARM_JOIN = "LEFT JOIN warmup_steps w USING (run_id, step)"
+SETTLED = "w.step IS NULL"
+_EXCLUDED = " (warm-up excluded)"
 
 OVERVIEW = Query(
-    "overview", "Runs",
+    "overview", "Runs" + _EXCLUDED,
     f"""
 WITH r AS (
     SELECT run_id, any_value(kind) AS kind, any_value(model) AS model, max(world_size) AS world_size,
@@ -50,22 +59,27 @@ WITH r AS (
            sum(errors)::BIGINT AS errors, any_value(config_hash) AS config_hash
     FROM runs WHERE {_RUN} GROUP BY run_id
 ),
-s AS (SELECT run_id, count(DISTINCT step) AS steps FROM steps WHERE {_RUN} GROUP BY run_id),
+s AS (
+    SELECT run_id, count(DISTINCT step) AS steps, count(DISTINCT step) FILTER (WHERE warmup) AS warmup_steps
+    FROM steps WHERE {_RUN} GROUP BY run_id
+),
 b AS (
     SELECT run_id, count(*) AS plans, count(DISTINCT layer) AS layers,
-           avg(imbalance_before) AS mean_imbalance_before, avg(imbalance_after) AS mean_imbalance_after
-    FROM layer_balance WHERE {_RUN} GROUP BY run_id
+           avg(imbalance_before) FILTER (WHERE {SETTLED}) AS mean_imbalance_before,
+           avg(imbalance_after) FILTER (WHERE {SETTLED}) AS mean_imbalance_after
+    FROM layer_balance {WARM_JOIN} WHERE {_RUN} GROUP BY run_id
 ),
 t AS (SELECT run_id, count(*) AS transfers, sum(bytes)::BIGINT AS transfer_bytes FROM transfer_detail WHERE {_RUN} GROUP BY run_id)
 SELECT r.run_id, r.kind, r.model, r.world_size, r.ranks_recording, r.status, r.started_at, r.ended_at,
-       coalesce(s.steps, 0) AS steps, coalesce(b.layers, 0) AS layers, coalesce(b.plans, 0) AS plans,
+       coalesce(s.steps, 0) AS steps, coalesce(s.warmup_steps, 0) AS warmup_steps, coalesce(b.layers, 0) AS layers, coalesce(b.plans, 0) AS plans,
        b.mean_imbalance_before, b.mean_imbalance_after,
        coalesce(t.transfers, 0) AS transfers, coalesce(t.transfer_bytes, 0) AS transfer_bytes,
        r.errors, r.config_hash
 FROM r LEFT JOIN s USING (run_id) LEFT JOIN b USING (run_id) LEFT JOIN t USING (run_id)
 ORDER BY r.started_at, r.run_id
 """,
-    doc="One row per run: status, size, mean imbalance before/after, transfers, recording errors.",
+    doc="One row per run: status, size, warm-up steps, mean imbalance before/after (warm-up excluded), "
+        "transfers, recording errors.",
 )
 
 LAYER_IMBALANCE = Query(
@@ -82,17 +96,20 @@ ORDER BY run_id, layer, step
 )
 
 LAYER_SUMMARY = Query(
-    "layer_summary", "Imbalance per layer",
+    "layer_summary", "Imbalance per layer" + _EXCLUDED,
     f"""
 SELECT run_id, layer, count(*) AS plans,
-       avg(imbalance_before) AS mean_before, avg(imbalance_after) AS mean_after,
-       max(imbalance_before) AS max_before, max(imbalance_after) AS max_after,
-       avg(straggler_after) AS mean_straggler_after_tokens
-FROM layer_balance WHERE {_RUN}
+       avg(imbalance_before) FILTER (WHERE {SETTLED}) AS mean_before,
+       avg(imbalance_after) FILTER (WHERE {SETTLED}) AS mean_after,
+       max(imbalance_before) FILTER (WHERE {SETTLED}) AS max_before,
+       max(imbalance_after) FILTER (WHERE {SETTLED}) AS max_after,
+       avg(straggler_after) FILTER (WHERE {SETTLED}) AS mean_straggler_after_tokens
+FROM layer_balance {WARM_JOIN} WHERE {_RUN}
 GROUP BY run_id, layer
 ORDER BY run_id, layer
 """,
-    doc="Per layer: mean and worst imbalance before/after balancing over all steps and microbatches.",
+    doc="Per layer: mean and worst imbalance before/after balancing over all steps and microbatches but "
+        "the warm-up steps (plans counts them all).",
 )
 
 RANK_LOAD = Query(
@@ -216,18 +233,19 @@ PREDICTED_VS_MEASURED = Query(
 )
 
 PREDICTION_SUMMARY = Query(
-    "prediction_summary", "Prediction accuracy",
+    "prediction_summary", "Prediction accuracy" + _EXCLUDED,
     f"""
 WITH p AS ({_PVM})
 SELECT run_id, coalesce(policy, '?') AS policy, count(*) AS samples,
        avg(predicted_s) AS mean_predicted_s, avg(measured_s) AS mean_measured_s,
        avg(abs(rel_error)) AS mean_abs_rel_error,
        sum(measured_s) / nullif(sum(predicted_s), 0) AS measured_over_predicted
-FROM p WHERE predicted_s IS NOT NULL
+FROM p {WARM_JOIN} WHERE predicted_s IS NOT NULL AND {SETTLED}
 GROUP BY ALL
 ORDER BY run_id, policy
 """,
-    doc="Per policy: mean predicted and measured seconds, mean |measured/predicted - 1|, total ratio.",
+    doc="Per policy: mean predicted and measured seconds, mean |measured/predicted - 1|, total ratio; "
+        "samples of warm-up steps left out.",
 )
 
 TRANSFER_BYTES_PER_STEP = Query(
@@ -254,49 +272,55 @@ ORDER BY t.run_id, t.step
 )
 
 TRANSFER_SUMMARY = Query(
-    "transfer_summary", "Transfers per layer",
+    "transfer_summary", "Transfers per layer" + _EXCLUDED,
     f"""
 SELECT run_id, layer, count(*) AS transfers, sum(bytes)::BIGINT AS bytes,
        count(DISTINCT (step, microbatch)) AS planned_microbatches,
        sum(bytes) FILTER (WHERE stage = 1)::BIGINT AS relay_bytes,
-       count(measured_s) AS measured, sum(measured_s) AS measured_s,
-       sum(bytes) FILTER (WHERE measured_s > 0) / nullif(sum(measured_s), 0) AS bandwidth_Bps
-FROM transfer_detail WHERE {_RUN}
+       count(measured_s) FILTER (WHERE {SETTLED}) AS measured,
+       sum(measured_s) FILTER (WHERE {SETTLED}) AS measured_s,
+       sum(bytes) FILTER (WHERE measured_s > 0 AND {SETTLED})
+           / nullif(sum(measured_s) FILTER (WHERE {SETTLED}), 0) AS bandwidth_Bps
+FROM transfer_detail {WARM_JOIN} WHERE {_RUN}
 GROUP BY run_id, layer
 ORDER BY run_id, layer
 """,
-    doc="Per layer: transfers, bytes (and relay share), measured seconds and effective bandwidth.",
+    doc="Per layer: transfers, bytes (and relay share) of every step; measured seconds and effective "
+        "bandwidth without the warm-up steps.",
 )
 
 POLICY_COMPARISON = Query(
-    "policy_comparison", "Policies compared",
+    "policy_comparison", "Policies compared" + _EXCLUDED,
     f"""
-WITH b AS (SELECT * FROM layer_balance WHERE {_RUN}),
+WITH b AS (SELECT layer_balance.*, {SETTLED} AS settled FROM layer_balance {WARM_JOIN} WHERE {_RUN}),
 t AS (SELECT run_id, step, microbatch, layer, sum(bytes)::BIGINT AS bytes FROM transfer_detail WHERE {_RUN} GROUP BY ALL),
 m AS ({_MEASURED}), d AS ({_DECIDED})
 SELECT b.run_id, {SHOWN_POLICY} AS policy, count(*) AS plans,
        count(*) / sum(count(*)) OVER (PARTITION BY b.run_id) AS share,
-       avg(b.imbalance_before) AS mean_imbalance_before, avg(b.imbalance_after) AS mean_imbalance_after,
-       avg(coalesce(t.bytes, 0)) AS mean_transfer_bytes,
-       avg(m.measured_s) AS mean_measured_s, avg(m.timing_predicted_s) AS mean_predicted_s
+       avg(b.imbalance_before) FILTER (WHERE b.settled) AS mean_imbalance_before,
+       avg(b.imbalance_after) FILTER (WHERE b.settled) AS mean_imbalance_after,
+       avg(coalesce(t.bytes, 0)) FILTER (WHERE b.settled) AS mean_transfer_bytes,
+       avg(m.measured_s) FILTER (WHERE b.settled) AS mean_measured_s,
+       avg(m.timing_predicted_s) FILTER (WHERE b.settled) AS mean_predicted_s
 FROM b LEFT JOIN t USING (run_id, step, microbatch, layer) LEFT JOIN m USING (run_id, step, microbatch, layer)
      LEFT JOIN d USING (run_id, step, microbatch, layer)
 GROUP BY b.run_id, 2
 ORDER BY b.run_id, plans DESC, policy
 """,
     doc="Per policy (the candidate an adaptive layer chose, 'quota via adaptive'): how often it ran and "
-        "what it achieved (imbalance, bytes moved, measured time).",
+        "what it achieved (imbalance, bytes moved, measured time; warm-up steps left out of the means).",
 )
 
 STEP_SUMMARY = Query(
     "step_summary", "Steps",
     f"""
-SELECT run_id, step, avg(loss) AS loss, max(step_time_s) AS step_time_s, count(*) AS ranks, max(ts) AS ts
+SELECT run_id, step, avg(loss) AS loss, max(step_time_s) AS step_time_s, count(*) AS ranks, max(ts) AS ts,
+       coalesce(bool_or(warmup), false) AS warmup
 FROM steps WHERE {_RUN}
 GROUP BY run_id, step
 ORDER BY run_id, step
 """,
-    doc="Per step: loss (mean over ranks), step time (slowest rank).",
+    doc="Per step: loss (mean over ranks), step time (slowest rank), whether any rank marked it warm-up.",
 )
 
 PHASE_TIMES = Query(

@@ -151,7 +151,7 @@ class NullRecorder:
         pass
 
     def record_step(self, step: int, *, loss: float | None = None, step_time_s: float | None = None,
-                    extra: dict | None = None) -> None:
+                    extra: dict | None = None, warmup: bool = False) -> None:
         pass
 
     def span(self, name: str, **attributes):
@@ -367,10 +367,15 @@ class Recorder:
             self._fail("record_transfer_times", exc)
 
     def record_step(self, step: int, *, loss: float | None = None, step_time_s: float | None = None,
-                    extra: dict | None = None) -> None:
-        """Record the end of a step (one ``ultraep.step`` span and the step metrics at the next flush)."""
+                    extra: dict | None = None, warmup: bool = False) -> None:
+        """Record the end of a step (one ``ultraep.step`` span and the step metrics at the next flush).
+
+        ``warmup=True`` marks a warm-up step (compiles, first allocations, first plans: the runtime's
+        step 0): it is stored and exported like any other, and the summaries (``ultraep report``, the
+        dashboard's Overview) leave it out of their averages."""
         try:
-            self._push(self._steps, (step, time_ns(), loss, step_time_s, None if extra is None else dict(extra)))
+            self._push(self._steps, (step, time_ns(), loss, step_time_s, None if extra is None else dict(extra),
+                                     warmup))
         except Exception as exc:
             self._fail("record_step", exc)
 
@@ -553,12 +558,18 @@ class Recorder:
                 end = int(rec[1])
                 loss = None if rec[2] is None else float(rec[2])
                 st = None if rec[3] is None else float(rec[3])
+                warm = rec[5]
+                if not isinstance(warm, bool) and type(warm).__name__ != "bool_":  # numpy's bool too
+                    raise TypeError(warm)
+                warm = bool(warm)
             except Exception:
                 continue  # refused (and counted) by the steps table already
             start = end - int(st * 1e9) if st is not None and st >= 0 else self._last_step_end
             self._last_step_end = end
             agg = self._step_aggs.pop(step, None) or StepAggregate()
             attrs: dict[str, Any] = {sc.ATTR_STEP: step}
+            if warm:
+                attrs[sc.ATTR_WARMUP] = True
             if loss is not None:
                 attrs[sc.ATTR_LOSS] = loss
             if st is not None:

@@ -56,7 +56,9 @@ CREATE TABLE steps (
     ts              TIMESTAMP,  -- end of the step
     loss            DOUBLE,
     step_time_s     DOUBLE,     -- as measured by the caller (NULL if not given)
-    extra_json      VARCHAR
+    extra_json      VARCHAR,
+    warmup          BOOLEAN     -- a warm-up step (compile, allocation, first plans): summaries leave it
+                                -- out of their averages; NULL in runs recorded before the column = false
 );
 
 -- One row per recorded plan: the exact load and what each rank receives before / after balancing.
@@ -244,3 +246,11 @@ SELECT
     t.rank AS recorded_by
 FROM t
 LEFT JOIN m USING (run_id, step, microbatch, layer, idx);
+
+-- One row per warm-up step (any rank marked it: Recorder.record_step(warmup=True)). Summaries leave these
+-- steps out of their averages (telemetry/queries.py); per-step queries keep them.
+CREATE VIEW warmup_steps AS
+SELECT run_id, step
+FROM steps
+WHERE warmup
+GROUP BY run_id, step;

@@ -43,6 +43,7 @@ ATTR_CONFIG_HASH = "ultraep.config_hash"
 ATTR_STEP = "ultraep.step"
 ATTR_LOSS = "ultraep.loss"
 ATTR_STEP_TIME = "ultraep.step_time_s"
+ATTR_WARMUP = "ultraep.warmup"          # true on a warm-up step (compile, allocation, first plans)
 ATTR_PLAN_COUNT = "ultraep.plan.count"
 ATTR_PLAN_SOLVE_TIME = "ultraep.plan.solve_time_s"
 ATTR_TOKENS = "ultraep.tokens"
@@ -111,7 +112,8 @@ T_METRIC_POINTS = "metric_points"
 V_RUNS = "runs"
 V_LAYER_BALANCE = "layer_balance"
 V_TRANSFER_DETAIL = "transfer_detail"
-VIEWS = (V_RUNS, V_LAYER_BALANCE, V_TRANSFER_DETAIL)
+V_WARMUP_STEPS = "warmup_steps"
+VIEWS = (V_RUNS, V_LAYER_BALANCE, V_TRANSFER_DETAIL, V_WARMUP_STEPS)
 
 # Columns every per-record table starts with.
 C_RUN_ID = "run_id"
@@ -153,6 +155,7 @@ TABLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("loss", "DOUBLE"),
         ("step_time_s", "DOUBLE"),
         ("extra_json", "VARCHAR"),
+        ("warmup", "BOOLEAN"),
     ),
     T_LAYER_LOADS: _LAYER_KEY + (
         ("policy", "VARCHAR"),

@@ -79,7 +79,8 @@ class EPRuntime:
         """Close the current training step (call once per optimizer step); records the step if recording."""
         self.flush_records()
         if self.recorder is not None:
-            self._safe(self.recorder.record_step, self.step, loss=loss, step_time_s=step_time_s)
+            self._safe(self.recorder.record_step, self.step, loss=loss, step_time_s=step_time_s,
+                       warmup=self.step == 0)
         self.step += 1
         self.microbatch = -1
 

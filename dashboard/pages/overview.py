@@ -15,13 +15,15 @@ def body(ctx: ui.Context) -> None:
         h = ui.cached_headline(info, selected=ctx.run.path)
         rows.append({
             "run": info.label, "status": info.status, "kind": info.kind, "model": info.model,
-            "EP ranks": info.world_size, "steps": h["steps"], "layers": h["layers"],
+            "EP ranks": info.world_size, "steps": h["steps"], "warm-up steps": h["warmup_steps"],
+            "layers": h["layers"],
             "layer-microbatches": h["plans"],
             "mean imbalance before": h["mean_imbalance_before"], "mean imbalance after": h["mean_imbalance_after"],
             "% of force-balanced ideal": h["pct_of_ideal"],
             "planning (s)": h["plan_s"], "transfers (s)": h["transfer_s"],
             "recording errors": info.errors, "started (UTC)": info.started_at,
         })
+    st.caption("Means, times and shares leave warm-up steps out (warm-up excluded); counts keep them.")
     st.dataframe(pd.DataFrame(rows), hide_index=True, key="overview_runs", column_config={
         "mean imbalance before": st.column_config.NumberColumn(format="%.3f"),
         "mean imbalance after": st.column_config.NumberColumn(format="%.3f"),
@@ -42,23 +44,25 @@ def body(ctx: ui.Context) -> None:
                 help="recorded plans, one per layer and microbatch (lowest recording rank)")
     c[1].metric("mean imbalance before → after",
                 f"{ui.fmt_ratio(h['mean_imbalance_before'])} → {ui.fmt_ratio(h['mean_imbalance_after'])}",
-                help="max / mean rank load, averaged over layer-microbatches; 1.000 = perfect")
+                help="max / mean rank load, averaged over layer-microbatches (warm-up excluded); 1.000 = perfect")
     basis = {"time": "Σ ideal time / Σ time (recorded ideal_s)",
              "load": "Σ mean rank load / Σ max rank load after balancing (no ideal_s recorded; overhead not "
                      "counted)"}.get(h["ideal_basis"], "")
     c[2].metric("% of force-balanced ideal", ui.fmt_pct(h["pct_of_ideal"]), help=basis)
-    plan_help = ("summed planning time" + (" (planner solve time; no timings recorded)"
+    plan_help = ("summed planning time, warm-up excluded" + (" (planner solve time; no timings recorded)"
                                            if h["plan_basis"] == "solve_time" else " (timings.plan_s)"))
     c[3].metric("planning overhead", ui.fmt_seconds(h["plan_s"]), help=plan_help)
     c[4].metric("transfer overhead", ui.fmt_seconds(h["transfer_s"]),
-                help=f"summed timings.transfer_s; {ui.fmt_int(h['transfers'])} transfers")
+                help=f"summed timings.transfer_s, warm-up excluded; {ui.fmt_int(h['transfers'])} transfers")
     c[5].metric("recording errors", ui.fmt_int(run.errors),
                 help=f"{run.dropped_rows} rows lost" + (f"; first: {run.first_error}" if run.first_error else ""))
 
     if h["plan_share"] is not None or h["transfer_share"] is not None:
         st.caption(f"planning {ui.fmt_pct(None if h['plan_share'] is None else 100 * h['plan_share'])} and "
                    f"transfers {ui.fmt_pct(None if h['transfer_share'] is None else 100 * h['transfer_share'])} "
-                   f"of the summed layer time ({ui.fmt_seconds(h['time_s'])}).")
+                   f"of the summed layer time ({ui.fmt_seconds(h['time_s'])})"
+                   + (f" (warm-up excluded: {ui.fmt_int(h['warmup_steps'])} step"
+                      f"{'s' if h['warmup_steps'] != 1 else ''})." if h["warmup_steps"] else "."))
     bins, _ = data.layer_bins(m)
     left, right = st.columns([3, 2])
     with left:
