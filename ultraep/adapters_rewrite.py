@@ -130,9 +130,9 @@ def _probe_dense(mod: nn.Module) -> None:
 
 
 def _agree(block: nn.Module, ref: torch.Tensor, ours: torch.Tensor, what: str) -> None:
+    tol = 1e-4 if ref.dtype in (torch.float32, torch.float64) else 3e-2  # 16-bit weights: 3e-2
     ref, ours = ref.float(), ours.float()
     err = float((ours - ref).abs().max()) / max(float(ref.abs().max()), 1e-12)
-    tol = 1e-4 if ref.dtype in (torch.float32, torch.float64) and ours.dtype == ref.dtype else 3e-2
     if not err <= tol:
         raise _refuse(block, f"{what} by {err:.3g} (relative, > {tol:g}) on a probe")
 
