@@ -342,6 +342,7 @@ def supported() -> list[str]:
     """Human-readable list of what ``wrap`` accepts."""
     out = [f"transformers v5 {cls} ({fam})" for cls, fam in HF_EXPERTS.items()]
     out.append("every transformers v5 experts-interface module whose flags ultraep implements (docs/models.md)")
+    out.append("Llama4TextMoe, DbrxFFN and JetMoeMoE blocks (rewritten exactly into experts containers)")
     out += [a.name for a in _CUSTOM.values()]
     return out
 
