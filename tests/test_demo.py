@@ -20,6 +20,8 @@ def test_demo_quick_end_to_end(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
     assert "imbalance" in out and "speed-up" in out and "match: balancing does not change the math" in out
+    assert "MISMATCH" not in out and "fp32 reordering band" in out
+    assert "exposed overhead" in out and "predicted / measured" in out
     assert f"ultraep dashboard {runs}" in out
     con = open_run(runs)
     kinds = con.execute("SELECT run_id, kind, world_size FROM runs WHERE rank = 0 ORDER BY run_id").fetchall()
@@ -40,3 +42,23 @@ def test_demo_quick_end_to_end(tmp_path):
     # the last-bit differences a little over the steps: 1e-4 relative is what the runs show.
     for _, a, b in losses:
         assert a == pytest.approx(b, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_demo_compare_every_policy_first_step_is_exact(tmp_path):
+    """--compare runs every policy on the same token stream; step 0's loss and gradients (before any optimizer
+    step can amplify rounding) equal the unbalanced run's within 1e-6 relative for each, which the demo
+    checks and prints as the verdict (exit 1 and MISMATCH otherwise)."""
+    policies = ["none", "quota", "eplb", "feplb", "hybridep", "adaptive"]
+    res = subprocess.run(
+        [sys.executable, "-m", "ultraep.cli", "demo", "--quick", "--ranks", "2", "--steps", "4", "--compare",
+         ",".join(policies), "--out", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for p in policies[1:]:
+        line = next(x for x in res.stdout.splitlines() if x.startswith(f"{p}: step 0"))
+        step0 = float(line.split("max relative difference ")[1].split(";")[0])
+        assert step0 <= 1e-6 and "-> match" in line, line
+    con = open_run(tmp_path / "runs")
+    assert con.execute("SELECT count(DISTINCT run_id) FROM runs").fetchone()[0] == len(policies)

@@ -18,13 +18,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Run a real MoE model twice on local gloo ranks — no balancing, then the "
                        "chosen policy — record both runs, and print what balancing changed and what it cost.")
     p.add_argument("--ranks", type=int, default=default_ranks(), help="local ranks, one thread each (default: cores)")
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default 60; 16 with --quick)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 30; 16 with --quick)")
     p.add_argument("--mode", default="train", help="train (forward, backward, optimizer) or prefill (forward)")
     p.add_argument("--policy", default="adaptive", help="policy of the balanced run (default adaptive)")
     p.add_argument("--model", default="qwen3-moe", help="qwen3-moe | mixtral | deepseek-v3 | gpt-oss")
     p.add_argument("--slots", type=int, default=2, help="redundant slots per rank")
     p.add_argument("--out", default="runs", help="telemetry runs directory")
     p.add_argument("--quick", action="store_true", help="smaller model and fewer steps (CI)")
+    p.add_argument("--compare", default=None, metavar="P1,P2,...",
+                   help="run each policy on the same token stream and print one table (none always runs first), "
+                   "e.g. none,quota,eplb,feplb,adaptive")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 
@@ -38,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if args.policy not in available_policies() or args.policy == "none":
         raise ConfigError("--policy", f"unknown or trivial policy {args.policy!r}; choose from "
                           + ", ".join(p for p in available_policies() if p != "none"), args.policy)
-    steps = args.steps if args.steps is not None else (16 if args.quick else 60)
+    steps = args.steps if args.steps is not None else (16 if args.quick else 30)
+    compare = tuple(p.strip() for p in args.compare.split(",") if p.strip()) if args.compare else ()
     return run_demo(DemoSettings(model=args.model, policy=args.policy, mode=args.mode, ranks=args.ranks, steps=steps,
+                                 compare=compare,
                                  out=args.out, quick=args.quick, seed=args.seed, slots=args.slots))

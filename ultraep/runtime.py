@@ -251,4 +251,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, layer.container)
     object.__delattr__(model, _ATTR)
+    from ultraep.adapters_rewrite import restore
+
+    restore(model)  # blocks prepare() rewrote get their original classes back (same storage)
     return model
