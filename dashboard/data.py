@@ -450,12 +450,14 @@ SELECT layer, {_BIN} AS step, avg(imbalance_before) AS imbalance_before,
 FROM layer_facts GROUP BY layer, 2 ORDER BY layer, 2
 """, params=("first", "bin"), doc="Heatmap cells; with bin = 1 equal to queries.LAYER_IMBALANCE.")
 
-LAYER_SUMMARY = _q("layer_summary", """
-SELECT layer, count(*) AS plans, avg(imbalance_before) AS mean_before, avg(imbalance_after) AS mean_after,
-       max(imbalance_before) AS max_before, max(imbalance_after) AS max_after,
-       avg(max_after - mean_after) AS mean_straggler_after_tokens
-FROM layer_facts GROUP BY layer ORDER BY layer
-""", doc="As queries.LAYER_SUMMARY.")
+LAYER_SUMMARY = _q("layer_summary", f"""
+SELECT layer, count(*) AS plans, avg(imbalance_before) FILTER (WHERE settled) AS mean_before,
+       avg(imbalance_after) FILTER (WHERE settled) AS mean_after,
+       max(imbalance_before) FILTER (WHERE settled) AS max_before,
+       max(imbalance_after) FILTER (WHERE settled) AS max_after,
+       avg(max_after - mean_after) FILTER (WHERE settled) AS mean_straggler_after_tokens
+FROM (SELECT *, {_SETTLED} AS settled FROM layer_facts) GROUP BY layer ORDER BY layer
+""", doc="As queries.LAYER_SUMMARY (warm-up excluded).")
 
 MICROBATCHES = _q("microbatches", """
 SELECT DISTINCT microbatch FROM layer_facts WHERE layer = $layer AND step = $step ORDER BY microbatch
@@ -467,7 +469,7 @@ def layer_step_imbalance(mirror: RunMirror, bins: Bins):
 
 
 def layer_summary(mirror: RunMirror):
-    return mirror_query(mirror, LAYER_SUMMARY, ("layer_facts",))
+    return mirror_query(mirror, LAYER_SUMMARY, ("layer_facts", sc.T_STEPS))
 
 
 _STORES: OrderedDict = OrderedDict()
@@ -649,13 +651,13 @@ WHERE t.measured_s IS NOT NULL AND coalesce(t.predicted_s, d.chosen_predicted_s)
 """, doc="Per layer-microbatch: prediction (timings.predicted_s, else the decision's) vs measured (slowest "
          "rank), as queries.PREDICTED_VS_MEASURED.")
 
-PREDICTION_SUMMARY = _q("prediction_summary", """
+PREDICTION_SUMMARY = _q("prediction_summary", f"""
 SELECT policy, count(*) AS samples,
        avg(predicted_s) AS mean_predicted_s, avg(measured_s) AS mean_measured_s,
        avg(abs(rel_error)) AS mean_abs_rel_error,
        sum(measured_s) / nullif(sum(predicted_s), 0) AS measured_over_predicted
-FROM predictions GROUP BY policy ORDER BY policy
-""", doc="As queries.PREDICTION_SUMMARY.")
+FROM predictions WHERE {_SETTLED} GROUP BY policy ORDER BY policy
+""", doc="As queries.PREDICTION_SUMMARY (warm-up excluded).")
 
 PREDICTION_OVER_STEPS = _q("prediction_over_steps", f"""
 SELECT {_BIN} AS step, policy, count(*) AS samples,
@@ -725,15 +727,18 @@ def predictions(mirror: RunMirror):
     return mirror.memo(("predictions",), facts, compute)
 
 
-def _on_predictions(mirror: RunMirror, query: Query, **params):
+def _on_predictions(mirror: RunMirror, query: Query, *, with_steps: bool = False, **params):
     table = predictions(mirror)
+    tables, facts = {"predictions": table}, ("timing_facts", "decision_facts")
+    if with_steps:  # the warm-up steps, for summaries that leave them out
+        mirror.refresh(("steps",))
+        tables[sc.T_STEPS], facts = mirror.facts(sc.T_STEPS), facts + (sc.T_STEPS,)
     key = ("predictions", query.name, tuple(sorted(params.items())))
-    return mirror.memo(key, ("timing_facts", "decision_facts"),
-                       lambda: facts_query({"predictions": table}, query, **params)).copy()
+    return mirror.memo(key, facts, lambda: facts_query(tables, query, **params)).copy()
 
 
 def prediction_summary(mirror: RunMirror):
-    return _on_predictions(mirror, PREDICTION_SUMMARY)
+    return _on_predictions(mirror, PREDICTION_SUMMARY, with_steps=True)
 
 
 def prediction_over_steps(mirror: RunMirror, bins: Bins):
@@ -786,12 +791,14 @@ SELECT layer, sum(transfers)::BIGINT AS transfers, sum(bytes)::BIGINT AS bytes,
 FROM transfer_plan_facts GROUP BY layer ORDER BY layer
 """, doc="As queries.TRANSFER_SUMMARY (without the measured columns).")
 
-TRANSFER_LAYERS_MEASURED = _q("transfer_layers_measured", """
+TRANSFER_LAYERS_MEASURED = _q("transfer_layers_measured", f"""
 SELECT t.layer, count(m.seconds) AS measured, sum(m.seconds) AS measured_s,
        sum(t.bytes) FILTER (WHERE m.seconds > 0) / nullif(sum(m.seconds), 0) AS bandwidth_Bps
 FROM transfer_facts t JOIN transfer_time_facts m USING (step, microbatch, layer, idx)
+WHERE {_SETTLED}
 GROUP BY t.layer ORDER BY t.layer
-""", doc="As queries.TRANSFER_SUMMARY's measured columns (transfer_times joined to transfers).")
+""", doc="As queries.TRANSFER_SUMMARY's measured columns (transfer_times joined to transfers; warm-up "
+         "excluded).")
 
 TRANSFER_UNITS = ("transfer", "transfer_time", "layer")
 
@@ -816,7 +823,7 @@ def transfer_layers(mirror: RunMirror):
     df = mirror_query(mirror, TRANSFER_LAYERS, ("transfer_plan_facts",))
     mirror.refresh(("transfer_time",))
     if mirror.facts("transfer_time_facts").num_rows:
-        meas = mirror_query(mirror, TRANSFER_LAYERS_MEASURED, ("transfer_facts", "transfer_time_facts"))
+        meas = mirror_query(mirror, TRANSFER_LAYERS_MEASURED, ("transfer_facts", "transfer_time_facts", sc.T_STEPS))
         df = df.merge(meas, on="layer", how="left")
         df["measured"] = df["measured"].fillna(0).astype("int64")
     else:
@@ -836,25 +843,29 @@ def transfer_step_range(mirror: RunMirror) -> Bins | None:
 
 # --------------------------------------------------------------------------- compare
 COMPARE = _q("compare", f"""
-WITH b AS (SELECT * FROM layer_facts),
+WITH b AS (SELECT *, {_SETTLED} AS settled FROM layer_facts),
 t AS (SELECT step, microbatch, layer, bytes FROM transfer_plan_facts),
 m AS (SELECT step, microbatch, layer, coalesce(measured_s, predicted_s) AS time_s, measured_s, predicted_s,
              ideal_s FROM timing_facts)
 SELECT {_SHOWN} AS policy, count(*) AS plans,
        count(*) / sum(count(*)) OVER () AS share,
-       avg(b.imbalance_before) AS mean_imbalance_before, avg(b.imbalance_after) AS mean_imbalance_after,
-       sum(b.mean_after) / nullif(sum(b.max_after), 0) AS load_ideal_after,
-       avg(coalesce(t.bytes, 0)) AS mean_transfer_bytes,
-       avg(m.measured_s) AS mean_measured_s, avg(m.predicted_s) AS mean_predicted_s,
-       avg(m.time_s) AS mean_time_s,
-       sum(m.ideal_s) FILTER (WHERE m.time_s IS NOT NULL) /
-           nullif(sum(m.time_s) FILTER (WHERE m.ideal_s IS NOT NULL), 0) AS time_ideal
+       avg(b.imbalance_before) FILTER (WHERE b.settled) AS mean_imbalance_before,
+       avg(b.imbalance_after) FILTER (WHERE b.settled) AS mean_imbalance_after,
+       sum(b.mean_after) FILTER (WHERE b.settled) / nullif(sum(b.max_after) FILTER (WHERE b.settled), 0)
+           AS load_ideal_after,
+       avg(coalesce(t.bytes, 0)) FILTER (WHERE b.settled) AS mean_transfer_bytes,
+       avg(m.measured_s) FILTER (WHERE b.settled) AS mean_measured_s,
+       avg(m.predicted_s) FILTER (WHERE b.settled) AS mean_predicted_s,
+       avg(m.time_s) FILTER (WHERE b.settled) AS mean_time_s,
+       sum(m.ideal_s) FILTER (WHERE m.time_s IS NOT NULL AND b.settled) /
+           nullif(sum(m.time_s) FILTER (WHERE m.ideal_s IS NOT NULL AND b.settled), 0) AS time_ideal
 FROM b LEFT JOIN t USING (step, microbatch, layer) LEFT JOIN m USING (step, microbatch, layer)
      LEFT JOIN decision_facts d USING (step, microbatch, layer)
 GROUP BY 1 ORDER BY plans DESC, policy
-""", doc="Per policy within one run; as queries.POLICY_COMPARISON plus the share of the ideal.")
+""", doc="Per policy within one run; as queries.POLICY_COMPARISON plus the share of the ideal (warm-up "
+         "excluded from the means).")
 
-COMPARE_UNITS = ("layer", "decision", "timing", "transfer", "runs_log")
+COMPARE_UNITS = ("layer", "decision", "timing", "transfer", "runs_log", "steps")
 
 
 def compare_runs(mirrors: list[RunMirror], bins_max: int = MAX_BINS):
@@ -864,7 +875,7 @@ def compare_runs(mirrors: list[RunMirror], bins_max: int = MAX_BINS):
     rows, series = [], []
     for m in mirrors:
         m.refresh(COMPARE_UNITS)
-        df = mirror_query(m, COMPARE, _SHOWN_FACTS + ("transfer_plan_facts", "timing_facts"))
+        df = mirror_query(m, COMPARE, _SHOWN_FACTS + ("transfer_plan_facts", "timing_facts", sc.T_STEPS))
         if not len(df):
             continue
         df.insert(0, "run_id", m.run_id)

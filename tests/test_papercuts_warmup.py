@@ -207,3 +207,23 @@ def test_runtime_marks_its_first_step_warmup(tmp_path):
     assert run_ranks(_two_recorded_steps, 1, tmp_path) == [0]
     con = open_run(tmp_path)
     assert con.execute("SELECT step, warmup FROM steps ORDER BY step").fetchall() == [(0, True), (1, False)]
+
+
+def test_dashboard_summaries_match_the_canned_queries_without_warmup(slow_first_step):
+    pytest.importorskip("pandas")
+    from ultraep.dashboard import data
+    from ultraep.dashboard.mirror import RunMirror
+
+    mirror, con = RunMirror(slow_first_step), open_run(slow_first_step)
+    layers = data.layer_summary(mirror)
+    for row, want in zip(layers.to_dict("records"), _rows(con, queries.LAYER_SUMMARY), strict=True):
+        assert row["plans"] == want["plans"] and row["mean_before"] == pytest.approx(want["mean_before"])
+        assert row["max_before"] == pytest.approx(want["max_before"])
+    pred = data.prediction_summary(mirror)
+    assert list(pred["samples"]) == [3 * LAYERS] and list(pred["mean_measured_s"]) == [pytest.approx(1e-3)]
+    moved = data.transfer_layers(mirror)
+    for row, want in zip(moved.to_dict("records"), _rows(con, queries.TRANSFER_SUMMARY), strict=True):
+        assert (row["transfers"], row["measured"]) == (want["transfers"], want["measured"])
+        assert row["measured_s"] == pytest.approx(want["measured_s"])
+    cmp, _ = data.compare_runs([mirror])
+    assert list(cmp["plans"]) == [4 * LAYERS] and list(cmp["mean_measured_s"]) == [pytest.approx(1e-3)]

@@ -25,6 +25,7 @@ def body(ctx: ui.Context) -> None:
     if not len(cmp):
         ui.empty_state(ctx, "layer rows in the chosen runs")
         return
+    st.caption("means, times and shares of the ideal: warm-up excluded; plans and shares: every step")
     st.dataframe(cmp.drop(columns=["load_ideal_after", "time_ideal"]), hide_index=True, key="compare_table",
                  column_config={c: st.column_config.NumberColumn(format="%.4g") for c in cmp.columns
                                 if c not in ("run_id", "policy", "plans")})

@@ -16,6 +16,7 @@ def body(ctx: ui.Context) -> None:
     st.caption(f"{bins.bin} step(s) per column (steps {bins.first_step}–{bins.last_step}); each cell is the mean "
                "over its layer-microbatches; both maps share one colour scale.")
     st.subheader("Per layer")
+    st.caption("means and maxima: warm-up excluded; plans: every step")
     st.dataframe(data.layer_summary(m), hide_index=True, key="layers_summary")
 
     st.subheader("Rank load by expert")

@@ -26,6 +26,7 @@ def body(ctx: ui.Context) -> None:
         st.dataframe(data.recent_decisions(m, int(layer)), hide_index=True, key="policies_recent")
 
     st.subheader("Predicted vs measured")
+    st.caption("summary table: warm-up excluded")
     summary = data.prediction_summary(m)
     if not len(summary):
         st.info("No layer-microbatch has both a measured time and a prediction yet.")

@@ -40,7 +40,7 @@ def body(ctx: ui.Context) -> None:
         st.markdown("**per expert**")
         st.dataframe(fan, hide_index=True, key="transfers_fanout_table")
     with right:
-        st.markdown("**per layer** (bandwidth from measured transfer times, where recorded)")
+        st.markdown("**per layer** (bandwidth from measured transfer times, where recorded; warm-up excluded)")
         st.dataframe(data.transfer_layers(m), hide_index=True, key="transfers_layers")
 
 
