@@ -42,6 +42,9 @@ from ultraep.topology import Topology
 
 #: candidates that keep no history, so skipping their plan for a step is harmless
 SCREENABLE = ("quota",)
+#: a screenable candidate that lost clearly this many planned decisions in a row is planned (and paid for)
+#: again only when due for a probe: its planner is then charged once per ``probe_every`` decisions
+LOSING_STREAK = 8
 DEFAULT_CANDIDATES = ("none", "quota", "eplb", "feplb", "hybridep")
 
 
@@ -103,7 +106,9 @@ class AdaptivePolicy:
         #: per candidate: EWMA of log(measured / predicted layer time) when it ran, and how often it ran
         self._outcome: dict[str, tuple[float, int]] = {}
         self._since: dict[str, int] = {}  # decisions since each candidate last ran
+        self._unplanned: dict[str, int] = {}  # decisions since each candidate was last planned
         self._none_streak = 0  # consecutive decisions none won by more than switch_now
+        self._lost: dict[str, int] = {}  # consecutive decisions a planned candidate lost by more than switch_now
         self._models: dict = {}
         self._current: str | None = None
         self._pending: tuple[str, int] | None = None
@@ -153,20 +158,27 @@ class AdaptivePolicy:
         return cm.params.planner_s.get(name, 0.0) * cm.params.plan_scale
 
     def screened(self, load_RE: np.ndarray, topology: Topology, *, none_s: float | None = None,
-                 ideal_s: float | None = None) -> list[str]:
-        """Step 1: stateless candidates whose planner time exceeds the largest possible gain. ``none_s``
-        and ``ideal_s`` (predicted totals of ``none`` and of the ideal) may be passed when known."""
+                 ideal_s: float | None = None, others_s: dict[str, float] | None = None) -> list[str]:
+        """Step 1: stateless candidates that cannot win. ``none_s`` and ``ideal_s`` (predicted totals of ``none``
+        and of the ideal) may be passed when known; ``others_s`` (the corrected predictions of the candidates
+        planned anyway: none, the historical and off-critical-path ones) tightens the bound: a candidate can
+        never beat the ideal plus its own planner, so if that already loses to one of them it is skipped."""
         if not self.screen:
             return []
         cm = self._cost(topology)
         todo = [n for n in self.policies if n in SCREENABLE and n != self._current]  # hysteresis needs it
-        if self.probe_every > 0:  # a candidate due for a probe is planned: the model may be wrong about it
-            todo = [n for n in todo if self._since.get(n, 0) < self.probe_every]
+        if self.probe_every > 0:  # a candidate not planned for probe_every decisions is re-evaluated
+            todo = [n for n in todo if self._unplanned.get(n, 0) < self.probe_every]
         if not todo:
             return []
         if self._current == "none" and self._none_streak >= self.probe_every:
             # none has won clearly for a while: plan the others only when they are due for a probe
             return todo
+        # a candidate that lost clearly LOSING_STREAK decisions in a row is planned again only when due
+        out = [n for n in todo if self._lost.get(n, 0) >= LOSING_STREAK]
+        todo = [n for n in todo if n not in out]
+        if not todo:
+            return out
         from .base import identity_plan
 
         if none_s is None:
@@ -174,14 +186,36 @@ class AdaptivePolicy:
         if ideal_s is None:
             ideal_s = cm.ideal(load_RE).total_s
         gain_ub = none_s - ideal_s
-        return [n for n in todo if self.exposed_planner_s(cm, n) >= gain_ub]
+        out += [n for n in todo if self.exposed_planner_s(cm, n) >= gain_ub]
+        if others_s:
+            ref = min(others_s.values())
+            out += [n for n in todo if n not in out
+                    and ideal_s * self.correction(n) + self.exposed_planner_s(cm, n) >= ref]
+        return out
+
+    def references(self, breakdowns: dict) -> dict[str, float]:
+        """Corrected predictions of the always-planned candidates in ``breakdowns`` that bound the screen (a
+        historical placement only when resident: the plain prediction omits its switching cost)."""
+        return {n: bd.total_s * self.correction(n) for n, bd in breakdowns.items()
+                if n in self.policies and n not in SCREENABLE and (n != "eplb" or self._current == "eplb")}
+
+    def _predict(self, cm, name: str, plan: Plan):
+        """Step 3 for one candidate: a historical placement that is not resident pays for all its replicas."""
+        switch = name == "eplb" and self._current != "eplb"
+        return cm.predict(plan, sync_s=cm.full_sync_time(plan) if switch else None)
 
     # ------------------------------------------------------------------ planning
     def plan(self, load_RE: np.ndarray, topology: Topology) -> Plan:
         t0 = time.perf_counter()
-        skip = set(self.screened(load_RE, topology))
-        plans = {n: p.plan(load_RE, topology) for n, p in self.policies.items() if n not in skip}
-        plan = self.decide(plans, topology, screened=sorted(skip))
+        cm = self._cost(topology)
+        # the candidates that are always planned first (cheap or off the critical path), then the screen
+        plans = {n: p.plan(load_RE, topology) for n, p in self.policies.items() if n not in SCREENABLE}
+        bds = {n: self._predict(cm, n, pl) for n, pl in plans.items()}
+        skip = set(self.screened(load_RE, topology, none_s=bds["none"].total_s if "none" in bds else None,
+                                 others_s=self.references(bds)))
+        plans.update({n: p.plan(load_RE, topology) for n, p in self.policies.items()
+                      if n in SCREENABLE and n not in skip})
+        plan = self.decide(plans, topology, screened=sorted(skip), breakdowns=bds)
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
         return plan
 
@@ -200,7 +234,7 @@ class AdaptivePolicy:
             if name in known and not switch:
                 bd = known[name]
             else:
-                bd = cm.predict(pl, sync_s=cm.full_sync_time(pl) if switch else None)
+                bd = self._predict(cm, name, pl)
             breakdowns[name] = bd
             predictions[name] = bd.total_s * self.correction(name)
         # Step 4: late plans.
@@ -279,8 +313,13 @@ class AdaptivePolicy:
         if not a.get("probe"):  # a probe runs once; the current policy stays
             self._current = a["chosen"]
             self._pending = tuple(a["pending"]) if a.get("pending") else None
+        preds, chosen = a["predictions"], a["chosen"]
         for n in self.policies:
-            self._since[n] = 0 if n == a["chosen"] else self._since.get(n, 0) + 1
+            self._since[n] = 0 if n == chosen else self._since.get(n, 0) + 1
+            self._unplanned[n] = 0 if n in preds else self._unplanned.get(n, 0) + 1
+        for n, v in preds.items():  # losing streaks of the candidates that were planned
+            lost = n != chosen and v > preds[chosen] * (1 + self.switch_now)
+            self._lost[n] = self._lost.get(n, 0) + 1 if lost else 0
         self._none_streak = self._none_streak + 1 if a.get("none_clear") else 0
         if not self.owns_candidates:
             return

@@ -126,8 +126,9 @@ def _make_policies(names, cm: CostModel, stride: int, policy_options: dict | Non
         pols[n] = make_policy(n, **o)
     adaptive = None
     if want_adaptive:
-        # replayed layers are predicted, not measured: a probe could only lose (the model is the outcome here)
-        a_opts.setdefault("probe_every", 0)
+        # replayed layers are predicted, not measured: running a probe could only lose (the model is the
+        # outcome here); screened candidates are still re-planned every probe_every decisions
+        a_opts.setdefault("probe_max_loss", 0.0)
         adaptive = AdaptivePolicy(policies={c: pols[c] for c in candidates}, cost_model=cm, owns_candidates=False,
                                   **a_opts)
     return pols, adaptive
@@ -174,7 +175,8 @@ def replay_layer(trace: Trace, layer: int, cm: CostModel, names, *, stride: int 
             if keep:  # a fresh copy: derived arrays (lazy routes) stay behind
                 kept[n].append((step, mb, layer, dataclasses.replace(pl)))
         if adaptive is not None:
-            skip = set(adaptive.screened(load, t, none_s=bds["none"].total_s, ideal_s=ideal.total_s))
+            skip = set(adaptive.screened(load, t, none_s=bds["none"].total_s, ideal_s=ideal.total_s,
+                                         others_s=adaptive.references(bds)))
             ap = adaptive.decide({c: plans[c] for c in adaptive.policies if c not in skip}, t, screened=sorted(skip),
                                  breakdowns=bds)
             bd = cm.predict(ap)
