@@ -90,17 +90,19 @@ def test_wrapped_equals_unwrapped_two_ranks(family, policy):
         assert all(max(r["replicas"]) == 0 for r in results)
 
 
-@pytest.mark.parametrize("memory", ["kept", "restore"])
+@pytest.mark.parametrize("memory", ["kept", "restore", "kept-tiles"])
 @pytest.mark.parametrize("policy", ["quota", "eplb", "feplb"])
 def test_wrapped_equals_unwrapped_four_ranks(policy, memory):
     steps = 2 if policy == "eplb" else 1
-    # budget 0: no layer keeps its replicas, they share one set of buffers and restore + recompute in backward
-    cfg = {**CONFIGS[policy], **({"replica_memory_budget": 0} if memory == "restore" else {})}
+    # budget 0: no layer keeps its replicas, they share one set of buffers and restore + recompute in backward;
+    # tiles: the GPU transport (tile-packed messages, Triton kernels there, their references here)
+    cfg = {**CONFIGS[policy], **({"replica_memory_budget": 0} if memory == "restore" else {}),
+           **({"replica_transport": "tiles"} if memory == "kept-tiles" else {})}
     results = run_ranks(_equivalence, 4, "qwen3-moe", cfg, steps)
     for r in results:
         assert r["logits"] < 1e-5 and r["grad"] < 1e-5 * max(1.0, r["scale"]), r
     assert max(max(r["replicas"]) for r in results) > 0
-    if memory == "kept":  # replicas live from forward to backward: nothing restored
+    if memory != "restore":  # replicas live from forward to backward: nothing restored
         assert all(r["restorations"] == 0 for r in results)
     elif policy == "quota":  # two layers share the buffers: the first layer's replicas were restored
         assert results[0]["restorations"] >= 1
@@ -136,9 +138,10 @@ def _training(rank, world, family, config, steps):
     return losses
 
 
-@pytest.mark.parametrize("policy", ["quota", "eplb", "quota-restore"])
+@pytest.mark.parametrize("policy", ["quota", "eplb", "quota-restore", "quota-tiles"])
 def test_training_loop_losses_match(policy):
-    cfg = CONFIGS[policy] if policy in CONFIGS else {**CONFIGS["quota"], "replica_memory_budget": 0}
+    variants = {"quota-restore": {"replica_memory_budget": 0}, "quota-tiles": {"replica_transport": "tiles"}}
+    cfg = CONFIGS[policy] if policy in CONFIGS else {**CONFIGS["quota"], **variants[policy]}
     wrapped = run_ranks(_training, 2, "qwen3-moe", cfg, 4)
     plain = run_ranks(_training, 2, "qwen3-moe", None, 4)
     np.testing.assert_allclose(wrapped, plain, rtol=1e-4, atol=1e-5)

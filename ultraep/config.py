@@ -190,6 +190,12 @@ class BalancerConfig(_Model):
     check_plan_hash: StrictBool = Field(
         default=False, description="Debug: all-gather each plan's hash and stop if ranks disagree."
     )
+    replica_transport: Literal["auto", "tiles", "direct"] = Field(
+        default="auto",
+        description="How replica weights and gradients travel: 'tiles' (experts packed into fixed-size tiles, one "
+        "message per peer: Triton kernels on GPUs, needed for relays), 'direct' (every expert tensor its own "
+        "message, no packing: cheapest on CPU/gloo), or 'auto' (direct on CPU without relays, else tiles).",
+    )
     replica_memory_budget: Literal["auto"] | Annotated[StrictInt, Field(ge=0)] | Annotated[StrictFloat, Field(ge=0.0)] = Field(
         default="auto",
         description="Memory a rank may spend on per-layer replica weight buffers that live from forward to "

@@ -264,12 +264,15 @@ class BalancedExperts(nn.Module):
                                   lambda: self._collective("token dispatch gradient (all-to-all)"))
         rt.event("dispatched", self.layer)
         t5 = time.perf_counter()
+        # per-expert views of the masters (one stacking backward instead of a full-size zero fill per slot)
+        unbound = [p.unbind(0) for p in params]
         if job is not None:
             job.relay()
             if needs_backward:
-                recv = GradSink.apply(recv, job, *params)
+                first = self.first_expert
+                recv = GradSink.apply(recv, job, *[u[e - first] for e in job.contributing() for u in unbound])
         # Step 6: experts on masters, then replicas.
-        y_recv, master_s = self._experts(recv, C, plan, job)
+        y_recv, master_s = self._experts(recv, C, plan, job, unbound)
         t6 = time.perf_counter()
         # Step 7: return rows and combine.
         with self._collective("token combine (all-to-all)"):
@@ -365,7 +368,8 @@ class BalancedExperts(nn.Module):
             self._observation = (call.key[0], call.key[1], phases)
         self.runtime.record_layer(self, call.plan, t, call.job, call.decision, call.key)
 
-    def _experts(self, recv: torch.Tensor, C: np.ndarray, plan, job: ReplicaJob | None) -> tuple[torch.Tensor, float]:
+    def _experts(self, recv: torch.Tensor, C: np.ndarray, plan, job: ReplicaJob | None,
+                 unbound: list) -> tuple[torch.Tensor, float]:
         """Masters, then replicas, over the received rows; returns the outputs and the masters' seconds."""
         t = plan.topology
         M, S = t.num_masters, t.num_slots
@@ -380,7 +384,7 @@ class BalancedExperts(nn.Module):
         for s in range(M):
             c = int(counts_S[s])
             if c:
-                outs.append(self.adapter.forward(self.container, x[at:at + c], [p[s] for p in params]))
+                outs.append(self.adapter.forward(self.container, x[at:at + c], [u[s] for u in unbound]))
             at += c
         self.runtime.event("master_compute", self.layer)
         master_s = time.perf_counter() - t0

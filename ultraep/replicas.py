@@ -146,6 +146,13 @@ class ReplicaJob:
         self.schedule = StreamSchedule.from_plan(plan, self.me, self.layout)
         self.grad_schedule = GradReduceSchedule.from_plan(plan, self.me, self.grad_layout)
         self.kept = kept_slots is not None
+        # Transport. On CPU (gloo) every expert tensor travels as its own message, straight from the master's
+        # parameter into the replica slot (weights) and from the replica's gradient into a receive buffer
+        # (fp32 gradients): no pack, no unpack, no arena — host copies would sit on the critical path. On GPUs
+        # (and whenever a relay forwards tiles) experts travel tile-packed, one message per peer.
+        relays = bool((plan.transfers.stage > 0).any())
+        mode = self.rt.config.replica_transport
+        self.direct = not relays and (mode == "direct" or (mode == "auto" and not self.params[0].is_cuda))
         self.slots = kept_slots if self.kept else self.rt.buffers.shared(like, t.num_redundant_slots)
         self.counts: list[int] = []
         self.needs_backward = False
@@ -158,6 +165,8 @@ class ReplicaJob:
         self._grads_in: Pending | None = None
         self._grads_out: Pending | None = None
         self._grad_arena: torch.Tensor | None = None
+        self._grad_bufs: dict[int, list[list[torch.Tensor]]] = {}  # direct: expert -> [replica][J] fp32
+        self._recv_groups: list[range] = []  # request indices of each received message, in schedule order
         self._recv_seconds: dict[tuple[int, int, int], float] = {}
         self._graph = None  # kept mode: (x, weights, y) of the replica forward, for its backward
 
@@ -175,16 +184,27 @@ class ReplicaJob:
         t0 = time.perf_counter()
         sched, lay = self.schedule, self.layout
         first = self.layer.first_expert
-        sending = {e for m in sched.sends0 for e in m.experts}
-        masters = {e: [p.detach()[e - first] for p in self.params] for e in sending}
-        self.arena = lay.empty(sched.arena_tiles, device=self.params[0].device)
-        P = lay.tiles_per_expert
-        recvs = [(m.peer, self.arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in sched.recvs]
-        sends = [(m.peer, buf) for m, buf in pack_sends(sched, masters, lay)]
+        if self.direct:
+            ws = [p.detach() for p in self.params]
+            recvs = [(m.peer, t) for m in sched.recvs for e in m.experts for t in self.slots[sched.slot_E[e] - self.M]]
+            sends = [(m.peer, w[e - first]) for m in sched.sends0 for e in m.experts for w in ws]
+            J = len(ws)
+            at, self._recv_groups = 0, []
+            for m in sched.recvs:
+                self._recv_groups.append(range(at, at + J * len(m.experts)))
+                at += J * len(m.experts)
+        else:
+            sending = {e for m in sched.sends0 for e in m.experts}
+            masters = {e: [p.detach()[e - first] for p in self.params] for e in sending}
+            self.arena = lay.empty(sched.arena_tiles, device=self.params[0].device)
+            P = lay.tiles_per_expert
+            recvs = [(m.peer, self.arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in sched.recvs]
+            sends = [(m.peer, buf) for m, buf in pack_sends(sched, masters, lay)]
+            self._recv_groups = [range(i, i + 1) for i in range(len(recvs))]
         with self.layer._collective("replica weight sync (post)", _peers(sends, recvs)):
             self._weights = post(sends, recvs, self.rt.transfer_group, tag=TAG_WEIGHTS)
         self._num_recv0 = sum(1 for m in sched.recvs if m.stage == 0)
-        self.bytes_sent = sum(int(b.numel()) for _, b in sends)
+        self.bytes_sent = sum(int(b.numel() * b.element_size()) for _, b in sends)
         self._event("weight_sync_posted")
         self._add("weight_post_s", time.perf_counter() - t0)
 
@@ -213,16 +233,17 @@ class ReplicaJob:
             w.wait(range(w.num_recvs))
         self._event("weight_sync_waited")
         t1 = time.perf_counter()
-        if self.schedule.recvs:
+        if self.schedule.recvs and not self.direct:
             unpack_received(self.schedule, self.arena, {self.M + i: self.slots[i] for i in range(len(self.slots))},
                             self.layout)
         self._add("weight_unpack_s", time.perf_counter() - t1)
         if not self.kept:
             self.rt.buffers.generation += 1
             self.generation = self.rt.buffers.generation
-        self._recv_seconds = self._recv_seconds or {(m.peer, m.stage, e): w.seconds(i)
-                              for i, m in enumerate(self.schedule.recvs) for e in m.experts}
-        flight = max((w.seconds(i) for i in range(w.num_recvs)), default=0.0)
+        sec = [max(w.seconds(i) for i in g) if len(g) else 0.0 for g in self._recv_groups]
+        self._recv_seconds = self._recv_seconds or {(m.peer, m.stage, e): sec[i]
+                                                    for i, m in enumerate(self.schedule.recvs) for e in m.experts}
+        flight = max(sec, default=0.0)
         self._add("weight_sync_flight_s", flight)
         self._add("weight_wait_s", time.perf_counter() - t0)
 
@@ -296,9 +317,18 @@ class ReplicaJob:
         if self._grads_in is not None:
             return
         gs, lay = self.grad_schedule, self.grad_layout
-        self._grad_arena = lay.empty(gs.arena_tiles, device=self.params[0].device)
-        P = lay.tiles_per_expert
-        recvs = [(m.peer, self._grad_arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in gs.recvs]
+        dev = self.params[0].device
+        if self.direct:
+            recvs = []
+            for m in gs.recvs:  # replica ranks ascending, experts ascending: the summation order
+                for e in m.experts:
+                    bufs = [torch.empty(s.shape, dtype=torch.float32, device=dev) for s in lay.specs]
+                    self._grad_bufs.setdefault(e, []).append(bufs)
+                    recvs += [(m.peer, b) for b in bufs]
+        else:
+            self._grad_arena = lay.empty(gs.arena_tiles, device=dev)
+            P = lay.tiles_per_expert
+            recvs = [(m.peer, self._grad_arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in gs.recvs]
         with self.layer._collective("replica gradient reduction (post)", _peers(recvs)):
             self._grads_in = post([], recvs, self.rt.transfer_group, tag=TAG_GRADS)
 
@@ -335,8 +365,11 @@ class ReplicaJob:
         self._event("replica_backward")
         t2 = time.perf_counter()
         gs = self.grad_schedule
-        sends = [(m.peer, buf) for m, buf in
-                 pack_grad_sends(gs, {s: w for s, w in wgrads.items() if s in gs.slot_E.values()}, self.grad_layout)]
+        if self.direct:  # each gradient tensor as its own fp32 message, experts ascending per master rank
+            sends = [(m.peer, g.float()) for m in gs.sends for e in m.experts for g in wgrads[gs.slot_E[e]]]
+        else:
+            sends = [(m.peer, buf) for m, buf in pack_grad_sends(
+                gs, {s: w for s, w in wgrads.items() if s in gs.slot_E.values()}, self.grad_layout)]
         with self.layer._collective("replica gradient reduction (send)", _peers(sends)):
             self._grads_out = post(sends, [], self.rt.transfer_group, tag=TAG_GRADS)
         self._event("grad_sent")
@@ -345,9 +378,10 @@ class ReplicaJob:
         self._add("grad_post_s", t3 - t2)
         return gx
 
-    def reduce_grads(self) -> list[torch.Tensor] | None:
-        """Step 6: wait for the replicas' gradients of this rank's masters; their sum per master (``[M, ...]``
-        per tensor, replica-rank order) or None if no master of this rank has replicas."""
+    def reduce_grads(self) -> list[torch.Tensor]:
+        """Step 6: wait for the replicas' gradients of this rank's masters; return, for every expert in
+        ``contributing()`` and each of its J tensors, the sum of its replicas' gradients (replica-rank order,
+        fp32, cast to the parameter's dtype)."""
         from ultraep.kernels import reduce_received
 
         self.post_grad_recvs()  # a no-op unless the layer's backward started without the output hook
@@ -357,17 +391,27 @@ class ReplicaJob:
             self._grads_in.wait()
         self._event("grad_reduced")
         t1 = time.perf_counter()
-        gs = self.grad_schedule
-        full = None
-        if gs.contributions:
-            full = [torch.zeros_like(p) for p in self.params]
-            first = self.layer.first_expert
-            reduce_received(gs, self._grad_arena, {e: [f[e - first] for f in full] for e in gs.contributions},
-                            self.grad_layout)
-        self._grads_in, self._grad_arena = None, None
+        sums: dict[int, list[torch.Tensor]] = {}
+        if self.direct:
+            for e, parts in self._grad_bufs.items():
+                acc = parts[0]
+                for more in parts[1:]:  # in replica-rank order: deterministic
+                    acc = [a + b for a, b in zip(acc, more)]
+                sums[e] = acc
+        elif self.contributing():
+            dev = self.params[0].device
+            sums = {e: [torch.zeros(s.shape, dtype=torch.float32, device=dev) for s in self.grad_layout.specs]
+                    for e in self.contributing()}
+            reduce_received(self.grad_schedule, self._grad_arena, sums, self.grad_layout)
+        out = [a.to(p.dtype) for e in self.contributing() for a, p in zip(sums[e], self.params)]
+        self._grads_in, self._grad_arena, self._grad_bufs = None, None, {}
         self._add("grad_wait_s", t1 - t0)
         self._add("grad_reduce_s", time.perf_counter() - t1)
-        return full
+        return out
+
+    def contributing(self) -> list[int]:
+        """Experts mastered on this rank that have replicas (ascending): the gradient sink's inputs."""
+        return sorted(self.grad_schedule.contributions)
 
     def finish_grad_sends(self) -> None:
         if self._grads_out is not None:
@@ -397,18 +441,21 @@ class ReplicaExperts(torch.autograd.Function):
 
 class GradSink(torch.autograd.Function):
     """Identity on the dispatched rows; in backward, where every expert's backward of this rank has run and
-    the dispatch all-to-all (a barrier) comes next, it adds the replicas' gradients to the masters'."""
+    the dispatch all-to-all (a barrier) comes next, it returns the replicas' gradients as the gradient of the
+    contributing masters' slices (``master_slices``: for each expert of ``job.contributing()``, its J
+    tensors), which autograd adds to the masters' own."""
 
     @staticmethod
-    def forward(ctx, recv, job: ReplicaJob, *master_params):
+    def forward(ctx, recv, job: ReplicaJob, *master_slices):
         ctx.job = job
-        ctx.num_params = len(master_params)
+        ctx.num = len(master_slices)
         return recv.view_as(recv)
 
     @staticmethod
     def backward(ctx, grad):
         job: ReplicaJob = ctx.job
-        full = job.reduce_grads()
+        grads = job.reduce_grads()
         job.finish_grad_sends()
-        grads = full if full is not None else [None] * ctx.num_params
+        if len(grads) != ctx.num:  # pragma: no cover - the schedule and the sink's inputs come from one plan
+            raise RuntimeError(f"replica gradient reduction produced {len(grads)} tensors for {ctx.num} inputs")
         return (grad, None, *grads)
