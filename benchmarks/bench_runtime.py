@@ -46,9 +46,11 @@ class Shape:
     experts: int = 8
     top_k: int = 2
     family: str = "qwen3-moe"
+    slots: int | None = None  # redundant slots per rank (default: --slots)
 
     def label(self) -> str:
-        return f"{self.family} T={self.tokens} H={self.hidden} I={self.ffn} E={self.experts} k={self.top_k}"
+        n = f" N={self.slots}" if self.slots else ""
+        return f"{self.family} T={self.tokens} H={self.hidden} I={self.ffn} E={self.experts} k={self.top_k}{n}"
 
 
 SHAPES = {
@@ -59,7 +61,8 @@ SHAPES = {
     "tok4096": Shape("tok4096", tokens=4096),
     "h512": Shape("h512", hidden=512),
     "mixtral": Shape("mixtral", family="mixtral"),
-    "e16": Shape("e16", experts=16),
+    # 16 experts = 8 masters per rank: 4 redundant slots keep the default's share (2 per 4 masters)
+    "e16": Shape("e16", experts=16, slots=4),
 }
 POLICIES = [("none", "none", True), ("quota", "quota", True), ("adaptive", "adaptive", True),
             ("force-balanced", "none", False)]
@@ -105,7 +108,7 @@ def _body(rank, world, shape: Shape, args, policy, skew):
             p.normal_(0, 0.02)
     holder = torch.nn.Module()
     holder.experts = experts
-    ultraep.wrap(holder, {"policy": policy, "num_redundant_slots": args.slots})
+    ultraep.wrap(holder, {"policy": policy, "num_redundant_slots": shape.slots or args.slots})
     layer = holder.experts
     rt = ultraep.runtime_of(holder)
     g = torch.Generator().manual_seed(7 + rank)

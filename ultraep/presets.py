@@ -235,6 +235,9 @@ def local_seed(like, cuda: bool):
     size = like[0].element_size()
     expert = ExpertSpec(hidden_size=H, ffn_size=max(1, weights // (3 * H)), num_matrices=3, weight_bytes=size,
                         activation_bytes=size)
-    hw = HardwareSpec(name="local-gpu" if cuda else "local-cpu", gemm_tflops=100.0 if cuda else 0.05)
+    # a CPU GEMM reaches its speed at a few rows (half-efficiency ~16 rows, not a GPU's ~128): replicas of an
+    # expert cost little beyond their rows
+    hw = HardwareSpec(name="local-gpu" if cuda else "local-cpu", gemm_tflops=100.0 if cuda else 0.05,
+                      gemm_half_tokens=128.0 if cuda else 16.0)
     link = LinkSpec(bandwidth_GBps=100.0 if cuda else 2.0, latency_us=10.0 if cuda else 100.0)
     return hw, expert, link, (0.0 if cuda else 0.5e-9)
