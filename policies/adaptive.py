@@ -107,6 +107,7 @@ class AdaptivePolicy:
         self._outcome: dict[str, tuple[float, int]] = {}
         self._since: dict[str, int] = {}  # decisions since each candidate last ran
         self._unplanned: dict[str, int] = {}  # decisions since each candidate was last planned
+        self._ran: set[str] = set()  # candidates that ran at least once
         self._none_streak = 0  # consecutive decisions none won by more than switch_now
         self._lost: dict[str, int] = {}  # consecutive decisions a planned candidate lost by more than switch_now
         self._models: dict = {}
@@ -171,7 +172,7 @@ class AdaptivePolicy:
             todo = [n for n in todo if self._unplanned.get(n, 0) < self.probe_every]
         if not todo:
             return []
-        if self._current == "none" and self._none_streak >= self.probe_every:
+        if self.probe_every > 0 and self._current == "none" and self._none_streak >= self.probe_every:
             # none has won clearly for a while: plan the others only when they are due for a probe
             return todo
         # a candidate that lost clearly LOSING_STREAK decisions in a row is planned again only when due
@@ -270,17 +271,24 @@ class AdaptivePolicy:
                 pending = (best, count)
             else:
                 chosen, reason = cur, f"hysteresis: {best} only {gain:.2%} faster (margin {self.margin:.2%})"
-        # Step 5b: bounded-regret probe: a candidate that has not run for probe_every decisions runs once, if
-        # its corrected prediction is within probe_max_loss of the best (so a probe costs at most that
-        # fraction of one layer call per probe_every calls: regret <= probe_max_loss / probe_every).
+        # Step 5b: bounded-regret probe: a candidate that never ran, or has not run for probe_every decisions,
+        # runs once if its corrected prediction is within probe_max_loss of the best. A probe costs at most that
+        # fraction of one layer call, once per candidate per probe_every calls: the regret is bounded by
+        # (candidates - 1) * probe_max_loss / probe_every of the layer time (plus one exploration round).
+        # Never-run candidates come first: until a candidate has run, its prediction borrows the others'
+        # measured/predicted ratio, which says nothing about its own overheads.
         probe = False
         if self.probe_every > 0 and cur is not None:
-            due = [n for n in sorted(feasible) if n != chosen and self._since.get(n, 0) >= self.probe_every
+            def since(n):
+                return self.probe_every if n not in self._ran else self._since.get(n, 0)
+
+            due = [n for n in sorted(feasible) if n != chosen and since(n) >= self.probe_every
                    and feasible[n] <= (1 + self.probe_max_loss) * feasible[best]]
             if due:
-                probe_of = max(due, key=lambda n: (self._since.get(n, 0), n))
-                chosen, reason, probe = probe_of, f"probe: {probe_of} last ran {self._since.get(probe_of, 0)} " \
-                    f"decisions ago (kept {cur})", True
+                probe_of = max(due, key=lambda n: (n not in self._ran, since(n), n))
+                chosen, reason, probe = probe_of, (f"probe: {probe_of} " + (
+                    "has not run yet" if probe_of not in self._ran else f"last ran {since(probe_of)} decisions ago")
+                    + f" (kept {cur})"), True
         # Step 6: the engine's exposed overhead.
         planned_max = max((self.exposed_planner_s(cm, n) for n in plans), default=0.0)
         engine_s = cm.params.engine_overhead_s + max(0.0, planned_max - self.exposed_planner_s(cm, chosen))
@@ -314,6 +322,7 @@ class AdaptivePolicy:
             self._current = a["chosen"]
             self._pending = tuple(a["pending"]) if a.get("pending") else None
         preds, chosen = a["predictions"], a["chosen"]
+        self._ran.add(chosen)
         for n in self.policies:
             self._since[n] = 0 if n == chosen else self._since.get(n, 0) + 1
             self._unplanned[n] = 0 if n in preds else self._unplanned.get(n, 0) + 1

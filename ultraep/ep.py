@@ -63,8 +63,10 @@ class RankFailureError(RuntimeError):
 
 #: what each rank measured of a layer's last complete call, piggy-backed on the next call's load all-gather
 #: (int64 nanoseconds), so every rank calibrates from every rank's timings and decides identically
-MEASURED = ("compute_fwd_s", "compute_bwd_s", "a2a_fwd_s", "a2a_bwd_s", "weight_sync_s", "copy_s", "plan_s",
-            "total_s")
+MEASURED = ("compute_fwd_s", "compute_bwd_s", "dispatch_s", "combine_s", "combine_bwd_s", "dispatch_bwd_s",
+            "weight_sync_s", "copy_s", "plan_s", "total_s")
+#: the all-to-all phases: each rank's time includes waiting for slower ranks; the fastest rank's is the exchange
+_A2A = {"a2a_fwd_s": ("dispatch_s", "combine_s"), "a2a_bwd_s": ("combine_bwd_s", "dispatch_bwd_s")}
 
 
 def _phases(t: dict[str, float]) -> np.ndarray:
@@ -74,8 +76,10 @@ def _phases(t: dict[str, float]) -> np.ndarray:
     return np.array([
         g("master_compute_s", 0.0) + g("replica_compute_s", 0.0),
         max(0.0, g("backward_compute_s", 0.0) - g("grad_post_s", 0.0) - g("recompute_s", 0.0)) if bwd else 0.0,
-        g("dispatch_s", 0.0) + g("combine_s", 0.0),
-        g("combine_bwd_s", 0.0) + g("dispatch_bwd_s", 0.0) if bwd else 0.0,
+        g("dispatch_s", 0.0),
+        g("combine_s", 0.0),
+        g("combine_bwd_s", 0.0) if bwd else 0.0,
+        g("dispatch_bwd_s", 0.0) if bwd else 0.0,
         g("weight_sync_flight_s", 0.0),
         g("weight_post_s", 0.0) + g("weight_unpack_s", 0.0) + g("grad_post_s", 0.0) + g("grad_reduce_s", 0.0),
         g("plan_s", 0.0),
@@ -84,17 +88,22 @@ def _phases(t: dict[str, float]) -> np.ndarray:
 
 
 def _reduce_measured(meas_RK: np.ndarray) -> tuple[dict[str, float], float]:
-    """Every rank's ``[R, K]`` phases → the layer's measurements: the slowest rank sets compute, copies and
-    the layer time; the all-to-alls take the *fastest* rank's time (the last to arrive waits for nobody, so
-    its time is the exchange itself, not another rank's straggling)."""
-    hi, lo = meas_RK.max(axis=0), meas_RK.min(axis=0)
-    m = dict(zip(MEASURED, hi.tolist()))
-    m["a2a_fwd_s"], m["a2a_bwd_s"] = float(lo[2]), float(lo[3])
-    total = m.pop("total_s")
+    """Every rank's ``[R, K]`` phases → the layer's measurements in the cost model's terms: the slowest rank
+    sets compute, copies and the layer time; each all-to-all phase takes the *fastest* rank's time (the last
+    to arrive waits for nobody, so its time is the exchange itself, not another rank's straggling)."""
+    hi = dict(zip(MEASURED, meas_RK.max(axis=0).tolist()))
+    lo = dict(zip(MEASURED, meas_RK.min(axis=0).tolist()))
+    m = {k: hi[k] for k in ("compute_fwd_s", "compute_bwd_s", "weight_sync_s", "copy_s", "plan_s")}
+    for term, parts in _A2A.items():
+        m[term] = sum(lo[p] for p in parts)
     if m["compute_bwd_s"] <= 0:  # forward only (serving): nothing measured of the backward
         m.pop("compute_bwd_s")
         m.pop("a2a_bwd_s")
-    return m, total
+    return m, hi["total_s"]
+
+
+#: the cost model's terms recorded next to their measurement
+PREDICTED = ("compute_fwd_s", "compute_bwd_s", "a2a_fwd_s", "a2a_bwd_s", "weight_sync_s", "copy_s", "plan_s", "total_s")
 
 
 class BalancedExperts(nn.Module):
@@ -156,6 +165,14 @@ class BalancedExperts(nn.Module):
         t = self.topology
         return (f"layer={self.layer}, policy={self.policy_name}, experts={t.num_experts}, "
                 f"masters={self.first_expert}..{self.first_expert + t.num_masters - 1}, slots={t.num_slots}")
+
+    @contextmanager
+    def _timed(self, marks: dict[str, float], key: str, phase: str):
+        """:meth:`_collective` that also notes the seconds it took under ``marks[key]`` (backward all-to-alls)."""
+        t0 = time.perf_counter()
+        with self._collective(phase):
+            yield
+        marks[key] = marks.get(key, 0.0) + time.perf_counter() - t0
 
     @contextmanager
     def _collective(self, phase: str, peers: list[int] | None = None):
@@ -259,9 +276,10 @@ class BalancedExperts(nn.Module):
         out_splits = [int(c) for c in C.sum(axis=1)]
         t4 = time.perf_counter()
         # Step 5: dispatch; relays forward the weights they received.
+        marks: dict[str, float] = {}  # backward timings of this call, filled by hooks and the all-to-alls
         with self._collective("token dispatch (all-to-all)"):
             recv = AllToAll.apply(send, out_splits, in_splits, rt.group,
-                                  lambda: self._collective("token dispatch gradient (all-to-all)"))
+                                  lambda: self._timed(marks, "dispatch_bwd_s", "token dispatch gradient (all-to-all)"))
         rt.event("dispatched", self.layer)
         t5 = time.perf_counter()
         # per-expert views of the masters (one stacking backward instead of a full-size zero fill per slot)
@@ -277,7 +295,7 @@ class BalancedExperts(nn.Module):
         # Step 7: return rows and combine.
         with self._collective("token combine (all-to-all)"):
             y_send = AllToAll.apply(y_recv, in_splits, out_splits, rt.group,
-                                    lambda: self._collective("token combine gradient (all-to-all)"))
+                                    lambda: self._timed(marks, "combine_bwd_s", "token combine gradient (all-to-all)"))
         out = unpermute(y_send, top_k_weights.to(y_send.dtype), lay)
         rt.event("combined", self.layer)
         if job is not None:
@@ -302,9 +320,9 @@ class BalancedExperts(nn.Module):
             timings["transfer_bytes"] = float(job.bytes_sent)
         pred = decision.predicted
         timings["predicted_s"] = pred.total_s
-        for k in MEASURED:  # predicted next to measured, per phase (the measured ones once the backward ran)
+        for k in PREDICTED:  # predicted next to measured, per term (the measured ones once the backward ran)
             timings[f"predicted.{k}"] = float(getattr(pred, k))
-        self._record = _LayerCall(plan, timings, job, t7, (step, mb), needs_backward, decision)
+        self._record = _LayerCall(plan, timings, job, t7, (step, mb), needs_backward, decision, marks)
         if needs_backward and out.requires_grad:
             self._hook_backward(out, y_recv, recv, send)
         else:
@@ -352,17 +370,20 @@ class BalancedExperts(nn.Module):
             t["backward_reduce_s"] = sum(ph.get(k, 0.0) for k in ("restore_s", "grad_post_s", "grad_wait_s",
                                                                      "grad_reduce_s"))
         if "bwd_start" in m and "bwd_end" in m:
+            # the layer's backward: its two all-to-alls (timed inside), the gradient sink and a restore (timed
+            # by the job); everything else — expert backward, weight-gradient finalisation, (un)permute — is
+            # this rank's backward compute
             t["backward_s"] = m["bwd_end"] - m["bwd_start"]
-            if "combined_bwd" in m:
-                t["combine_bwd_s"] = m["combined_bwd"] - m["bwd_start"]
-                if "experts_bwd" in m:
-                    sink = t.get("grad_wait_s", 0.0) + t.get("grad_reduce_s", 0.0)
-                    t["backward_compute_s"] = m["experts_bwd"] - m["combined_bwd"] - t.get("restore_s", 0.0)
-                    t["dispatch_bwd_s"] = m["bwd_end"] - m["experts_bwd"] - sink
+            t["combine_bwd_s"] = m.get("combine_bwd_s", 0.0)
+            t["dispatch_bwd_s"] = m.get("dispatch_bwd_s", 0.0)
+            sink = t.get("grad_wait_s", 0.0) + t.get("grad_reduce_s", 0.0)
+            t["backward_compute_s"] = max(0.0, t["backward_s"] - t["combine_bwd_s"] - t["dispatch_bwd_s"] - sink
+                                          - t.get("restore_s", 0.0))
         self.last_timings = t
         complete = "backward_s" in t or not call.needs_backward
         phases = _phases(t)
-        for k, v in zip(MEASURED, phases.tolist()):
+        mine, total = _reduce_measured(phases[None, :])
+        for k, v in {**mine, "total_s": total}.items():
             t[f"measured.{k}"] = v  # this rank's; the engine calibrates from every rank's (next call)
         if complete:  # sent with the next call's load: the engine calibrates from every rank's phases
             self._observation = (call.key[0], call.key[1], phases)
@@ -406,8 +427,10 @@ class _LayerCall:
 
     __slots__ = ("plan", "timings", "job", "marks", "key", "needs_backward", "decision")
 
+
     def __init__(self, plan, timings: dict, job: ReplicaJob | None, t_fwd_end: float, key: tuple[int, int],
-                 needs_backward: bool, decision) -> None:
+                 needs_backward: bool, decision, marks: dict[str, float]) -> None:
         self.plan, self.timings, self.job, self.key = plan, timings, job, key
         self.needs_backward, self.decision = needs_backward, decision
-        self.marks: dict[str, float] = {"fwd_end": t_fwd_end}
+        self.marks = marks
+        self.marks["fwd_end"] = t_fwd_end
