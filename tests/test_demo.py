@@ -20,7 +20,7 @@ def test_demo_quick_end_to_end(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
     assert "imbalance" in out and "speed-up" in out and "match: balancing does not change the math" in out
-    assert "MISMATCH" not in out and "fp32 reordering band" in out
+    assert "MISMATCH" not in out and "two equivalent unbalanced runs" in out
     assert "exposed overhead" in out and "predicted / measured" in out
     assert f"ultraep dashboard {runs}" in out
     con = open_run(runs)

@@ -247,24 +247,27 @@ def _equality(con, settings: DemoSettings, results: dict) -> bool:
     ok = True
     band = None
     if "none-reordered" in results:
-        band = float(_rel(base["losses"], results["none-reordered"][1][0]["losses"]).max())
+        band = _rel(base["losses"], results["none-reordered"][1][0]["losses"])
     for policy, (_, out, _) in results.items():
         if policy in ("none", "none-reordered"):
             continue
         r = out[0]
         step0 = max(float(_rel(base["losses"][:1], r["losses"][:1]).max()),
                     float(_rel(base["grad_sum"], r["grad_sum"]).max()) if base["grad_sum"] and r["grad_sum"] else 0.0)
-        drift = float(_rel(base["losses"], r["losses"]).max())
+        rel = _rel(base["losses"], r["losses"])
         same = step0 <= 1e-6
         ok &= same
+        early = slice(1, min(4, len(rel)))
         where = ""
         if band is not None:
-            where = (f"; two equivalent unbalanced runs drift {band:.1e} apart over the same steps, so this is "
-                     f"{'within' if drift <= max(10 * band, 1e-5) else 'beyond'} the fp32 reordering band")
+            where = (f"; two equivalent unbalanced runs (batch order reversed) differ by {band[early].max():.1e} in "
+                     f"steps 1-3 and {band.max():.1e} by the end: Adam amplifies last-bit fp32 differences step "
+                     "after step, so only step 0 can decide equality")
         verdict = ("match: balancing does not change the math" if same else
                    "MISMATCH: step 0 differs beyond fp32 summation order")
-        con.print(f"{policy}: step 0 loss and gradients vs none: max relative difference {step0:.1e}; "
-                  f"losses over {settings.steps} steps: {drift:.1e}{where} -> {verdict}", soft_wrap=True)
+        con.print(f"{policy}: step 0 loss and gradients vs none: max relative difference {step0:.1e}; losses in "
+                  f"steps 1-3: {rel[early].max() if len(rel) > 1 else 0.0:.1e}, by step {len(rel) - 1}: "
+                  f"{rel.max():.1e}{where} -> {verdict}", soft_wrap=True)
     return ok
 
 
