@@ -248,6 +248,36 @@ ORDER BY run_id, policy
         "samples of warm-up steps left out.",
 )
 
+PHASE_PREDICTION_ERRORS = Query(
+    "phase_prediction_errors", "Prediction error per phase" + _EXCLUDED,
+    f"""
+WITH per_call AS (
+    -- one row per layer-microbatch and term: the prediction (equal on every rank) and the measurement
+    -- reduced over ranks as the engine reduces it (the all-to-alls from the fastest rank, the rest slowest)
+    SELECT run_id, step, microbatch, layer, term,
+           max(predicted) AS predicted_s,
+           CASE WHEN term LIKE 'a2a%' THEN min(measured) ELSE max(measured) END AS measured_s
+    FROM (
+        SELECT run_id, step, microbatch, layer, replace(k, 'predicted.', '') AS term, other[k] AS predicted,
+               other['measured.' || replace(k, 'predicted.', '')] AS measured
+        FROM (SELECT *, unnest(map_keys(other)) AS k FROM timings WHERE {_RUN})
+        WHERE k LIKE 'predicted.%'
+    )
+    WHERE measured IS NOT NULL
+    GROUP BY run_id, step, microbatch, layer, term
+)
+SELECT run_id, term, count(*) AS samples,
+       median(abs(measured_s / nullif(predicted_s, 0) - 1)) AS median_abs_rel_error,
+       sum(measured_s) / nullif(sum(predicted_s), 0) AS measured_over_predicted
+FROM per_call {WARM_JOIN} WHERE {SETTLED} AND predicted_s > 0
+GROUP BY run_id, term
+ORDER BY run_id, term
+""",
+    doc="Per run and cost-model term (compute, all-to-alls, weight sync, copies, plan, total): the median "
+        "|measured / predicted - 1| over layer-microbatches and the total ratio; the runtime records "
+        "predicted.<term> and measured.<term> with every call once its backward ran.",
+)
+
 TRANSFER_BYTES_PER_STEP = Query(
     "transfer_bytes_per_step", "Transfers per step",
     f"""
@@ -342,12 +372,13 @@ FROM per_rank GROUP BY run_id, step ORDER BY run_id, step
 ALL: dict[str, Query] = {q.name: q for q in (
     OVERVIEW, LAYER_IMBALANCE, LAYER_SUMMARY, RANK_LOAD, RANK_LOAD_BY_EXPERT, EXPERT_LOAD, DECISION_TIMELINE,
     POLICY_SHARES,
-    PREDICTED_VS_MEASURED, PREDICTION_SUMMARY, TRANSFER_BYTES_PER_STEP, TRANSFER_SUMMARY, POLICY_COMPARISON,
+    PREDICTED_VS_MEASURED, PREDICTION_SUMMARY, PHASE_PREDICTION_ERRORS, TRANSFER_BYTES_PER_STEP, TRANSFER_SUMMARY,
+    POLICY_COMPARISON,
     STEP_SUMMARY, PHASE_TIMES,
 )}
 
 # What `ultraep report` prints, in order.
-REPORT = (OVERVIEW, LAYER_SUMMARY, POLICY_SHARES, TRANSFER_SUMMARY, PREDICTION_SUMMARY)
+REPORT = (OVERVIEW, LAYER_SUMMARY, POLICY_SHARES, TRANSFER_SUMMARY, PREDICTION_SUMMARY, PHASE_PREDICTION_ERRORS)
 
 
 def run(con, query: Query | str, **params: Any) -> tuple[list[str], list[tuple]]:

@@ -139,6 +139,16 @@ def test_phases_and_transfer_times_are_recorded(tmp_path):
     assert rows and all(s for _, s in rows)
     finite = [x for _, s in rows for x in s if x == x]
     assert finite and all(0 <= x < 60 for x in finite)
+    # predicted next to measured per cost-model term, reduced over ranks by the canned report query
+    from ultraep.telemetry import queries
+
+    cols, errs = queries.run(con, queries.PHASE_PREDICTION_ERRORS)
+    terms = {r[cols.index("term")] for r in errs}
+    assert {"compute_fwd_s", "compute_bwd_s", "a2a_fwd_s", "total_s"} <= terms, terms
+    # the layer time recorded is forward + backward (what predicted_s predicts)
+    fwd, bwd, tot = con.execute("SELECT max(other['forward_s']), max(other['backward_s']), max(measured_s) "
+                                "FROM timings WHERE rank = 0 AND step = 1 AND layer = 0").fetchone()
+    assert tot == pytest.approx(fwd + bwd)
 
 
 def ultraep_open(path):

@@ -322,7 +322,7 @@ def _summary(con, settings: DemoSettings, results: dict) -> str:
             exp_ms = 1e3 * np.mean([expert_s(ts) for ts in lc])
             over = [1e3 * np.mean([max(sum(t.get(k, 0.0) for k in keys) for t in ts) for ts in lc]) for _, keys in _PHASES]
             pred = np.array([ts[0].get("predicted_s", np.nan) for ts in lc])
-            meas = np.array([max(t.get("measured_s", 0.0) + t.get("backward_s", 0.0) for t in ts) for ts in lc])
+            meas = np.array([max(t.get("measured_s", 0.0) for t in ts) for ts in lc])  # forward + backward
             err = np.nanmedian(np.abs(pred - meas) / meas) if len(meas) else np.nan
             table.add_row(policy if layer == 0 else "", str(layer),
                           f"{np.mean([h[3] for h in rows]):.2f} -> {np.mean([h[4] for h in rows]):.2f}", dec,

@@ -83,7 +83,7 @@ def _phases(t: dict[str, float]) -> np.ndarray:
         g("weight_sync_flight_s", 0.0),
         g("weight_post_s", 0.0) + g("weight_unpack_s", 0.0) + g("grad_post_s", 0.0) + g("grad_reduce_s", 0.0),
         g("plan_s", 0.0),
-        g("measured_s", 0.0) + g("backward_s", 0.0),
+        g("measured_s", 0.0),
     ])
 
 
@@ -307,7 +307,7 @@ class BalancedExperts(nn.Module):
         timings.update(
             load_s=t1 - t0, plan_s=t2 - t1, reroute_s=t4 - t3, dispatch_s=t5 - t4,
             master_compute_s=master_s, replica_compute_s=replica_s, experts_s=master_s + replica_s,
-            transfer_s=weight_s, combine_s=t7 - t6, measured_s=t7 - t0,
+            transfer_s=weight_s, combine_s=t7 - t6, forward_s=t7 - t0, measured_s=t7 - t0,
         )
         if job is not None:
             for k in ("weight_post_s", "relay_s", "weight_wait_s"):
@@ -374,6 +374,7 @@ class BalancedExperts(nn.Module):
             # by the job); everything else — expert backward, weight-gradient finalisation, (un)permute — is
             # this rank's backward compute
             t["backward_s"] = m["bwd_end"] - m["bwd_start"]
+            t["measured_s"] = t["forward_s"] + t["backward_s"]  # the whole layer, as predicted_s
             t["combine_bwd_s"] = m.get("combine_bwd_s", 0.0)
             t["dispatch_bwd_s"] = m.get("dispatch_bwd_s", 0.0)
             sink = t.get("grad_wait_s", 0.0) + t.get("grad_reduce_s", 0.0)
