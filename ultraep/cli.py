@@ -23,9 +23,9 @@ COMMANDS = [
     "ultraep.cli_demo",
 ]
 
-# commands that time planners (the demo's ranks warm up in ``ultraep.wrap``; ``plan`` warms up itself, after
-# its size checks, so that a refusal does not wait for a cold compile: issue 22)
-PLANNING_COMMANDS = ("simulate",)
+# commands that time planners warm them up themselves, after their size checks, so that a refusal never waits
+# for a cold compile (issue 22): the demo's ranks in ``ultraep.wrap``, ``plan`` and ``simulate()`` in their own code
+PLANNING_COMMANDS: tuple[str, ...] = ()
 
 
 class _Parser(argparse.ArgumentParser):

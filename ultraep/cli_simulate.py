@@ -44,7 +44,7 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from ultraep.presets import PRESETS
-    from ultraep.simulate import ALL_POLICIES, DEFAULT_MAX_PLANS
+    from ultraep.config import ALL_POLICIES, DEFAULT_MAX_PLANS
 
     p = sub.add_parser(
         "simulate",
@@ -84,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _policy_options(items) -> dict:
-    from ultraep.simulate import ALL_POLICIES
+    from ultraep.config import ALL_POLICIES
 
     out: dict = {}
     for key, value in parse_kv(items, "--policy-opt").items():

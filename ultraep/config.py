@@ -20,6 +20,10 @@ from ultraep.errors import ConfigError
 PolicyName = Literal["none", "quota", "eplb", "feplb", "hybridep", "adaptive"]
 CandidateName = Literal["none", "quota", "eplb", "feplb", "hybridep"]
 RelayMode = Literal["auto", "direct", "always"]
+#: the policies the simulator replays, in its table order, and its default budget of replayed layer-steps
+#: (here, not in ``ultraep.simulate``, so that building the CLI imports neither numba nor the cost model)
+ALL_POLICIES = ("none", "eplb", "quota", "feplb", "hybridep", "adaptive")
+DEFAULT_MAX_PLANS = 30_000
 
 # Strict scalars: lax pydantic turns ``True`` into 1 and ``2.0`` or ``"2"`` into 2, which hides mistakes
 # (``num_redundant_slots=True``). Floats still take ints (1 means 1.0); none takes a bool or a string.

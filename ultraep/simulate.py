@@ -33,14 +33,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ultraep.config import ALL_POLICIES, DEFAULT_MAX_PLANS  # noqa: F401 - re-exported for callers
 from ultraep.cost import CostModel, CostParams
 from ultraep.errors import ConfigError
 from ultraep.plan import Plan
 from ultraep.presets import get_preset
 from ultraep.traces import Trace
 
-ALL_POLICIES = ("none", "eplb", "quota", "feplb", "hybridep", "adaptive")
-DEFAULT_MAX_PLANS = 30_000
 ROW_FIELDS = ("step", "microbatch", "layer", "imbalance_before", "imbalance_after", "replicas", "transfer_bytes",
               "time_s", "ideal_s", "fwd_s", "bwd_s", "compute_fwd_s", "a2a_fwd_s", "weight_sync_s", "plan_s",
               "grad_reduce_exposed_s", "gemm_straggler_s", "token_straggler")
@@ -270,6 +269,11 @@ def simulate(trace: Trace, cm: CostModel, policies=ALL_POLICIES, *, layers=None,
     per_layer = len(range(0, n_points, stride))
     total = per_layer * len(all_layers)
     keep_every = max(1, math.ceil(total / keep_plans)) if keep_plans else 0
+    # compile the planners (or load numba's cache) now, after every size check and before anything is
+    # timed: a refusal never waits for a cold compile, and no replayed plan carries one (issue 15 item 3)
+    from ultraep.planning import warm_up
+
+    warm_up()
     t0 = time.perf_counter()
     results = []
     bar, advance = _progress(progress, total)
