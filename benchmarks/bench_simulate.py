@@ -145,6 +145,25 @@ def main() -> None:
         for s_ in r.summary():
             out_rows.append(row(WHAT, s_["policy"], "pct_of_ideal", "%", label, _layer_pct(r.rows[s_["policy"]])))
 
+    # ------------------------------------------------------------------ adaptive in two token regimes (issue 13)
+    tab = Table(title="adaptive vs the best single policy on skewed traces (imbalance 1.5-3.0), by tokens per rank")
+    for c in ("tokens/rank/step", "best single", "best ms", "adaptive ms", "best / adaptive", "adaptive chose"):
+        tab.add_column(c, justify="left" if c in ("best single", "adaptive chose") else "right")
+    for tokens in (120, 8000):
+        tr = synthetic_trace(SyntheticSpec(num_ranks=R, num_experts=E, num_layers=max(2, layers // 3),
+                                           num_steps=steps // 3, top_k=TOPK, tokens_per_rank=tokens,
+                                           imbalance=(1.5, 3.0), drift=0.05, seed=args.seed + 5))
+        res = simulate(tr, cm, (*SINGLE, "adaptive"), workers=args.workers, max_plans=None)
+        tot = {p: float(res.rows[p]["time_s"].sum()) for p in (*SINGLE, "adaptive")}
+        best = min(SINGLE, key=tot.get)
+        chosen = [d[3] for d in res.decisions["adaptive"]]
+        shares = ", ".join(f"{c} {100 * chosen.count(c) / len(chosen):.0f}%" for c in sorted(set(chosen)))
+        ratio = tot[best] / tot["adaptive"]
+        tab.add_row(str(tokens), best, f"{tot[best] * 1e3:.1f}", f"{tot['adaptive'] * 1e3:.1f}", f"{ratio:.4f}", shares)
+        out_rows.append(row(WHAT, "adaptive", "best_single_over_adaptive", "ratio", f"tokens={tokens}", [ratio]))
+    console.print(tab)
+    console.print("goal (issue 13): best / adaptive >= 0.99 in both regimes")
+
     # ------------------------------------------------------------------ stationarity: EPLB loses ground
     tab = Table(title="historical EPLB (interval 50, window 50) vs exact-load quota as the load moves")
     for c in ("drift (ranks/step)", "none % ideal", "eplb % ideal", "eplb % ideal, step >= 50", "eplb imb.after",
