@@ -11,3 +11,18 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0):
         return launch(fn, world_size, *args, backend="gloo", timeout_s=timeout)
     except RankFailedError as exc:
         raise AssertionError(str(exc)) from None
+
+
+def master_grad_error(rt, ref, rank: int) -> float:
+    """Largest |master gradient − the reference expert's gradient summed over ranks| of a wrapped model ``rt``
+    (its runtime) against the unwrapped copy ``ref``: what a balanced layer must reproduce. Collective."""
+    import torch.distributed as dist
+
+    worst = 0.0
+    for layer in rt.layers:
+        M = layer.topology.num_masters
+        for n in layer.adapter.param_names:
+            g = getattr(ref.get_submodule(layer.name), n).grad.clone()
+            dist.all_reduce(g)
+            worst = max(worst, float((getattr(layer, n).grad - g[rank * M:(rank + 1) * M]).abs().max()))
+    return worst

@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers  # noqa: F401 - imported before fork so ranks start fast
 
-from dist_utils import run_ranks
+from dist_utils import master_grad_error, run_ranks
 from ultraep.models import build_model, preload
 
 preload()
@@ -79,8 +79,6 @@ def test_replica_memory_budget_splits_in_layer_order(budget, modes):
 
 
 def _accumulate(rank, world, budget):
-    import torch.distributed as dist
-
     import ultraep
 
     model = build_model("qwen3-moe")
@@ -94,14 +92,7 @@ def _accumulate(rank, world, budget):
         o.float().pow(2).mean().backward()
     for o in reversed(refs):
         o.float().pow(2).mean().backward()
-    worst = 0.0
-    for layer in rt.layers:
-        M = layer.topology.num_masters
-        for n in layer.adapter.param_names:
-            g = getattr(ref.get_submodule(layer.name), n).grad.clone()
-            dist.all_reduce(g)
-            worst = max(worst, float((getattr(layer, n).grad - g[rank * M:(rank + 1) * M]).abs().max()))
-    return worst, max(float((a - b).abs().max()) for a, b in zip(outs, refs))
+    return master_grad_error(rt, ref, rank), max(float((a - b).abs().max()) for a, b in zip(outs, refs))
 
 
 @pytest.mark.parametrize("budget", ["auto", 0])
