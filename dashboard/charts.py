@@ -247,15 +247,15 @@ def prediction_scatter(df):
     return _layout(fig, x="predicted (ms)", y="measured (ms)", title="each layer-microbatch (sample)")
 
 
-def relative_error(df):
+def relative_error(df, title: str = "prediction error"):
+    """Lines of ``rel_error`` (a fraction) per ``policy`` (or per cost-model term) over step bins."""
     go = _go()
     fig = go.Figure()
     for pol, sub in df.groupby("policy", sort=True):
         fig.add_scatter(x=sub["step"], y=100 * sub["rel_error"], mode="lines", name=str(pol),
                         line=dict(color=policy_color(pol)))
     fig.add_hline(y=0, line_dash="dot", line_color="#999")
-    return _layout(fig, x="step (bin start)", y="measured / predicted − 1 (%)", title="prediction error",
-                   height=280)
+    return _layout(fig, x="step (bin start)", y="measured / predicted − 1 (%)", title=title, height=280)
 
 
 def switches(df):

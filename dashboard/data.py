@@ -665,6 +665,17 @@ SELECT {_BIN} AS step, policy, count(*) AS samples,
 FROM predictions GROUP BY ALL ORDER BY 1, 2
 """, params=("first", "bin"))
 
+
+_TERM_ERRORS = " UNION ALL ".join(
+    f"""SELECT step, '{t}' AS term, "measured.{t}" / "predicted.{t}" - 1 AS rel_error
+FROM timing_facts WHERE "predicted.{t}" > 0 AND "measured.{t}" IS NOT NULL""" for t in sc.PREDICTED_TERMS)
+
+PHASE_ERRORS_OVER_STEPS = _q("phase_errors_over_steps", f"""
+SELECT {_BIN} AS step, term AS policy, count(*) AS samples, median(abs(rel_error)) AS rel_error
+FROM ({_TERM_ERRORS}) GROUP BY ALL ORDER BY 1, 2
+""", params=("first", "bin"), doc="Per step bin and cost-model term: the median |measured / predicted - 1| (runs "
+    "of the runtime record predicted.<term> and measured.<term>; the slowest rank's measurement).")
+
 POLICY_UNITS = ("layer", "decision", "timing")
 
 
@@ -743,6 +754,12 @@ def prediction_summary(mirror: RunMirror):
 
 def prediction_over_steps(mirror: RunMirror, bins: Bins):
     return _on_predictions(mirror, PREDICTION_OVER_STEPS, first=bins.first_step, bin=bins.bin)
+
+
+def phase_errors_over_steps(mirror: RunMirror, bins: Bins):
+    """Per step bin and cost-model term (column ``policy``, so the prediction charts draw it): the median
+    absolute relative prediction error."""
+    return mirror_query(mirror, PHASE_ERRORS_OVER_STEPS, ("timing_facts",), first=bins.first_step, bin=bins.bin)
 
 
 def prediction_sample(mirror: RunMirror, limit: int = 1500):

@@ -67,7 +67,7 @@ FACT_SCHEMAS: dict[str, pa.Schema] = {
     ]),
     "timing_facts": pa.schema(_BASE + _TS + [(k, pa.float64()) for k in sc.TIMING_KEYS] + [
         ("ideal_s", pa.float64()),
-    ]),
+    ] + [(f"{side}.{t}", pa.float64()) for t in sc.PREDICTED_TERMS for side in ("predicted", "measured")]),
     "transfer_facts": pa.schema(_BASE + [
         ("idx", pa.int32()), ("expert", pa.int32()), ("src", pa.int32()), ("dst", pa.int32()),
         ("stage", pa.int32()), ("bytes", pa.int64()),
@@ -87,6 +87,8 @@ FACT_SCHEMAS: dict[str, pa.Schema] = {
 }
 
 _KEYCOLS = tuple(n for n, _ in _BASE + _TS)
+#: predicted and measured cost-model terms, per layer-microbatch (the slowest rank's, like every timing here)
+_TERM_COLS = tuple(f"{side}.{t}" for t in sc.PREDICTED_TERMS for side in ("predicted", "measured"))
 
 
 @dataclass(frozen=True)
@@ -333,10 +335,11 @@ def _to_fact(fact: str, raw: pa.Table) -> pa.Table:
     if fact == "timing_facts":
         out = _cols(raw, list(_KEYCOLS) + list(sc.TIMING_KEYS))
         other = raw.column("other")
-        if other.null_count == len(other):
-            out["ideal_s"] = pa.nulls(raw.num_rows, type=pa.float64())
-        else:
-            out["ideal_s"] = pc.map_lookup(other, pa.scalar("ideal_s"), "first").cast(pa.float64())
+        for key in ("ideal_s",) + _TERM_COLS:  # lifted out of the `other` map
+            if other.null_count == len(other):
+                out[key] = pa.nulls(raw.num_rows, type=pa.float64())
+            else:
+                out[key] = pc.map_lookup(other, pa.scalar(key), "first").cast(pa.float64())
         return pa.table(out, schema=schema)
     if fact == "transfer_time_facts":
         secs = raw.column("seconds").combine_chunks()
@@ -606,7 +609,8 @@ class RunMirror:
                 tbl = lowest_rank_rows(tbl)
             elif name == "timing_facts":
                 tbl = max_per_key(tbl, KEY,
-                                  (sc.C_RANK, sc.C_TS) + sc.TIMING_KEYS + ("ideal_s",)).select(schema.names)
+                                  (sc.C_RANK, sc.C_TS) + sc.TIMING_KEYS + ("ideal_s",) + _TERM_COLS
+                                  ).select(schema.names)
             elif name == "transfer_time_facts":
                 tbl = max_per_key(tbl, KEY + ("idx",), (sc.C_RANK, "seconds")).select(schema.names)
             f.cache = tbl

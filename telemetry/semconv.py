@@ -93,6 +93,10 @@ TIMING_KEYS = (
     "predicted_s",
 )
 
+#: cost-model terms the runtime records as ``predicted.<term>`` and ``measured.<term>`` timing keys (in ``other``)
+PREDICTED_TERMS = ("compute_fwd_s", "compute_bwd_s", "a2a_fwd_s", "a2a_bwd_s", "weight_sync_s", "copy_s", "plan_s",
+                   "total_s")
+
 RUN_KINDS = ("train", "prefill", "simulation")
 
 # --------------------------------------------------------------------------- tables

@@ -43,6 +43,10 @@ def body(ctx: ui.Context) -> None:
     with right:
         ui.plot(charts.prediction_scatter(data.prediction_sample(m)), "policies_scatter")
     ui.plot(charts.relative_error(over), "policies_error")
+    terms = data.phase_errors_over_steps(m, bins)
+    if len(terms):
+        st.caption("prediction error per cost-model term: median |measured / predicted − 1| per step bin")
+        ui.plot(charts.relative_error(terms, title="prediction error per term (median |error|)"), "policies_terms")
 
 
 ui.live(body, key="policies")
