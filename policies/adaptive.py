@@ -201,9 +201,14 @@ class AdaptivePolicy:
                 if n in self.policies and n not in SCREENABLE and (n != "eplb" or self._current == "eplb")}
 
     def _predict(self, cm, name: str, plan: Plan):
-        """Step 3 for one candidate: a historical placement that is not resident pays for all its replicas."""
+        """Step 3 for one candidate: a historical placement that is not resident pays for sending all its
+        replicas once; it then stays resident until its next re-placement, so that one-time cost is spread
+        over the placement's ``interval`` decisions (charging it to one decision would make a switch never pay)."""
         switch = name == "eplb" and self._current != "eplb"
-        return cm.predict(plan, sync_s=cm.full_sync_time(plan) if switch else None)
+        if not switch or cm.params.resend_all_replicas:  # (a runtime that resends every replica: no switch cost)
+            return cm.predict(plan)
+        interval = max(1, int(getattr(self.policies[name], "interval", 1)))
+        return cm.predict(plan, sync_s=cm.weight_sync_time(plan) + cm.full_sync_time(plan) / interval)
 
     # ------------------------------------------------------------------ planning
     def plan(self, load_RE: np.ndarray, topology: Topology) -> Plan:

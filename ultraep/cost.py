@@ -77,6 +77,11 @@ class CostParams(BaseModel):
         "path (forward: weights packed and unpacked; backward: fp32 gradients packed and reduced). 0 on GPUs, "
         "where copy kernels overlap; the host runtime on CPU pays it.",
     )
+    resend_all_replicas: bool = Field(
+        default=False,
+        description="Every replica is streamed again each microbatch (the ultraep runtime, whose masters change "
+        "every optimizer step), not only the new ones a historical placement lists.",
+    )
     weight_sync_overlap: bool = Field(
         default=False,
         description="Replica weights are posted before the token dispatch and waited for right before the "
@@ -288,7 +293,10 @@ class CostModel:
         return float(t.max()) * self.params.a2a_scale
 
     def weight_sync_time(self, plan: Plan) -> float:
-        """Replica weight copies of ``plan`` (see :meth:`transfers_time`)."""
+        """Replica weight copies of ``plan`` (see :meth:`transfers_time`): the copies it lists, or every
+        replica's with ``resend_all_replicas`` (a runtime that streams every replica each microbatch)."""
+        if self.params.resend_all_replicas and plan.num_replicas:
+            return self.transfers_time(self.replica_tree(plan))
         return self.transfers_time(plan.transfers)
 
     def transfers_time(self, tr: Transfers) -> float:

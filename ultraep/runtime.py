@@ -113,7 +113,7 @@ class EPRuntime:
         first = self.layers[0]
         like = [p[0].detach() for p in first.master_params()]
         hw, _, _, copy_s = local_seed(like, like[0].is_cuda)
-        params = CostParams(weight_sync_overlap=True, copy_s_per_byte=copy_s,
+        params = CostParams(weight_sync_overlap=True, resend_all_replicas=True, copy_s_per_byte=copy_s,
                             restore_in_backward=any(la.replica_mode == "restore" for la in self.layers))
         cm = CostModel(first.topology, hw, first.expert_spec, params)
         # plans and decisions are recorded by the layers (with the transfers that really moved), not the engine
