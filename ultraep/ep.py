@@ -202,6 +202,22 @@ class BalancedExperts(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """``[T, H]``, ``[T, K]`` ids, ``[T, K]`` weights → ``[T, H]``, as the experts container computes it.
+
+        A slot whose id is ``num_experts`` is dropped (the experts interface's sentinel: transformers' own
+        expert parallelism, capacity dropping, zero-computation experts rewritten to it): it contributes
+        nothing and gets no gradient. Such calls run the kept (token, slot) pairs as one-slot rows and add
+        them back per token — exact, and the dropped slots are neither load nor compute anywhere."""
+        E = self.topology.num_experts
+        dropped = top_k_index == E
+        if not bool(dropped.any()):
+            return self._balanced(hidden_states, top_k_index, top_k_weights)
+        tok, slot = (~dropped).nonzero(as_tuple=True)
+        y = self._balanced(hidden_states.index_select(0, tok), top_k_index[tok, slot].unsqueeze(1),
+                           top_k_weights[tok, slot].unsqueeze(1))
+        return torch.zeros_like(hidden_states).index_add(0, tok, y)
+
+    def _balanced(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         from ultraep.kernels import dispatch_layout, permute, reroute, reroute_table, unpermute
 
         rt = self.runtime
@@ -216,7 +232,7 @@ class BalancedExperts(nn.Module):
         obs, self._observation = self._observation, None
         K = len(MEASURED)
         mine = torch.zeros(K + 2, dtype=torch.int64)
-        mine[0] = int(counts[E:].sum())  # sentinel ids (>= E): dropped slots, which this layer does not take
+        mine[0] = int(counts[E:].sum())  # ids beyond the sentinel: every rank refuses together
         if obs is not None:
             mine[1] = 1
             mine[2:] = torch.as_tensor(np.round(obs[2] * 1e9).astype(np.int64))
@@ -228,9 +244,8 @@ class BalancedExperts(nn.Module):
 
             bad = [r for r in range(R) if extra[r, 0]]
             raise UnsupportedModelError(
-                f"{self.name}.top_k_index", f"rank(s) {bad} routed {int(extra[:, 0].sum())} slot(s) to the dropped-"
-                f"slot sentinel id {E} (ids must be < num_experts = {E}); ultraep does not balance layers that "
-                "drop slots (e.g. transformers' own expert parallelism or capacity dropping)", E)
+                f"{self.name}.top_k_index", f"rank(s) {bad} routed {int(extra[:, 0].sum())} slot(s) to expert ids "
+                f"above {E}: ids must be < num_experts = {E}, or {E} for a dropped slot", E)
         t1 = time.perf_counter()
         eng = rt.engine
         if obs is not None and extra[:, 1].all():  # every rank measured the same call: calibrate identically
