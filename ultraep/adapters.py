@@ -181,7 +181,7 @@ def _hf_adapter(mod: nn.Module, flags: dict[str, object], label: str) -> Experts
                            "without a tp_plan/EP and let ultraep distribute the experts")
     if getattr(mod, "zero_expert_num", 0):
         raise _refuse(mod, f"zero_expert_num={mod.zero_expert_num}: zero-computation (identity) experts are not "
-                           "balanced yet (they need the balanced layer to drop sentinel ids; docs/design.md)")
+                           "balanced yet (a block rewrite mapping them to the dropped-slot sentinel is planned; docs/design.md)")
     first = "gate_up_proj" if flags["has_gate"] else "up_proj"
     names: tuple[str, ...] = (first, "down_proj")
     if flags["has_bias"]:
