@@ -339,29 +339,24 @@ class BalancedExperts(nn.Module):
             timings[f"predicted.{k}"] = float(getattr(pred, k))
         self._record = _LayerCall(plan, timings, job, t7, (step, mb), needs_backward, decision, marks)
         if needs_backward and out.requires_grad:
-            self._hook_backward(out, y_recv, recv, send)
+            self._hook_backward(out, send)
         else:
             self.flush_record()
         return out.to(hidden_states.dtype)
 
     # ------------------------------------------------------------------ backward bookkeeping
-    def _hook_backward(self, out, y_recv, recv, send) -> None:
-        """Tensor hooks that time the layer's backward phases; the first one posts the gradient receives."""
+    def _hook_backward(self, out, send) -> None:
+        """Hooks at the layer's backward start (which also posts the replica-gradient receives: a failed peer
+        raises there like anywhere else) and end (the gradient of the dispatched rows), for its timings."""
         call = self._record
+        job = call.job
 
-        def at(name, first=None):
-            def hook(grad):
-                call.marks[name] = time.perf_counter()
-                if first is not None:
-                    self.runtime._safe(first)
-                return None
-            return hook
+        def start(grad):
+            call.marks["bwd_start"] = time.perf_counter()
+            if job is not None:
+                job.post_grad_recvs()
 
-        out.register_hook(at("bwd_start", call.job.post_grad_recvs if call.job is not None else None))
-        if y_recv.requires_grad:
-            y_recv.register_hook(at("combined_bwd"))
-        if recv.requires_grad:
-            recv.register_hook(at("experts_bwd"))
+        out.register_hook(start)
         if send.requires_grad:
             send.register_hook(lambda grad: self._backward_end(call))
 
