@@ -33,7 +33,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dist_utils import run_ranks  # noqa: E402
+from dist_utils import master_grad_error, run_ranks  # noqa: E402
 
 E, H, I, T, K = 8, 16, 8, 24, 2
 TOL = 1e-5
@@ -486,8 +486,6 @@ def _whole_model(family: str):
 
 
 def _whole(rank, world, family):
-    import torch.distributed as dist
-
     import ultraep
 
     from ultraep.adapters_rewrite import prepare, restore
@@ -502,14 +500,7 @@ def _whole(rank, world, family):
     ref_out.pow(2).mean().backward()
     rt = ultraep.runtime_of(model)
     prepare(ref)  # a rewritten family's reference gradients under the container's names (no-op otherwise)
-    grad = 0.0
-    for layer in rt.layers:
-        M = layer.topology.num_masters
-        for n in layer.adapter.param_names:
-            g = getattr(ref.get_submodule(layer.name), n).grad.clone()
-            dist.all_reduce(g)
-            grad = max(grad, float((getattr(layer, n).grad - g[rank * M:(rank + 1) * M]).abs().max()) /
-                       max(float(g.abs().max()), 1e-12))
+    grad = master_grad_error(rt, ref, rank, relative=True)
     ref_params = dict(ref.named_parameters())
     other = max(float((p.grad - ref_params[n].grad).abs().max()) for n, p in model.named_parameters()
                 if p.grad is not None and not any(n.startswith(lay.name + ".") for lay in rt.layers))

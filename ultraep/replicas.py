@@ -74,9 +74,6 @@ class ReplicaBuffers:
         self._private[layer] = None  # allocated on first use
         return True
 
-    def has_private(self, layer: int) -> bool:
-        return layer in self._private
-
     def private(self, layer: int, like: list[torch.Tensor], num_slots: int) -> list[list[torch.Tensor]] | None:
         """``[N][J]`` buffers owned by ``layer``, or None when they still hold replicas a backward will read
         (several forwards before one backward, e.g. gradient accumulation in a pipeline schedule)."""
