@@ -17,7 +17,7 @@ EWMA of log ratios) and records each prediction next to the measurement.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel
 
@@ -59,11 +59,15 @@ class Engine:
             runtime's layers may differ); layers not listed derive from ``topology`` and the cost model.
         record_timings: record predictions (and calibration rows) as timing rows; the runtime turns this off
             and puts them into its own per-call timing row.
+        policy_factory: ``layer -> policy`` used instead of building the layer's policy from ``config`` (the
+            simulator replays several engines side by side and shares policy instances between them, so a
+            plan the adaptive engine also weighs is made once); ``config`` still gives slots and the name.
     """
 
     def __init__(self, config: BalancerConfig, topology: Topology, *, cost_model: CostModel | None = None,
                  recorder=None, calibration_alpha: float = 0.2, layer_topologies: dict[int, Topology] | None = None,
-                 layer_experts: dict | None = None, record_timings: bool = True) -> None:
+                 layer_experts: dict | None = None, record_timings: bool = True,
+                 policy_factory: Callable[[int], Any] | None = None) -> None:
         config.validate_for(topology.num_ranks, topology.num_masters)
         self.config = config
         self.topology = topology
@@ -76,6 +80,7 @@ class Engine:
         self._experts: dict[int, Any] = dict(layer_experts or {})
         self._models: dict[int, CostModel] = {}
         self._pending: dict[tuple[int, int, int], tuple[CostBreakdown, str]] = {}
+        self._factory = policy_factory
 
     @property
     def cost_model(self) -> CostModel:
@@ -103,6 +108,8 @@ class Engine:
 
     def policy_for(self, layer: int):
         pol = self._policies.get(layer)
+        if pol is None and self._factory is not None:
+            pol = self._policies[layer] = self._factory(layer)
         if pol is None:
             from ultraep.policies import get_policy_class, make_policy
 
