@@ -500,7 +500,7 @@ class RunMirror:
         self.last_write = 0.0          # mtime of the newest part seen (seconds since the epoch)
         self.refreshed_at = 0.0
         self.read_errors: list[str] = []
-        self.warm_started = False          # data.warm_up ran for this mirror
+        self.warm_started = False          # cache.warm_up ran for this mirror
         self._seen: dict[str, set[str]] = {u: set() for u in UNITS}
         self._facts: dict[str, _Fact] = {f: _Fact() for f in FACTS}
         self._lock = threading.RLock()

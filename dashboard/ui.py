@@ -18,6 +18,9 @@ from typing import Any, Callable
 import streamlit as st
 
 from ultraep.dashboard import data
+from ultraep.dashboard.cache import MirrorPool, warm_up
+from ultraep.dashboard.mirror import RunMirror
+from ultraep.dashboard.runs import RunInfo, find_runs, run_info, run_info_at, run_signature
 
 ROOT_KEY = "ultraep_root"          # session-state override of the runs directory (tests)
 REFRESH_KEY = "ultraep_refresh_s"
@@ -30,9 +33,9 @@ REFRESH_CHOICES = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 # --------------------------------------------------------------------------- shared state
 @st.cache_resource(show_spinner=False)
-def pool() -> data.MirrorPool:
+def pool() -> MirrorPool:
     """One mirror pool per server process, shared by every browser session."""
-    return data.MirrorPool(capacity=8)
+    return MirrorPool(capacity=8)
 
 
 @st.cache_resource(show_spinner=False)
@@ -59,8 +62,8 @@ def root() -> Path:
 @dataclass
 class Context:
     root: Path
-    runs: list[data.RunInfo]
-    run: data.RunInfo | None
+    runs: list[RunInfo]
+    run: RunInfo | None
     mirror: Any
     refresh_s: float | None
 
@@ -87,7 +90,7 @@ def setup() -> Context:
     st.sidebar.divider()
     r = root()
     p = pool()
-    runs = [data.run_info_at(d) for d in data.find_runs(r)]
+    runs = [run_info_at(d) for d in find_runs(r)]
     runs.sort(key=lambda i: (i.started_at is None, str(i.started_at or ""), i.run_id), reverse=True)
     st.sidebar.markdown("**ultraep** · expert-parallel balancing")
     st.sidebar.caption(f"runs directory: `{r}`")
@@ -142,11 +145,11 @@ def leave_pages_directory_mode() -> bool:
     return False
 
 
-def current_run_info(ctx: Context) -> data.RunInfo | None:
+def current_run_info(ctx: Context) -> RunInfo | None:
     """The selected run's status now (it may have closed since the full run of the script)."""
     if ctx.run is None:
         return None
-    return data.run_info(ctx.mirror)
+    return run_info(ctx.mirror)
 
 
 # --------------------------------------------------------------------------- live pages
@@ -169,7 +172,7 @@ def live(body: Callable[[Context], None], *, key: str, refresh: bool = True) -> 
 
     def frag() -> None:
         if ctx.run is None:
-            if data.find_runs(ctx.root):
+            if find_runs(ctx.root):
                 st.rerun(scope="app")
             no_runs(ctx)
             return
@@ -178,14 +181,14 @@ def live(body: Callable[[Context], None], *, key: str, refresh: bool = True) -> 
             st.rerun(scope="app")
         body(Context(ctx.root, ctx.runs, now, ctx.mirror, ctx.refresh_s))
         st.caption(f"updated {time.strftime('%H:%M:%S')}" + (f" · refreshing every {every:g} s" if every else ""))
-        data.warm_up(ctx.mirror)  # after the page is drawn: read the rest of the run for the next pages
+        warm_up(ctx.mirror)  # after the page is drawn: read the rest of the run for the next pages
 
     st.fragment(frag, run_every=every)()
 
 
-def cached_headline(info: data.RunInfo, selected=None) -> dict:
+def cached_headline(info: RunInfo, selected=None) -> dict:
     """:func:`data.headline` of a run, recomputed only when a part was added since the last time."""
-    sig = data.run_signature(info.path)
+    sig = run_signature(info.path)
     cache = headline_cache()
     hit = cache.get(info.path)
     if hit is not None and hit[0] == sig:
@@ -193,7 +196,7 @@ def cached_headline(info: data.RunInfo, selected=None) -> dict:
     # live runs (and the one on screen) keep a mirror, read incrementally; a finished run is read once
     # by a throwaway mirror, so listing many runs never evicts the mirrors in use
     keep = info.live or (selected is not None and Path(selected).resolve() == Path(info.path).resolve())
-    h = data.headline(pool().get(info.path) if keep else data.RunMirror(info.path))
+    h = data.headline(pool().get(info.path) if keep else RunMirror(info.path))
     cache[info.path] = (sig, h)
     return h
 

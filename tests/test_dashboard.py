@@ -417,28 +417,7 @@ def test_sql_page_refuses_file_access_extensions_and_settings(runs, tmp_path):
     assert not out.exists() and not Path(f"{out}.duckdb").exists()
 
 
-def test_sandbox_itself_refuses_even_without_the_statement_check(runs, tmp_path):
-    """Defence in depth: the DuckDB connection is locked down, not only the statement filter."""
-    import duckdb
-
-    from ultraep.dashboard import data
-
-    secret = tmp_path / "secret.txt"
-    secret.write_text("do not read me")
-    out = tmp_path / "leak.csv"
-    con = data.sandbox(runs / "fx")
-    assert con.execute("SELECT count(*) FROM layer_balance").fetchone()[0] == 24
-    for name, q in REFUSED.items():
-        with pytest.raises(duckdb.Error):
-            con.execute(q.format(out=out, secret=secret)).fetchall()
-    for q in ("RESET lock_configuration", "SET lock_configuration = false",
-              f"SELECT * FROM read_parquet('{runs}/fx/plans/*.parquet')", f"SELECT * FROM '{secret}'"):
-        with pytest.raises(duckdb.Error):
-            con.execute(q).fetchall()
-    assert not out.exists()
-    for q in ("DELETE FROM runs_log", "CREATE TABLE t AS SELECT 1", "SELECT 1; SELECT 2", ""):
-        with pytest.raises(data.SqlRefused):
-            data.run_sql(runs / "fx", q)
+# The sandbox itself (the locked-down connection, the statement check): tests/test_sql_sandbox.py.
 
 
 # --------------------------------------------------------------------------- live
@@ -462,14 +441,14 @@ def test_a_live_run_is_marked_and_its_new_rows_show_up(tmp_path):
 
 
 def test_live_or_stalled_follows_the_newest_part(tmp_path):
-    from ultraep.dashboard import data
+    from ultraep.dashboard import runs as run_status
 
     recs = record_run(tmp_path, "open", steps=1, ranks=(0,), close=False)
-    assert data.run_info_at(tmp_path / "open").status == "live"
-    later = time.time() + data.LIVE_WINDOW_S + 60  # no part for longer than the window: stalled
-    assert data.run_info_at(tmp_path / "open", now=later).status == "stalled"
+    assert run_status.run_info_at(tmp_path / "open").status == "live"
+    later = time.time() + run_status.LIVE_WINDOW_S + 60  # no part for longer than the window: stalled
+    assert run_status.run_info_at(tmp_path / "open", now=later).status == "stalled"
     recs[0].close()
-    assert data.run_info_at(tmp_path / "open", now=later).status == "closed"
+    assert run_status.run_info_at(tmp_path / "open", now=later).status == "closed"
 
 
 def test_mirror_refresh_reads_only_new_parts(tmp_path):
@@ -517,6 +496,7 @@ def test_dashboard_modules_do_no_io_at_import():
             raise AssertionError(f"I/O at import time: {a[:1]}")
         builtins.open = os.scandir = os.listdir = pathlib.Path.iterdir = pathlib.Path.glob = refuse
         import ultraep.dashboard.mirror, ultraep.dashboard.data, ultraep.dashboard.charts, ultraep.dashboard.cli
+        import ultraep.dashboard.cache, ultraep.dashboard.runs, ultraep.dashboard.page_sql, ultraep.dashboard.sandbox
         import ultraep.dashboard.ui
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

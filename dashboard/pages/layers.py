@@ -24,8 +24,7 @@ def body(ctx: ui.Context) -> None:
     layer = c[0].selectbox("layer", layers, key="layers_layer")
     step = c[1].number_input("step", min_value=bins.first_step, max_value=bins.last_step,
                              value=bins.last_step, step=1, key="layers_step")
-    mbs = data.mirror_query(m, data.MICROBATCHES, ("layer_facts",), layer=int(layer), step=int(step))
-    options = ["all (summed)"] + [int(x) for x in mbs["microbatch"]]
+    options = ["all (summed)"] + data.microbatches(m, int(layer), int(step))
     mb = c[2].selectbox("microbatch", options, key="layers_microbatch")
     mb = None if mb == "all (summed)" else int(mb)
     per = data.rank_load_by_expert(ctx.run.path, ctx.run.run_id, int(layer), int(step), mb)

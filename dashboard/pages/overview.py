@@ -4,6 +4,7 @@ import pandas as pd
 import streamlit as st
 
 from ultraep.dashboard import charts, data, ui
+from ultraep.dashboard.runs import run_info_at
 
 
 def body(ctx: ui.Context) -> None:
@@ -11,7 +12,7 @@ def body(ctx: ui.Context) -> None:
     st.subheader("Runs")
     rows = []
     for info in ctx.runs:
-        info = data.run_info_at(info.path)
+        info = run_info_at(info.path)
         h = ui.cached_headline(info, selected=ctx.run.path)
         rows.append({
             "run": info.label, "status": info.status, "kind": info.kind, "model": info.model,

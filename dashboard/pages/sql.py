@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from ultraep.dashboard import charts, data, ui
+from ultraep.dashboard import charts, sandbox, ui
 from ultraep.telemetry import semconv as sc
 
 DEFAULT_SQL = ("SELECT layer, avg(imbalance_before) AS before, avg(imbalance_after) AS after\n"
@@ -20,12 +20,12 @@ def body(ctx: ui.Context) -> None:
     if not sql:
         return
     try:
-        df, truncated = data.run_sql(ctx.run.path, sql)
-    except data.SqlRefused as exc:
+        df, truncated = sandbox.run_sql(ctx.run.path, sql)
+    except sandbox.SqlRefused as exc:
         st.error(f"Refused: {exc}")
         return
     st.dataframe(df, hide_index=True, key="sql_result")
-    st.caption(f"{len(df)} row(s)" + (f" (first {data.MAX_SQL_ROWS} shown)" if truncated else ""))
+    st.caption(f"{len(df)} row(s)" + (f" (first {sandbox.MAX_SQL_ROWS} shown)" if truncated else ""))
     numeric = [c for c in df.columns if df[c].dtype.kind in "iuf"]
     if len(df) and len(df.columns) >= 2 and numeric:
         c = st.columns(2)
