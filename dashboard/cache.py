@@ -17,7 +17,8 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from ultraep.dashboard.mirror import UNIT_OF, RunMirror
+from ultraep.dashboard.facts import UNIT_OF
+from ultraep.dashboard.mirror import RunMirror
 from ultraep.dashboard.page_sql import OVERVIEW_UNITS
 from ultraep.telemetry.queries import Query
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 _LAZY = {
     "Recorder": "ultraep.telemetry.recorder",
-    "NullRecorder": "ultraep.telemetry.recorder",
-    "new_run_id": "ultraep.telemetry.recorder",
+    "NullRecorder": "ultraep.telemetry.null",
+    "new_run_id": "ultraep.telemetry.identity",
     "open_run": "ultraep.telemetry.store",
     "export_run": "ultraep.telemetry.store",
     "TelemetryError": "ultraep.telemetry.store",
@@ -42,7 +42,9 @@ _LAZY = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from ultraep.telemetry import queries, semconv
-    from ultraep.telemetry.recorder import NullRecorder, Recorder, new_run_id
+    from ultraep.telemetry.identity import new_run_id
+    from ultraep.telemetry.null import NullRecorder
+    from ultraep.telemetry.recorder import Recorder
     from ultraep.telemetry.sinks import MemorySink, ParquetSink, Sink
     from ultraep.telemetry.store import TelemetryError, export_run, open_run
 

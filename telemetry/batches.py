@@ -213,141 +213,179 @@ def plan_tables(run_id: str, rank: int, records: list, built: Built) -> None:
 
 
 def _plan_tables_fast(run_id: str, rank: int, records: list) -> tuple[dict, dict]:
-    """Tables and per-step aggregates of a batch of plan records; raises on anything unexpected."""
+    """Tables and per-step aggregates of a batch of plan records; raises on anything unexpected.
+
+    Step 1: group the records whose arrays stack (:func:`_stackable_groups`).
+    Step 2: per group, stack the arrays ``[n, R, E]`` / ``[n, R, S]`` (:func:`_stacked_arrays`), derive the
+            raw sums and write the ``layer_loads`` rows (:func:`_layer_loads_rows`), then the ``plans`` rows
+            (:func:`_plans_rows`; routes only for records that asked for them).
+    Step 3: the transfers, one row each, ragged across plans (:func:`_transfer_rows`).
+    Step 4: per-step aggregates for the step span and metrics (:func:`_agg_by_step`).
+    """
     steps_t, mbs_t, layers_t, plans, flags, tss = zip(*records)
-    step_a = _ints(steps_t)
-    mb_a = _ints(mbs_t, np.int32)
-    layer_a = _ints(layers_t, np.int32)
-    ts_a = np.asarray(tss, dtype=np.int64)
+    keys = (_ints(steps_t), _ints(mbs_t, np.int32), _ints(layers_t, np.int32), np.asarray(tss, dtype=np.int64))
     B = len(plans)
-
-    # Group records whose arrays stack: plans of one topology object (its shapes fix every array's;
-    # a plan that breaks this makes np.stack raise and the batch take the checked slow path).
-    topos = [p.topology for p in plans]
-    t0 = topos[0]
-    if all(t is t0 for t in topos):
-        groups: dict[int, list[int]] = {id(t0): list(range(B))}
-    else:
-        groups = {}
-        for i, t in enumerate(topos):
-            groups.setdefault(id(t), []).append(i)
-
-    ll_parts, pl_parts = [], []
     tokens_all = np.zeros(B, dtype=np.int64)
     imb_b = np.zeros(B)
     imb_a = np.zeros(B)
-    for idx_list in groups.values():
+    ll_parts, pl_parts = [], []
+    for idx_list in _stackable_groups(plans):
         idx = np.asarray(idx_list, dtype=np.int64)
         gp = [plans[i] for i in idx_list]
-        t = gp[0].topology
-        R, E = gp[0].load_RE.shape
-        S = gp[0].quota_RS.shape[1]
-        n = len(gp)
-        L = np.stack([p.load_RE for p in gp])  # [n, R, E]
-        Q = np.stack([p.quota_RS for p in gp])  # [n, R, S]
-        P = np.stack([p.phy2log_RS for p in gp])  # [n, R, S]
-        if L.dtype.kind not in "iu" or Q.dtype.kind not in "iu" or P.dtype.kind not in "iu":
-            raise TypeError("plan arrays must be integer")
-        L = L.astype(np.int64, copy=False)
-        Q = Q.astype(np.int64, copy=False)
-        # Step 1: derived raw sums (exact integer sums of the recorded counts).
-        expert_load = L.sum(axis=1)  # [n, E]
-        home = np.asarray(t.home_E, dtype=np.int64)
-        onehot_ER = (home[:, None] == np.arange(R)[None, :]).astype(np.int64)
-        before = expert_load @ onehot_ER  # [n, R]
-        after = Q.sum(axis=2)  # [n, R]
-        tokens = expert_load.sum(axis=1)
-        tokens_all[idx] = tokens
-        imb_b[idx] = _imbalance_rows(before)
-        imb_a[idx] = _imbalance_rows(after)
+        L, Q, P = _stacked_arrays(gp)
+        common = _key_columns(run_id, rank, keys, idx)
         policy = pa.array([str(p.policy) for p in gp], type=pa.string())
-        common = {
-            sc.C_RUN_ID: _const(run_id, n, pa.string()),
-            sc.C_RANK: _const(rank, n, pa.int32()),
-            sc.C_STEP: pa.array(step_a[idx]),
-            sc.C_MICROBATCH: pa.array(mb_a[idx]),
-            sc.C_LAYER: pa.array(layer_a[idx]),
-            sc.C_TS: _ts(ts_a[idx]),
-        }
-        ll_parts.append(pa.table({
-            **common,
-            "policy": policy,
-            "num_ranks": _const(R, n, pa.int32()),
-            "num_experts": _const(E, n, pa.int32()),
-            "tokens": pa.array(tokens),
-            "load": _nested(L, pa.int64()),
-            "expert_load": _nested(expert_load, pa.int64()),
-            "rank_load_before": _nested(before, pa.int64()),
-            "rank_load_after": _nested(after, pa.int64()),
-        }, schema=sc.arrow_schema(sc.T_LAYER_LOADS)))
-        # Step 2: the plan itself; routes only for records that asked for them.
-        want = np.asarray([flags[i] for i in idx_list], dtype=bool)
-        if want.any():
-            W = np.stack([gp[j].routes_RRS for j in np.flatnonzero(want)]).astype(np.int64, copy=False)
-            sizes = np.where(want, R, 0).astype(np.int32)
-            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
-            inner = _nested(W, pa.int64())  # [w] rows of [R][R][S]; flatten one level to [w*R] rows of [R][S]
-            inner = inner.flatten()
-            routes = pa.ListArray.from_arrays(pa.array(offsets), inner, mask=pa.array(~want))
-        else:
-            routes = pa.nulls(n, type=pa.list_(pa.list_(pa.list_(pa.int64()))))
-        solve = np.asarray([float(p.solve_time_s) for p in gp], dtype=np.float64)
-        ntr = np.asarray([len(p.transfers) for p in gp], dtype=np.int32)
-        infos = [_dumps(p.info) if p.info else None for p in gp]
-        pl_parts.append(pa.table({
-            **common,
-            "policy": policy,
-            "num_ranks": _const(R, n, pa.int32()),
-            "num_experts": _const(E, n, pa.int32()),
-            "num_masters": _const(int(t.num_masters), n, pa.int32()),
-            "num_slots": _const(S, n, pa.int32()),
-            "domain_size": _const(int(t.D), n, pa.int32()),
-            "phy2log": _nested(P.astype(np.int32), pa.int32()),
-            "quota": _nested(Q, pa.int64()),
-            "routes": routes,
-            "solve_time_s": pa.array(solve),
-            "num_replicas": pa.array((P[:, :, int(t.num_masters):] >= 0).sum(axis=(1, 2)).astype(np.int32)),
-            "num_transfers": pa.array(ntr),
-            "info_json": pa.array(infos, type=pa.string()),
-        }, schema=sc.arrow_schema(sc.T_PLANS)))
-
-    # Step 3: transfers, one row each (ragged across plans: concatenate columns).
-    trs = [p.transfers for p in plans]
-    T = np.asarray([len(tr) for tr in trs], dtype=np.int64)
-    total = int(T.sum())
+        table, tokens_all[idx], imb_b[idx], imb_a[idx] = _layer_loads_rows(gp[0].topology, L, Q, common, policy)
+        ll_parts.append(table)
+        pl_parts.append(_plans_rows(gp, [flags[i] for i in idx_list], Q, P, common, policy))
     out: dict[str, pa.Table] = {}
-    bytes_per_plan = np.zeros(B, dtype=np.int64)
-    if total:
-        cols = {}
-        nonempty = [tr for tr, t in zip(trs, T.tolist()) if t]
-        for name in ("expert", "src", "dst", "stage", "bytes"):
-            arr = np.concatenate([np.asarray(getattr(tr, name)) for tr in nonempty])
-            if arr.dtype.kind not in "iu":
-                raise TypeError(f"transfers.{name} must be integer")
-            cols[name] = arr.astype(np.int64 if name == "bytes" else np.int32, copy=False)
-        row_of = np.repeat(np.arange(B), T)
-        starts = np.concatenate([[0], np.cumsum(T)[:-1]])
-        idx_in_plan = (np.arange(total) - np.repeat(starts, T)).astype(np.int32)
-        bytes_per_plan = np.bincount(row_of, weights=cols["bytes"], minlength=B).astype(np.int64)
-        out[sc.T_TRANSFERS] = pa.table({
-            sc.C_RUN_ID: _const(run_id, total, pa.string()),
-            sc.C_RANK: _const(rank, total, pa.int32()),
-            sc.C_STEP: pa.array(step_a[row_of]),
-            sc.C_MICROBATCH: pa.array(mb_a[row_of]),
-            sc.C_LAYER: pa.array(layer_a[row_of]),
-            "idx": pa.array(idx_in_plan),
-            "expert": pa.array(cols["expert"]),
-            "src": pa.array(cols["src"]),
-            "dst": pa.array(cols["dst"]),
-            "stage": pa.array(cols["stage"]),
-            "bytes": pa.array(cols["bytes"]),
-        }, schema=sc.arrow_schema(sc.T_TRANSFERS))
+    transfers, T, bytes_per_plan = _transfer_rows(run_id, rank, keys, plans)
+    if transfers is not None:
+        out[sc.T_TRANSFERS] = transfers
     out[sc.T_LAYER_LOADS] = pa.concat_tables(ll_parts)
     out[sc.T_PLANS] = pa.concat_tables(pl_parts)
     solve_all = np.asarray([float(p.solve_time_s) for p in plans])
     agg = Built()
-    _agg_by_step(step_a, agg, tokens_all, solve_all, T, bytes_per_plan, imb_b, imb_a)
+    _agg_by_step(keys[0], agg, tokens_all, solve_all, T, bytes_per_plan, imb_b, imb_a)
     return out, agg.steps
+
+
+def _stackable_groups(plans) -> list[list[int]]:
+    """Indices of the records whose arrays stack: plans of one topology object (its shapes fix every array's;
+    a plan that breaks this makes ``np.stack`` raise and the batch take the checked slow path)."""
+    topos = [p.topology for p in plans]
+    t0 = topos[0]
+    if all(t is t0 for t in topos):
+        return [list(range(len(plans)))]
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(topos):
+        groups.setdefault(id(t), []).append(i)
+    return list(groups.values())
+
+
+def _stacked_arrays(gp: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``load [n, R, E]`` and ``quota [n, R, S]`` as int64, ``phy2log [n, R, S]`` as recorded (integers)."""
+    L = np.stack([p.load_RE for p in gp])
+    Q = np.stack([p.quota_RS for p in gp])
+    P = np.stack([p.phy2log_RS for p in gp])
+    if L.dtype.kind not in "iu" or Q.dtype.kind not in "iu" or P.dtype.kind not in "iu":
+        raise TypeError("plan arrays must be integer")
+    return L.astype(np.int64, copy=False), Q.astype(np.int64, copy=False), P
+
+
+def _key_columns(run_id: str, rank: int, keys: tuple, idx: np.ndarray) -> dict:
+    """The columns every plan-derived row starts with, for the records ``idx``."""
+    step_a, mb_a, layer_a, ts_a = keys
+    n = len(idx)
+    return {
+        sc.C_RUN_ID: _const(run_id, n, pa.string()),
+        sc.C_RANK: _const(rank, n, pa.int32()),
+        sc.C_STEP: pa.array(step_a[idx]),
+        sc.C_MICROBATCH: pa.array(mb_a[idx]),
+        sc.C_LAYER: pa.array(layer_a[idx]),
+        sc.C_TS: _ts(ts_a[idx]),
+    }
+
+
+def _layer_loads_rows(t, L: np.ndarray, Q: np.ndarray, common: dict, policy: pa.Array):
+    """The ``layer_loads`` rows of one group with their derived raw sums (exact integer sums of the recorded
+    counts). Returns ``(table, tokens [n], imbalance_before [n], imbalance_after [n])``."""
+    n, R, E = L.shape
+    expert_load = L.sum(axis=1)  # [n, E]
+    home = np.asarray(t.home_E, dtype=np.int64)
+    onehot_ER = (home[:, None] == np.arange(R)[None, :]).astype(np.int64)
+    before = expert_load @ onehot_ER  # [n, R]
+    after = Q.sum(axis=2)  # [n, R]
+    tokens = expert_load.sum(axis=1)
+    table = pa.table({
+        **common,
+        "policy": policy,
+        "num_ranks": _const(R, n, pa.int32()),
+        "num_experts": _const(E, n, pa.int32()),
+        "tokens": pa.array(tokens),
+        "load": _nested(L, pa.int64()),
+        "expert_load": _nested(expert_load, pa.int64()),
+        "rank_load_before": _nested(before, pa.int64()),
+        "rank_load_after": _nested(after, pa.int64()),
+    }, schema=sc.arrow_schema(sc.T_LAYER_LOADS))
+    return table, tokens, _imbalance_rows(before), _imbalance_rows(after)
+
+
+def _routes_column(gp: list, flags: list, R: int) -> pa.Array:
+    """``routes [n]`` (each ``[R][R][S]``), null for the records that did not ask for routes."""
+    n = len(gp)
+    want = np.asarray(flags, dtype=bool)
+    if not want.any():
+        return pa.nulls(n, type=pa.list_(pa.list_(pa.list_(pa.int64()))))
+    W = np.stack([gp[j].routes_RRS for j in np.flatnonzero(want)]).astype(np.int64, copy=False)
+    sizes = np.where(want, R, 0).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    inner = _nested(W, pa.int64())  # [w] rows of [R][R][S]; flatten one level to [w*R] rows of [R][S]
+    inner = inner.flatten()
+    return pa.ListArray.from_arrays(pa.array(offsets), inner, mask=pa.array(~want))
+
+
+def _plans_rows(gp: list, flags: list, Q: np.ndarray, P: np.ndarray, common: dict, policy: pa.Array) -> pa.Table:
+    """The ``plans`` rows of one group: the plan itself (placement, quotas, routes if asked, solve time)."""
+    t = gp[0].topology
+    n, R, S = Q.shape
+    E = gp[0].load_RE.shape[1]
+    solve = np.asarray([float(p.solve_time_s) for p in gp], dtype=np.float64)
+    ntr = np.asarray([len(p.transfers) for p in gp], dtype=np.int32)
+    infos = [_dumps(p.info) if p.info else None for p in gp]
+    return pa.table({
+        **common,
+        "policy": policy,
+        "num_ranks": _const(R, n, pa.int32()),
+        "num_experts": _const(E, n, pa.int32()),
+        "num_masters": _const(int(t.num_masters), n, pa.int32()),
+        "num_slots": _const(S, n, pa.int32()),
+        "domain_size": _const(int(t.D), n, pa.int32()),
+        "phy2log": _nested(P.astype(np.int32), pa.int32()),
+        "quota": _nested(Q, pa.int64()),
+        "routes": _routes_column(gp, flags, R),
+        "solve_time_s": pa.array(solve),
+        "num_replicas": pa.array((P[:, :, int(t.num_masters):] >= 0).sum(axis=(1, 2)).astype(np.int32)),
+        "num_transfers": pa.array(ntr),
+        "info_json": pa.array(infos, type=pa.string()),
+    }, schema=sc.arrow_schema(sc.T_PLANS))
+
+
+def _transfer_rows(run_id: str, rank: int, keys: tuple, plans) -> tuple[pa.Table | None, np.ndarray, np.ndarray]:
+    """The ``transfers`` rows of the batch (``None`` if no plan moves weights), transfers per plan ``[B]``
+    and bytes per plan ``[B]``."""
+    step_a, mb_a, layer_a, _ = keys
+    B = len(plans)
+    trs = [p.transfers for p in plans]
+    T = np.asarray([len(tr) for tr in trs], dtype=np.int64)
+    total = int(T.sum())
+    if not total:
+        return None, T, np.zeros(B, dtype=np.int64)
+    cols = {}
+    nonempty = [tr for tr, t in zip(trs, T.tolist()) if t]
+    for name in ("expert", "src", "dst", "stage", "bytes"):
+        arr = np.concatenate([np.asarray(getattr(tr, name)) for tr in nonempty])
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"transfers.{name} must be integer")
+        cols[name] = arr.astype(np.int64 if name == "bytes" else np.int32, copy=False)
+    row_of = np.repeat(np.arange(B), T)
+    starts = np.concatenate([[0], np.cumsum(T)[:-1]])
+    idx_in_plan = (np.arange(total) - np.repeat(starts, T)).astype(np.int32)
+    bytes_per_plan = np.bincount(row_of, weights=cols["bytes"], minlength=B).astype(np.int64)
+    table = pa.table({
+        sc.C_RUN_ID: _const(run_id, total, pa.string()),
+        sc.C_RANK: _const(rank, total, pa.int32()),
+        sc.C_STEP: pa.array(step_a[row_of]),
+        sc.C_MICROBATCH: pa.array(mb_a[row_of]),
+        sc.C_LAYER: pa.array(layer_a[row_of]),
+        "idx": pa.array(idx_in_plan),
+        "expert": pa.array(cols["expert"]),
+        "src": pa.array(cols["src"]),
+        "dst": pa.array(cols["dst"]),
+        "stage": pa.array(cols["stage"]),
+        "bytes": pa.array(cols["bytes"]),
+    }, schema=sc.arrow_schema(sc.T_TRANSFERS))
+    return table, T, bytes_per_plan
 
 
 # --------------------------------------------------------------------------- generic row tables

@@ -24,150 +24,29 @@ Legend: R ranks, E experts, S slots per rank, T transfers of a plan.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import logging
-import operator
 import os
-import platform
-import re
 import secrets
 import socket
-import sys
 import threading
 import time
 import weakref
 from pathlib import Path
 from time import time_ns
-from typing import Any
 
 from ultraep.errors import ConfigError
 from ultraep.telemetry import semconv as sc
+from ultraep.telemetry.identity import (agree_run_id, check_run_name, config_record, new_run_id,
+                                        topology_record, versions)
+from ultraep.telemetry.null import NULL_SPAN, NullRecorder
 from ultraep.telemetry.sinks import take as _take
+
+__all__ = ["NullRecorder", "Recorder", "new_run_id"]  # NullRecorder and new_run_id: re-exported, as before
 
 log = logging.getLogger("ultraep.telemetry")
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _LIVE: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
-
-
-def new_run_id() -> str:
-    """``YYYYmmdd-HHMMSS-xxxxxx`` (UTC time and 24 random bits)."""
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
-
-
-def _config_record(config) -> tuple[str | None, str | None]:
-    if config is None:
-        return None, None
-    if hasattr(config, "model_dump_json"):
-        text = config.model_dump_json()
-        digest = getattr(config, "digest", None)
-        h = digest() if callable(digest) else hashlib.sha256(text.encode()).hexdigest()[:16]
-        return text, str(h)
-    if isinstance(config, dict):
-        text = json.dumps(config, sort_keys=True, default=str)
-        return text, hashlib.sha256(text.encode()).hexdigest()[:16]
-    raise ConfigError("config", f"must be a pydantic model or a dict, got {type(config).__name__}",
-                      type(config).__name__)
-
-
-def _topology_record(topology) -> str | None:
-    if topology is None:
-        return None
-    if hasattr(topology, "model_dump_json"):
-        return topology.model_dump_json()
-    return json.dumps(topology, sort_keys=True, default=str)
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for dist in ("ultraep", "numpy", "pyarrow", "opentelemetry-sdk"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            pass
-    for mod in ("torch", "duckdb", "triton"):  # only if the process already uses them
-        m = sys.modules.get(mod)
-        if m is not None and hasattr(m, "__version__"):
-            out[mod] = str(m.__version__)
-    return out
-
-
-def _agree_run_id(run_id: str, world_size: int) -> str:
-    """Rank 0's run id on every rank, through torch.distributed when the process group is up."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        raise ConfigError(
-            "run_name",
-            f"is required when world_size ({world_size}) > 1 and torch.distributed is not initialised: "
-            "every rank must name the same run (or initialise the process group first, and rank 0's "
-            "generated id is broadcast)",
-        )
-    box = [run_id]
-    dist.broadcast_object_list(box, src=0)
-    return str(box[0])
-
-
-class _NullSpan:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc) -> bool:
-        return False
-
-
-_NULL_SPAN = _NullSpan()
-
-
-class NullRecorder:
-    """Telemetry off: the :class:`Recorder` interface, doing nothing (one method call per record)."""
-
-    run_id = ""
-    run_dir = None
-    rank = 0
-    world_size = 1
-    errors = 0
-    dropped_rows = 0
-    first_error = None
-
-    @classmethod
-    def open(cls, runs_dir=None, run_name=None, **kwargs) -> "NullRecorder":
-        return cls()
-
-    def record_plan(self, step: int, microbatch: int, layer: int, plan, *, record_routes: bool = False) -> None:
-        pass
-
-    def record_decision(self, step: int, microbatch: int, layer: int, *, policy: str, reason: str,
-                        predictions: dict[str, float] | None = None,
-                        chosen_predicted_s: float | None = None) -> None:
-        pass
-
-    def record_timings(self, step: int, microbatch: int, layer: int, timings: dict[str, float]) -> None:
-        pass
-
-    def record_transfer_times(self, step: int, microbatch: int, layer: int, seconds_per_transfer) -> None:
-        pass
-
-    def record_step(self, step: int, *, loss: float | None = None, step_time_s: float | None = None,
-                    extra: dict | None = None, warmup: bool = False) -> None:
-        pass
-
-    def span(self, name: str, **attributes):
-        return _NULL_SPAN
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        return False
 
 
 class _Span:
@@ -231,8 +110,6 @@ class Recorder:
         self._started_ns = time_ns()
         self._metrics_at = float("-inf")
         self._metrics_interval = 10.0  # seconds between metric collections (and at close)
-        self._last_step_end = self._started_ns
-        self._step_aggs: dict[int, Any] = {}
         # hot-path buffers (identity never changes; drained with _take)
         self._plans: list = []
         self._decisions: list = []
@@ -244,12 +121,14 @@ class Recorder:
             try:
                 from ultraep import __version__
                 from ultraep.telemetry.otel import OtelPipeline
+                from ultraep.telemetry.step_spans import StepSpans
 
                 self._otel = OtelPipeline({
                     sc.ATTR_RUN_ID: run_id, sc.ATTR_RANK: self.rank, sc.ATTR_WORLD_SIZE: self.world_size,
                     sc.ATTR_RUN_KIND: kind, **({sc.ATTR_MODEL: model} if model else {}),
                     **({sc.ATTR_CONFIG_HASH: config_hash} if config_hash else {}),
                 }, __version__)
+                self._step_spans = StepSpans(self._otel, self._started_ns)
             except Exception as exc:
                 self._fail("OpenTelemetry set-up", exc)
         self._wake = threading.Event()
@@ -298,17 +177,14 @@ class Recorder:
             raise ConfigError("world_size", f"must be >= 1, got {world_size}", world_size)
         if not 0 <= int(rank) < int(world_size):
             raise ConfigError("rank", f"({rank}) must be in 0..{int(world_size) - 1} (world_size {world_size})", rank)
-        if run_name is not None and not _RUN_NAME.match(str(run_name)):
-            raise ConfigError(
-                "run_name", f"{run_name!r} must be 1-128 letters, digits, '.', '_' or '-', not starting with "
-                "'.', '_' or '-'", run_name)
-        config_json, config_hash = _config_record(config)
+        check_run_name(run_name)
+        config_json, config_hash = config_record(config)
         if run_name is not None:
             run_id = str(run_name)
         else:
             run_id = new_run_id()
             if int(world_size) > 1:
-                run_id = _agree_run_id(run_id, int(world_size))
+                run_id = agree_run_id(run_id, int(world_size))
         if isinstance(runs_dir, (str, os.PathLike)):
             from ultraep.telemetry.sinks import ParquetSink
 
@@ -320,7 +196,7 @@ class Recorder:
             raise ConfigError("runs_dir", f"must be a path or a sink, got {type(runs_dir).__name__}")
         return cls(sink, run_id=run_id, run_name=run_name, kind=kind, rank=int(rank), world_size=int(world_size),
                    model=model, config_json=config_json, config_hash=config_hash,
-                   topology_json=_topology_record(topology), extra=extra, flush_interval_s=flush_interval_s,
+                   topology_json=topology_record(topology), extra=extra, flush_interval_s=flush_interval_s,
                    flush_every=flush_every, max_pending=max_pending, otel=otel)
 
     # ------------------------------------------------------------------ hot path
@@ -383,7 +259,7 @@ class Recorder:
         """A real OpenTelemetry span around a block (``with rec.span("ultraep.step", step=3): ...``).
         Costs tens of microseconds: for per-step phases, not per layer."""
         if self._otel is None or self._closed:
-            return _NULL_SPAN
+            return NULL_SPAN
         return _Span(self, name, attributes)
 
     def _pressure(self, buf: list) -> bool:
@@ -536,79 +412,7 @@ class Recorder:
 
     def _emit_otel(self, built, step_records: list) -> None:
         """Per-step span (+ aggregate plan/transfer child spans) and metrics, from the flush path."""
-        from opentelemetry import trace
-
-        from ultraep.telemetry.batches import StepAggregate
-
-        o = self._otel
-        m = o.instruments
-        total = StepAggregate()
-        for s, agg in built.steps.items():
-            self._step_aggs.setdefault(s, StepAggregate()).add(agg)
-            total.add(agg)
-        if total.plans:
-            m[sc.METRIC_PLANS].add(total.plans)
-            m[sc.METRIC_TOKENS].add(total.tokens)
-            m[sc.METRIC_PLAN_SOLVE_TIME].add(total.solve_time_s)
-            m[sc.METRIC_TRANSFERS].add(total.transfers)
-            m[sc.METRIC_TRANSFER_BYTES].add(total.transfer_bytes)
-        for rec in step_records:
-            try:
-                step = operator.index(rec[0])
-                end = int(rec[1])
-                loss = None if rec[2] is None else float(rec[2])
-                st = None if rec[3] is None else float(rec[3])
-                warm = rec[5]
-                if not isinstance(warm, bool) and type(warm).__name__ != "bool_":  # numpy's bool too
-                    raise TypeError(warm)
-                warm = bool(warm)
-            except Exception:
-                continue  # refused (and counted) by the steps table already
-            start = end - int(st * 1e9) if st is not None and st >= 0 else self._last_step_end
-            self._last_step_end = end
-            agg = self._step_aggs.pop(step, None) or StepAggregate()
-            attrs: dict[str, Any] = {sc.ATTR_STEP: step}
-            if warm:
-                attrs[sc.ATTR_WARMUP] = True
-            if loss is not None:
-                attrs[sc.ATTR_LOSS] = loss
-            if st is not None:
-                attrs[sc.ATTR_STEP_TIME] = st
-            if agg.plans:
-                attrs.update({
-                    sc.ATTR_PLAN_COUNT: agg.plans, sc.ATTR_PLAN_SOLVE_TIME: agg.solve_time_s,
-                    sc.ATTR_TOKENS: agg.tokens, sc.ATTR_TRANSFER_COUNT: agg.transfers,
-                    sc.ATTR_TRANSFER_BYTES: agg.transfer_bytes,
-                    sc.ATTR_IMBALANCE_BEFORE: agg.imbalance_before_sum / agg.plans,
-                    sc.ATTR_IMBALANCE_AFTER: agg.imbalance_after_sum / agg.plans,
-                })
-            for k, v in agg.timings.items():
-                attrs[sc.ATTR_TIMING_PREFIX + k] = v
-            span = o.tracer.start_span(sc.SPAN_STEP, start_time=start, attributes=attrs)
-            ctx = trace.set_span_in_context(span)
-            plan_s = agg.timings.get("plan_s", agg.solve_time_s)
-            if agg.plans or plan_s:
-                child = o.tracer.start_span(sc.SPAN_PLAN, context=ctx, start_time=start, attributes={
-                    sc.ATTR_AGGREGATE: True, sc.ATTR_STEP: step, sc.ATTR_PLAN_COUNT: agg.plans,
-                    sc.ATTR_PLAN_SOLVE_TIME: agg.solve_time_s})
-                child.end(end_time=start + int(plan_s * 1e9))
-            transfer_s = agg.timings.get("transfer_s", 0.0)
-            if agg.transfers or transfer_s:
-                child = o.tracer.start_span(sc.SPAN_TRANSFER, context=ctx, start_time=start, attributes={
-                    sc.ATTR_AGGREGATE: True, sc.ATTR_STEP: step, sc.ATTR_TRANSFER_COUNT: agg.transfers,
-                    sc.ATTR_TRANSFER_BYTES: agg.transfer_bytes})
-                child.end(end_time=start + int(transfer_s * 1e9))
-            span.end(end_time=end)
-            m[sc.METRIC_STEPS].add(1)
-            m[sc.METRIC_STEP_DURATION].record((end - start) / 1e9)
-            if loss is not None:
-                m[sc.METRIC_LOSS].set(loss)
-            if agg.plans:
-                m[sc.METRIC_IMBALANCE_BEFORE].set(agg.imbalance_before_sum / agg.plans)
-                m[sc.METRIC_IMBALANCE_AFTER].set(agg.imbalance_after_sum / agg.plans)
-        if len(self._step_aggs) > 256:  # steps that never got a record_step: keep the newest only
-            for s in sorted(self._step_aggs)[:-256]:
-                del self._step_aggs[s]
+        self._step_spans.emit(built.steps, step_records)
 
     # ------------------------------------------------------------------ run rows, flush, close
     def _write_run_row(self, status: str, ended_ns: int | None = None) -> None:
@@ -624,7 +428,7 @@ class Recorder:
                 "run_name": [self.run_name], "kind": [self.kind], "world_size": [self.world_size],
                 "model": [m["model"]], "config_json": [m["config_json"]], "config_hash": [m["config_hash"]],
                 "topology_json": [m["topology_json"]], "host": [socket.gethostname()], "pid": [os.getpid()],
-                "versions_json": [json.dumps(_versions(), sort_keys=True)],
+                "versions_json": [json.dumps(versions(), sort_keys=True)],
                 "otel_exporters": [",".join(self._otel.exporters) if self._otel is not None else None],
                 "started_at": [self._started_ns], "ended_at": [ended_ns], "status": [status],
                 "errors": [self._errors], "dropped_rows": [self._dropped], "first_error": [self._first_error],

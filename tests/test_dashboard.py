@@ -497,6 +497,7 @@ def test_dashboard_modules_do_no_io_at_import():
         builtins.open = os.scandir = os.listdir = pathlib.Path.iterdir = pathlib.Path.glob = refuse
         import ultraep.dashboard.mirror, ultraep.dashboard.data, ultraep.dashboard.charts, ultraep.dashboard.cli
         import ultraep.dashboard.cache, ultraep.dashboard.runs, ultraep.dashboard.page_sql, ultraep.dashboard.sandbox
+        import ultraep.dashboard.facts, ultraep.dashboard.dedupe
         import ultraep.dashboard.ui
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -541,7 +542,7 @@ def test_cli_binds_localhost_by_default_and_refuses_bad_paths(runs, tmp_path, ca
 def test_list_stats_handles_ragged_and_empty_lists():
     import pyarrow as pa
 
-    from ultraep.dashboard.mirror import list_stats
+    from ultraep.dashboard.facts import list_stats
 
     arr = pa.array([[3, 1, 2], [], None, [5], [0, 0]], type=pa.list_(pa.int64()))
     mx, sm, ln = list_stats(arr.slice(0))
