@@ -113,7 +113,7 @@ def test_probe_refuses_a_forward_the_flags_do_not_describe():
     assert "differs from the experts function" in msg and "probe" in msg
 
 
-def test_trainable_post_expert_norm_is_refused_frozen_is_accepted():
+def _normed_class():
     from transformers.integrations.moe import use_experts_implementation
 
     @use_experts_implementation(has_post_expert_norm=True)
@@ -136,13 +136,111 @@ def test_trainable_post_expert_norm_is_refused_frozen_is_accepted():
                     out[t] += top_k_weights[t, k] * self.post_expert_norm(y)
             return out
 
-    cfg = _mixtral_experts().config
-    mod = Normed(cfg)
-    assert "has_post_expert_norm=True" in _refusal(mod) and "post_expert_norm.weight" in _refusal(mod)
-    mod.post_expert_norm.requires_grad_(False)
+    return Normed
+
+
+def test_post_expert_norm_is_a_shared_submodule_trainable_or_frozen():
+    Normed = _normed_class()
+    mod = Normed(_mixtral_experts().config)
     with torch.no_grad():
-        mod.post_expert_norm.weight.normal_(1.0, 0.3)
-    assert adapter_for(mod) is not None  # the probe ran the norm: exact
+        mod.post_expert_norm.weight.normal_(1.0, 0.3)  # not the identity: the probe below runs a real norm
+    assert adapter_for(mod).shared == ("post_expert_norm",)
+    frozen = copy.deepcopy(mod).requires_grad_(False)
+    assert adapter_for(frozen).shared == ("post_expert_norm",)
+    wrong = copy.deepcopy(mod)
+    wrong.post_expert_norm.weight.data.mul_(2.0)  # the norm the forward uses is no longer the one it holds
+    wrong.forward = lambda *a, _ref=mod: _ref.forward(*a)
+    assert "differs from the experts function" in _refusal(wrong)
+    missing = copy.deepcopy(mod)
+    del missing.post_expert_norm
+    assert "no 'post_expert_norm' module" in _refusal(missing)
+
+
+def _muse_spark_experts():
+    from transformers.models.muse_spark.configuration_muse_spark import MuseSparkTextConfig
+    from transformers.models.muse_spark.modeling_muse_spark import MuseSparkExperts
+
+    cfg = MuseSparkTextConfig(moe_hidden_size=16, moe_intermediate_size=8, num_local_experts=8)
+    cfg._experts_implementation = "eager"
+    mod = randomized(MuseSparkExperts, cfg)
+    with torch.no_grad():
+        mod.post_expert_norm.weight.normal_(0.0, 0.5)  # (1 + weight) scales before the RMS: a real gradient
+    return mod
+
+
+def _shared_norm(rank, world, budget, drop_replica_grad):
+    import torch.distributed as dist
+
+    import ultraep
+    from ultraep.replicas import ReplicaJob
+
+    if drop_replica_grad:  # negative control: the replica rows' norm gradient is lost (the pre-fix behaviour)
+        original = ReplicaJob.backward
+        ReplicaJob.backward = lambda self, grad, shared=(): (original(self, grad, shared)[0], [None] * len(shared))
+    ref = _muse_spark_experts()
+    model = nn.Sequential()
+    model.add_module("experts", copy.deepcopy(ref))
+    cfg = {"policy": "quota", "num_redundant_slots": 1}
+    if budget is not None:
+        cfg["replica_memory_budget"] = budget
+    ultraep.wrap(model, cfg)
+    layer = ultraep.runtime_of(model).layers[0]
+    assert dict(model.named_parameters())["experts.post_expert_norm.weight"] is layer.post_expert_norm.weight
+    g = torch.Generator().manual_seed(10 + rank)
+    probs = torch.tensor([8.0, 6.0, 1, 1, 1, 1, 1, 1])  # experts 0 and 1 (rank 0's masters) are hot: replicas
+    outs, refs, kept, replicas = [], [], [], []
+    x = torch.randn(24, 16, generator=g)
+    xs, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    for call in range(2):  # two calls before one backward: with budget 0 the second overwrites the first's
+        idx = torch.stack([torch.multinomial(probs, 2, generator=g) for _ in range(24)])  # replicas (restore)
+        w = torch.rand(24, 2, generator=g) + 0.2
+        outs.append(model.experts(xs * (call + 1), idx, w))
+        refs.append(ref(xr * (call + 1), idx, w))
+        kept.append(layer._record.job.kept)  # this call's replica mode (recorded only after its backward)
+        replicas.append(layer.last_plan.num_replicas)
+    cot = torch.randn(24, 16, generator=g)
+    (sum(outs) * cot).sum().backward()
+    (sum(refs) * cot).sum().backward()
+
+    def rel(a, b):
+        return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-12)
+
+    diffs = {"out": max(rel(o.detach(), r.detach()) for o, r in zip(outs, refs)), "x.grad": rel(xs.grad, xr.grad)}
+    M = layer.topology.num_masters
+    for n in layer.adapter.param_names:  # each master's gradient: the unwrapped one summed over ranks
+        full = getattr(ref, n).grad.clone()
+        dist.all_reduce(full)
+        diffs[n] = rel(getattr(layer, n).grad, full[rank * M:(rank + 1) * M])
+    mine, want = layer.post_expert_norm.weight.grad.clone(), ref.post_expert_norm.weight.grad.clone()
+    dist.all_reduce(mine)  # the equivalence rule: data parallelism's all-reduce of the shared norm
+    dist.all_reduce(want)
+    diffs["post_expert_norm.weight"] = rel(mine, want)
+    return diffs, kept, replicas, ultraep.runtime_of(model).buffers.restorations
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["kept", "restore"])
+def test_trainable_post_expert_norm_balances_exactly_sum_over_ranks(budget):
+    """MuseSpark's trainable post-expert norm (shared by all experts): on 2 gloo ranks, skewed routing (replicas
+    used), training mode, two calls before the backward: outputs, input gradients and master gradients equal the
+    unwrapped container's, and the sum over ranks of the norm's gradient equals the unwrapped one's summed over
+    ranks (what data parallelism all-reduces). ``budget=0`` forces replica mode "restore" (recompute in backward,
+    the first call's replicas restored); the default keeps the graph. Negative control: dropping the replica
+    rows' norm gradient (what the layer did before) is caught."""
+    from dist_utils import run_ranks
+
+    pytest.importorskip("transformers.models.muse_spark.modeling_muse_spark")
+    results = run_ranks(_shared_norm, 2, budget, False, timeout=60)
+    for diffs, kept, replicas, restorations in results:
+        assert max(diffs.values()) < 1e-5, diffs
+        assert all(r > 0 for r in replicas), replicas
+        if budget == 0:
+            assert kept == [0.0, 0.0] and restorations >= 1, (kept, restorations)
+        else:
+            assert kept[0] == 1.0, kept  # the first call keeps its graph (the second shares buffers)
+    if budget is None:
+        bad = run_ranks(_shared_norm, 2, budget, True, timeout=60)
+        assert max(d["post_expert_norm.weight"] for d, *_ in bad) > 1e-3, bad
+        assert max(max(v for k, v in d.items() if k != "post_expert_norm.weight") for d, *_ in bad) < 1e-5
 
 
 def test_registered_container_with_extra_trainable_parameter_is_refused():

@@ -19,10 +19,11 @@ compares ``Σ_k w · expert(x)`` with the container's own forward and refuses on
 overrides ``forward`` or ``_apply_gate`` in a way the flags do not describe). Every refusal is one line
 naming the flag, parameter or check: :class:`UnsupportedModelError`.
 
-Shared parameters: a post-expert norm's weight is shared by all experts. The balanced layer keeps the
-container as a non-submodule (ep.py), so such a weight would be neither trained nor reduced: it is accepted
-only when frozen (``requires_grad=False``, e.g. inference or a frozen norm), where forward and every
-gradient are exact. The rule a trainable one would need is in ``docs/design.md`` (§ experts adapters).
+Shared parameters: a post-expert norm's weight is shared by all experts (``ExpertsAdapter.shared``). The
+balanced layer registers the norm as its own submodule (same key, whole on every rank, like a data-parallel
+parameter) and each rank's copy gets the gradient of the rows that rank computed, masters and replicas: the
+sum over ranks equals the unwrapped model's gradient, which data parallelism's all-reduce forms
+(``docs/design.md``, § experts adapters).
 
 Plain PyTorch containers register with :func:`register_experts` (see the protocol there). MoE blocks that keep
 their experts another way (Llama4, DBRX, JetMoE) are rewritten exactly into a container by :func:`prepare`
@@ -59,11 +60,15 @@ class ExpertsAdapter:
     forward         ``forward(container, x [T, H], tensors) -> [T, H]``: one expert applied to its rows,
                     ``tensors[j] = getattr(container, param_names[j])[e]``, *without* the routing weight
     name            for reports
+    shared          submodules of the container whose parameters every expert uses (a post-expert norm): the
+                    balanced layer keeps them whole on every rank and gives each rank's copy the gradient of the
+                    rows that rank computed (docs/design.md, § experts adapters)
     """
 
     name: str
     param_names: tuple[str, ...]
     forward: ExpertForward
+    shared: tuple[str, ...] = ()
 
     def num_experts(self, container: nn.Module) -> int:
         return int(getattr(container, self.param_names[0]).shape[0])
@@ -159,15 +164,8 @@ def _check_accounted(mod: nn.Module, names: tuple[str, ...], flags: dict[str, ob
             raise _refuse(mod, f"submodule '{n}' ({type(child).__name__}) is not one ultraep accounts for")
         if n in ("act_fn", "identity_expert") and (any(True for _ in child.parameters()) or any(True for _ in child.buffers())):
             raise _refuse(mod, f"submodule '{n}' has parameters or buffers; ultraep expects a stateless function")
-    if flags["has_post_expert_norm"]:
-        norm = getattr(mod, "post_expert_norm", None)
-        if not isinstance(norm, nn.Module):
-            raise _refuse(mod, "has_post_expert_norm=True but the container has no 'post_expert_norm' module")
-        trainable = [n for n, p in norm.named_parameters() if p.requires_grad]
-        if trainable:
-            raise _refuse(mod, f"has_post_expert_norm=True with trainable shared parameters "
-                               f"(post_expert_norm.{trainable[0]}); the balanced layer would not train them: freeze "
-                               "them with requires_grad_(False) to balance exactly (inference, frozen norm)")
+    if flags["has_post_expert_norm"] and not isinstance(getattr(mod, "post_expert_norm", None), nn.Module):
+        raise _refuse(mod, "has_post_expert_norm=True but the container has no 'post_expert_norm' module")
 
 
 def _hf_adapter(mod: nn.Module, flags: dict[str, object], label: str) -> ExpertsAdapter:
@@ -203,7 +201,9 @@ def _hf_adapter(mod: nn.Module, flags: dict[str, object], label: str) -> Experts
         raise _refuse(mod, f"num_experts={declared_E} but parameter '{names[0]}' holds {E} experts")
     if flags["has_gate"] and not flags["is_concatenated"] and "_apply_gate" not in _own_attrs(mod):
         raise _refuse(mod, "is_concatenated=False (interleaved gate/up) but the class has no _apply_gate of its own")
-    adapter = ExpertsAdapter(label, names, _make_hf_forward(flags))
+    # the post-expert norm is shared by all experts: trained data-parallel style (ExpertsAdapter.shared)
+    adapter = ExpertsAdapter(label, names, _make_hf_forward(flags),
+                             ("post_expert_norm",) if flags["has_post_expert_norm"] else ())
     # down_proj is [E, H, I], or [E, I, H] when transposed
     _probe(mod, adapter, int(params[1].shape[2] if flags["is_transposed"] else params[1].shape[1]))
     return adapter

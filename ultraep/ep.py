@@ -145,6 +145,8 @@ class BalancedExperts(nn.Module):
             # Free the full tensor; unwrap() gathers the masters back.
             setattr(container, n, nn.Parameter(torch.empty(0, dtype=full.dtype, device=full.device),
                                                requires_grad=False))
+        for n in adapter.shared:  # shared (non-expert) submodules, e.g. a post-expert norm: replicated on every
+            self.add_module(n, getattr(container, n))  # rank like data-parallel ones, saved/trained under their key
         self.policy_name = cfg.layer_options(layer).kind
         self.last_plan = None
         self.replica_mode = "none"  # "kept" / "restore" once the runtime split its replica memory budget
@@ -160,6 +162,10 @@ class BalancedExperts(nn.Module):
 
     def master_params(self) -> list[torch.Tensor]:
         return [getattr(self, n) for n in self.adapter.param_names]
+
+    def shared_params(self) -> list[torch.Tensor]:
+        """Parameters of the container's shared submodules (``adapter.shared``): every rank's rows add to them."""
+        return [p for n in self.adapter.shared for p in getattr(self, n).parameters()]
 
     def extra_repr(self) -> str:
         t = self.topology
@@ -270,7 +276,7 @@ class BalancedExperts(nn.Module):
         # Step 3: post the replica weight sync (the same on every rank: plans are identical).
         params = self.master_params()
         needs_backward = torch.is_grad_enabled() and (hidden_states.requires_grad
-                                                      or any(p.requires_grad for p in params))
+                                                      or any(p.requires_grad for p in params + self.shared_params()))
         job = None
         if plan.num_replicas:
             kept = rt.buffers.private(self.layer, [p[0].detach() for p in params], t.num_redundant_slots)
@@ -422,12 +428,14 @@ class BalancedExperts(nn.Module):
         master_s = time.perf_counter() - t0
         if job is not None:
             job.counts = [int(c) for c in counts_S[M:]]  # rows per replica slot, in slot order
-            outs.append(ReplicaExperts.apply(x[at:], job, *params))
+            # shared parameters ride along: the replica rows' gradient of e.g. a post-expert norm reaches them
+            outs.append(ReplicaExperts.apply(x[at:], job, *params, *self.shared_params()))
         y_sorted = torch.cat(outs) if outs else x[:0]
         if not counts_S[:M].any() and torch.is_grad_enabled():
             # No row reached this rank's masters: tie them into the graph with a zero term so they still get a
             # (zero) gradient, as the unbalanced model's full parameters do, and optimizers treat them alike.
-            y_sorted = y_sorted + sum((p.reshape(-1)[:1] * 0).sum() for p in params).to(y_sorted.dtype)
+            y_sorted = y_sorted + sum((p.reshape(-1)[:1] * 0).sum()
+                                      for p in params + self.shared_params()).to(y_sorted.dtype)
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
         return y_sorted.index_select(0, inv), master_s

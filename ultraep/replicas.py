@@ -329,9 +329,10 @@ class ReplicaJob:
         with self.layer._collective("replica gradient reduction (post)", _peers(recvs)):
             self._grads_in = post([], recvs, self.rt.transfer_group, tag=TAG_GRADS)
 
-    def backward(self, grad: torch.Tensor) -> torch.Tensor:
+    def backward(self, grad: torch.Tensor, shared: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, list]:
         """Step 5: replica backward (restore + recompute in mode ``restore``), then post the weight gradients
-        to the masters' ranks. Returns the gradient of the replica rows."""
+        to the masters' ranks. Returns the gradient of the replica rows and of the ``shared`` parameters the
+        replica forward also read (e.g. a post-expert norm; None where unused or frozen): they stay on this rank."""
         from ultraep.kernels import pack_grad_sends
 
         if self.kept:
@@ -351,10 +352,13 @@ class ReplicaJob:
             self._add("recompute_s", time.perf_counter() - t0)
         t1 = time.perf_counter()
         flat_ws = [w for slot in ws for w in slot]
+        train = [p for p in shared if p.requires_grad]
         if y.requires_grad:
-            g = torch.autograd.grad(y, [xr, *flat_ws], grad, allow_unused=True)
+            g = torch.autograd.grad(y, [xr, *flat_ws, *train], grad, allow_unused=True)
         else:  # no replica got a row: every gradient is zero
-            g = [None] * (1 + len(flat_ws))
+            g = [None] * (1 + len(flat_ws) + len(train))
+        g_train = iter(g[1 + len(flat_ws):])
+        g_shared = [next(g_train) if p.requires_grad else None for p in shared]
         gx = g[0] if g[0] is not None else torch.zeros_like(xr)
         J = len(self.params)
         wgrads = {self.M + i: [gw if gw is not None else torch.zeros_like(w)
@@ -373,7 +377,7 @@ class ReplicaJob:
         t3 = time.perf_counter()
         self._add("replica_backward_s", t2 - t1)
         self._add("grad_post_s", t3 - t2)
-        return gx
+        return gx, g_shared
 
     def reduce_grads(self) -> list[torch.Tensor]:
         """Step 6: wait for the replicas' gradients of this rank's masters; return, for every expert in
@@ -418,13 +422,17 @@ class ReplicaJob:
 
 
 class ReplicaExperts(torch.autograd.Function):
-    """The replica slots of one layer: wait for weights + compute forward; backward + post gradients."""
+    """The replica slots of one layer: wait for weights + compute forward; backward + post gradients.
+
+    Inputs after ``job``: the J master parameters, then the container's shared parameters (a post-expert norm):
+    the replica rows pass through those too, so their gradient from these rows is returned to them here."""
 
     @staticmethod
-    def forward(ctx, x_rep, job: ReplicaJob, *master_params):
+    def forward(ctx, x_rep, job: ReplicaJob, *params):
         # (grad mode is off inside a Function's forward: the layer decided ``job.needs_backward`` outside)
         job.wait_weights()
         ctx.job = job
+        ctx.shared = params[len(job.params):]
         if not job.kept and job.needs_backward:
             job.x_rep = x_rep.detach()
         return job.compute(x_rep, build_graph=job.kept and job.needs_backward)
@@ -432,8 +440,8 @@ class ReplicaExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         job: ReplicaJob = ctx.job
-        gx = job.backward(grad.contiguous())
-        return (gx, None, *([None] * len(job.params)))
+        gx, g_shared = job.backward(grad.contiguous(), ctx.shared)
+        return (gx, None, *([None] * len(job.params)), *g_shared)
 
 
 class GradSink(torch.autograd.Function):
