@@ -148,7 +148,9 @@ class Plan:
         if self.routes is not None:
             arr = self.routes
         else:
-            from ultraep.policies.split import locality_split
+            # Imported here, not at the top: ultraep.routes is numba-compiled and `import ultraep.plan`
+            # stays numpy-only, as `import ultraep` promises (numba loads when a split is first needed).
+            from ultraep.routes import locality_split
 
             t = self.topology
             arr = np.zeros((t.num_ranks, t.num_ranks, t.num_slots), dtype=np.int64)
