@@ -13,7 +13,7 @@ from typing import get_args
 from ultraep.config import PolicyName
 from ultraep.errors import ConfigError
 
-from .base import Policy, assemble_plan, identity_plan
+from .base import Policy, assemble_plan, identity_plan, plan_resident
 from .eplb import EplbPolicy, rebalance_experts
 from .none import NonePolicy
 from .quota import QuotaPolicy
@@ -109,4 +109,5 @@ __all__ = [
     "make_policy",
     "assemble_plan",
     "identity_plan",
+    "plan_resident",
 ]

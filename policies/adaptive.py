@@ -40,6 +40,8 @@ import numpy as np
 from ultraep.plan import Plan
 from ultraep.topology import Topology
 
+from .base import identity_plan, plan_resident
+
 #: candidates that keep no history, so skipping their plan for a step is harmless
 SCREENABLE = ("quota",)
 #: a screenable candidate that lost clearly this many planned decisions in a row is planned (and paid for)
@@ -180,8 +182,6 @@ class AdaptivePolicy:
         todo = [n for n in todo if n not in out]
         if not todo:
             return out
-        from .base import identity_plan
-
         if none_s is None:
             none_s = cm.predict(identity_plan("none", topology, load_RE)).total_s
         if ideal_s is None:
@@ -200,35 +200,43 @@ class AdaptivePolicy:
         return {n: bd.total_s * self.correction(n) for n, bd in breakdowns.items()
                 if n in self.policies and n not in SCREENABLE and (n != "eplb" or self._current == "eplb")}
 
-    def _predict(self, cm, name: str, plan: Plan):
+    def _predict(self, cm, name: str, plan: Plan, resident: bool = False):
         """Step 3 for one candidate: a historical placement that is not resident pays for sending all its
         replicas once; it then stays resident until its next re-placement, so that one-time cost is spread
-        over the placement's ``interval`` decisions (charging it to one decision would make a switch never pay)."""
+        over the placement's ``interval`` decisions (charging it to one decision would make a switch never pay).
+        With ``resident`` the plan's transfers already are exactly what moves (the caller knows which replicas
+        are resident): no switch cost is added."""
         switch = name == "eplb" and self._current != "eplb"
-        if not switch or cm.params.resend_all_replicas:  # (a runtime that resends every replica: no switch cost)
+        if not switch or resident or cm.params.resend_all_replicas:  # (a runtime resending every replica too)
             return cm.predict(plan)
         interval = max(1, int(getattr(self.policies[name], "interval", 1)))
         return cm.predict(plan, sync_s=cm.weight_sync_time(plan) + cm.full_sync_time(plan) / interval)
 
     # ------------------------------------------------------------------ planning
-    def plan(self, load_RE: np.ndarray, topology: Topology) -> Plan:
+    #: candidates see which replicas are resident, and every candidate is predicted with what it would move
+    uses_residency = True
+
+    def plan(self, load_RE: np.ndarray, topology: Topology, resident_RE: np.ndarray | None = None) -> Plan:
         t0 = time.perf_counter()
         cm = self._cost(topology)
+        has = resident_RE is not None
         # the candidates that are always planned first (cheap or off the critical path), then the screen
-        plans = {n: p.plan(load_RE, topology) for n, p in self.policies.items() if n not in SCREENABLE}
-        bds = {n: self._predict(cm, n, pl) for n, pl in plans.items()}
+        plans = {n: plan_resident(p, load_RE, topology, resident_RE) for n, p in self.policies.items()
+                 if n not in SCREENABLE}
+        bds = {n: self._predict(cm, n, pl, has) for n, pl in plans.items()}
         skip = set(self.screened(load_RE, topology, none_s=bds["none"].total_s if "none" in bds else None,
                                  others_s=self.references(bds)))
-        plans.update({n: p.plan(load_RE, topology) for n, p in self.policies.items()
+        plans.update({n: plan_resident(p, load_RE, topology, resident_RE) for n, p in self.policies.items()
                       if n in SCREENABLE and n not in skip})
-        plan = self.decide(plans, topology, screened=sorted(skip), breakdowns=bds)
+        plan = self.decide(plans, topology, screened=sorted(skip), breakdowns=bds, resident=has)
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
         return plan
 
     def decide(self, plans: dict[str, Plan], topology: Topology | None = None, screened=(),
-               breakdowns: dict | None = None) -> Plan:
+               breakdowns: dict | None = None, resident: bool = False) -> Plan:
         """Steps 3-6 on ready candidate plans ``{name: plan}`` (all of the same load and topology).
-        ``breakdowns``: their cost-model predictions when the caller already has them."""
+        ``breakdowns``: their cost-model predictions when the caller already has them; ``resident``: the plans'
+        transfers are exactly what moves (see :meth:`_predict`)."""
         any_plan = next(iter(plans.values()))
         topology = topology or any_plan.topology
         cm = self._cost(topology)
@@ -237,10 +245,10 @@ class AdaptivePolicy:
         breakdowns = {}
         for name, pl in plans.items():  # Step 3
             switch = name == "eplb" and self._current != "eplb"
-            if name in known and not switch:
+            if name in known and (resident or not switch):
                 bd = known[name]
             else:
-                bd = self._predict(cm, name, pl)
+                bd = self._predict(cm, name, pl, resident)
             breakdowns[name] = bd
             predictions[name] = bd.total_s * self.correction(name)
         # Step 4: late plans.
@@ -315,7 +323,7 @@ class AdaptivePolicy:
                 (v for n, v in feasible.items() if n != "none"), default=float("inf"))
                 > feasible["none"] * (1 + self.switch_now)),
         }
-        if chosen == "eplb" and cur != "eplb":
+        if chosen == "eplb" and cur != "eplb" and not resident:
             info["sync_s"] = breakdowns["eplb"].weight_sync_s
         plan = dataclasses.replace(src, policy=self.name, info=info)
         self._memo = (plan, plans)

@@ -18,7 +18,7 @@ from ultraep.plan import Plan, Replicas, Transfers
 from ultraep.topology import Topology
 
 from .split import even_split
-from .transfers import RELAY_MODES, schedule_transfers
+from .transfers import RELAY_MODES, schedule_transfers, transfers_for
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -36,6 +36,18 @@ class Policy(Protocol):
     def commit(self, plan: Plan) -> None:
         """Advance the policy's history with an accepted plan (no-op for stateless policies)."""
         ...
+
+
+def plan_resident(policy, load_RE: np.ndarray, topology: Topology, resident_RE: np.ndarray | None) -> Plan:
+    """``policy``'s plan when ``resident_RE[r, e]`` (bool ``[R, E]``) says which ranks already hold valid
+    weights of which experts: a policy that declares ``uses_residency = True`` plans with it (it may prefer
+    resident replicas), and the plan's transfers become exactly the non-resident replicas
+    (:func:`~ultraep.policies.transfers.transfers_for`). ``resident_RE=None``: the policy's own plan."""
+    if resident_RE is None:
+        return policy.plan(load_RE, topology)
+    if getattr(policy, "uses_residency", False):
+        return transfers_for(policy.plan(load_RE, topology, resident_RE=resident_RE), resident_RE)
+    return transfers_for(policy.plan(load_RE, topology), resident_RE)
 
 
 @njit(cache=True)

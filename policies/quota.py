@@ -60,10 +60,12 @@ from .transfers import RELAY_MODES, schedule_transfers
 
 
 @njit(cache=True)
-def _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst_order_RM, min_quota,
+def _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst_order_RM, min_quota, pref_RE,
             exc, slk, used, mark, out_e, out_r, out_s, out_q):
     """One greedy pass at threshold ``tau`` over the domain ranks ``d0 .. d0 + D - 1``.
 
+    ``pref_RE[t, e] != 0``: rank ``t`` already holds a valid copy of expert ``e`` (a resident replica); such a
+    target is taken first (the one with the most slack) whenever it can carry at least the dynamic floor.
     Returns ``(feasible, n)``; the accepted replicas are written to ``out_*[:n]``.
     """
     n_out = 0
@@ -87,6 +89,7 @@ def _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst_order_RM, min_quota,
                 need = min(exc[r], cap)
                 best = -1
                 fit = -1
+                warm = -1
                 n_el = 0
                 for i in range(D):
                     t = d0 + i
@@ -96,14 +99,18 @@ def _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst_order_RM, min_quota,
                             best = t
                         if slk[t] >= need and (fit < 0 or slk[t] < slk[fit]):
                             fit = t
+                        if pref_RE[t, e] != 0 and (warm < 0 or slk[t] > slk[warm]):
+                            warm = t
                 if best < 0:
                     break
                 if fit >= 0:
                     best = fit
-                delta = min(exc[r], slk[best], cap)
                 floor = (need + n_el - 1) // n_el
                 if floor < min_quota:
                     floor = min_quota
+                if warm >= 0 and min(exc[r], slk[warm], cap) >= floor:
+                    best = warm  # a resident replica: no weights to move
+                delta = min(exc[r], slk[best], cap)
                 if delta < floor:
                     break
                 out_e[n_out] = e
@@ -134,7 +141,7 @@ def _keep(tmp_e, tmp_r, tmp_s, tmp_q, out_e, out_r, out_s, out_q, at, n):
 
 
 @njit(cache=True)
-def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota):
+def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota, pref_RE):
     """Steps 1-4 for every domain. Returns replicas ``(e, rank, slot, quota)``, each ``[P]``, in acceptance
     order, and the chosen τ per domain ``[R / D]``."""
     R, E = load_RE.shape
@@ -192,7 +199,7 @@ def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota):
         if tau >= hi:
             continue
         n_best = -1
-        ok, n = _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota,
+        ok, n = _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota, pref_RE,
                         exc, slk, used, mark, tmp_e, tmp_r, tmp_s, tmp_q)
         if ok:
             n_best = n
@@ -204,7 +211,7 @@ def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota):
             b = hi
             probe = tau + step
             while probe < hi:
-                ok_p, n = _oracle(probe, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota,
+                ok_p, n = _oracle(probe, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota, pref_RE,
                                   exc, slk, used, mark, tmp_e, tmp_r, tmp_s, tmp_q)
                 if ok_p:
                     b = probe
@@ -217,7 +224,7 @@ def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota):
             resolution = max(1, total // (D * 2048))
             while b - a >= resolution:
                 mid = (a + b) // 2
-                ok_mid, n = _oracle(mid, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota,
+                ok_mid, n = _oracle(mid, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota, pref_RE,
                                     exc, slk, used, mark, tmp_e, tmp_r, tmp_s, tmp_q)
                 if ok_mid:
                     b = mid
@@ -241,9 +248,9 @@ def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota):
 
 @njit(cache=True)
 def quota_plan_arrays(load_RE, home_E, master_slot_E, masters_RM, S, D, N, eps, min_quota, expert_bytes,
-                      relay_mode):
+                      relay_mode, pref_RE):
     """Steps 1-4 and 6 in one compiled call (one dispatch on the hot path); routes (step 5) stay lazy."""
-    e, r, s, q, tau = solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota)
+    e, r, s, q, tau = solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota, pref_RE)
     ptr, rr, ss, qq, _, phy2log, quota, _ = _assemble_arrays(
         load_RE, home_E, master_slot_E, masters_RM, S, e, r, s, q, True
     )
@@ -275,21 +282,51 @@ class QuotaPolicy:
 
     name = "quota"
 
-    def __init__(self, balance_eps: float = 0.01, min_replica_quota: int = 1, relay: str = "auto") -> None:
+    def __init__(self, balance_eps: float = 0.01, min_replica_quota: int = 1, relay: str = "auto",
+                 cache_tolerance: float = 0.01) -> None:
         self.balance_eps = float(balance_eps)
         self.min_replica_quota = int(min_replica_quota)
         self.relay = relay
+        self.cache_tolerance = float(cache_tolerance)
         self._relay_mode = RELAY_MODES[relay]
+        self._no_pref: np.ndarray | None = None
 
-    def plan(self, load_RE: np.ndarray, topology: Topology) -> Plan:
+    #: the planner can prefer replicas that are already resident (the engine passes ``resident_RE``)
+    uses_residency = True
+
+    def _solve(self, load_RE: np.ndarray, t: Topology, pref_RE: np.ndarray):
+        return quota_plan_arrays(
+            load_RE, t.home_E, t.master_slot_E, t.masters_RM, t.num_slots, t.D, t.num_redundant_slots,
+            self.balance_eps, self.min_replica_quota, t.expert_bytes, self._relay_mode, pref_RE,
+        )
+
+    def plan(self, load_RE: np.ndarray, topology: Topology, resident_RE: np.ndarray | None = None) -> Plan:
+        """Plan one layer. ``resident_RE[r, e]`` (optional, bool): rank ``r`` already holds valid weights of
+        expert ``e``. The oracle then places a replica on such a rank first, and that plan is kept when its
+        threshold τ is within ``cache_tolerance`` x the mean rank load of the plan that ignores residency
+        (which is solved only when the resident plan misses the fast-path τ): a near-equal balance with no
+        weights to move beats a marginally better one that moves them. Deterministic in its inputs, so
+        every rank holding the same ``resident_RE`` computes the same plan."""
         t0 = time.perf_counter()
         t = topology
         if t.num_redundant_slots == 0 or t.D == 1:
             return identity_plan(self.name, t, load_RE, time.perf_counter() - t0)
-        phy2log, quota, ptr, reps, trans, tau = quota_plan_arrays(
-            load_RE, t.home_E, t.master_slot_E, t.masters_RM, t.num_slots, t.D, t.num_redundant_slots,
-            self.balance_eps, self.min_replica_quota, t.expert_bytes, self._relay_mode,
-        )
+        if self._no_pref is None or self._no_pref.shape != (t.num_ranks, t.num_experts):
+            self._no_pref = np.zeros((t.num_ranks, t.num_experts), dtype=np.int8)
+        blind = self._no_pref
+        if resident_RE is None or not resident_RE.any():
+            out = self._solve(load_RE, t, blind)
+        else:
+            out = self._solve(load_RE, t, np.ascontiguousarray(resident_RE, dtype=np.int8))
+            tau = out[-1]
+            ell_R = np.bincount(t.home_E, weights=load_RE.sum(axis=0), minlength=t.num_ranks)
+            dom = ell_R.reshape(-1, t.D).sum(axis=1)  # [R / D] tokens per domain
+            fast = np.maximum(np.ceil(dom / t.D), np.floor(dom * (1.0 + self.balance_eps) / t.D))
+            if (tau > fast).any():  # the resident plan missed the fast path: compare with the blind plan
+                other = self._solve(load_RE, t, blind)
+                if (tau - other[-1]).max() > self.cache_tolerance * ell_R.mean():
+                    out = other
+        phy2log, quota, ptr, reps, trans, tau = out
         return Plan(
             policy=self.name,
             topology=t,

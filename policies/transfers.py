@@ -21,8 +21,12 @@ UltraEP forces direct sends in small domains), 2 = always (tree whenever the rul
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from numba import njit
+
+from ultraep.plan import Transfers
 
 RELAY_MODES = {"direct": 0, "auto": 1, "always": 2}
 
@@ -102,3 +106,25 @@ def schedule_transfers(home_E, rep_ptr, rep_rank, expert_bytes, num_ranks, domai
             sent[r] += expert_bytes
     nbytes = np.full(n_t, expert_bytes, np.int64)
     return t_exp[:n_t], t_src[:n_t], t_dst[:n_t], nbytes, t_stage[:n_t]
+
+
+def transfers_for(plan, resident_RE: np.ndarray | None = None, relay: str = "auto"):
+    """``plan`` with exactly the weight transfers it needs: one for every replica whose weights are not
+    already resident on its rank (``resident_RE[r, e]``: rank ``r`` holds a valid copy of expert ``e``; None
+    = nothing is resident, every replica is streamed).
+
+    This is what the runtime moves, whatever the policy listed (a historical placement lists only its new
+    replicas, assuming the others stay resident; a runtime whose masters changed must send them all).
+    """
+    t = plan.topology
+    ptr, rank = plan.replicas.ptr, plan.replicas.rank
+    if resident_RE is not None and len(rank):
+        expert_P = np.repeat(np.arange(t.num_experts), np.diff(ptr))
+        need = ~np.asarray(resident_RE, dtype=bool)[rank, expert_P]
+        if not need.all():
+            ptr = np.zeros(t.num_experts + 1, dtype=np.int64)
+            np.cumsum(np.bincount(expert_P[need], minlength=t.num_experts), out=ptr[1:])
+            rank = np.ascontiguousarray(rank[need])
+    cols = schedule_transfers(t.home_E, np.ascontiguousarray(ptr, dtype=np.int64), np.ascontiguousarray(
+        rank, dtype=np.int64), t.expert_bytes, t.num_ranks, t.D, RELAY_MODES[relay])
+    return dataclasses.replace(plan, transfers=Transfers(*cols))

@@ -134,6 +134,6 @@ def test_solver_outputs_are_within_slot_budget():
     load = rng.integers(0, 100, size=(8, 16))
     load[:, 0] += 5000
     t = Topology(num_ranks=8, num_experts=16, num_redundant_slots=1)
-    e, r, s, q, tau = solve_quota(load, t.home_E, t.masters_RM, t.D, 1, 0.01, 1)
+    e, r, s, q, tau = solve_quota(load, t.home_E, t.masters_RM, t.D, 1, 0.01, 1, np.zeros((t.num_ranks, t.num_experts), np.int8))
     assert np.bincount(r, minlength=8).max() <= 1
     assert (s == t.num_masters).all() and (q > 0).all()

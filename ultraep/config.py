@@ -91,6 +91,10 @@ class QuotaOptions(_Options):
         default=1, ge=1, description="Smallest quota (tokens) a new replica may carry, on top of the dynamic floor."
     )
     relay: RelayMode = Field(default="auto", description="Weight transfer: relay tree when it pays, direct, or always.")
+    cache_tolerance: StrictFloat = Field(
+        default=0.01, ge=0.0, description="Reuse resident replicas (no weight transfer) when the planned max rank load "
+        "is at most this fraction of the mean rank load above the plan that ignores them.",
+    )
 
 
 class EplbOptions(_Options):
@@ -199,6 +203,12 @@ class BalancerConfig(_Model):
         description="How replica weights and gradients travel: 'tiles' (experts packed into fixed-size tiles, one "
         "message per peer: Triton kernels on GPUs, needed for relays), 'direct' (every expert tensor its own "
         "message, no packing: cheapest on CPU/gloo), or 'auto' (direct on CPU without relays, else tiles).",
+    )
+    replica_cache: StrictBool = Field(
+        default=True,
+        description="Keep replica weights between calls while their master is unchanged (serving; the microbatches "
+        "of one optimizer step): a resident replica is reused with no transfer, and planners prefer resident "
+        "placements. Lives in the replica memory budget (layers that keep their replicas).",
     )
     replica_memory_budget: Literal["auto"] | Annotated[StrictInt, Field(ge=0)] | Annotated[StrictFloat, Field(ge=0.0)] = Field(
         default="auto",

@@ -125,12 +125,19 @@ class Engine:
             pol = self._policies[layer] = make_policy(opts.kind, **kwargs)
         return pol
 
-    def decide(self, step: int, microbatch: int, layer: int, load_RE) -> Decision:
-        """Plan ``layer`` for this microbatch, predict it, record plan, decision and prediction."""
+    def decide(self, step: int, microbatch: int, layer: int, load_RE, resident_RE=None) -> Decision:
+        """Plan ``layer`` for this microbatch, predict it, record plan, decision and prediction.
+
+        ``resident_RE`` (bool ``[R, E]``, optional): which ranks already hold valid weights of which experts
+        (the runtime's replica cache). The plan's transfers are then exactly the replicas that are not
+        resident, and policies that can prefer resident replicas see it
+        (:func:`~ultraep.policies.plan_resident`); without it a plan lists the transfers its policy chose."""
+        from ultraep.policies import plan_resident
+
         topo = self.topology_for(layer)
         load = validate_load(load_RE, topo.num_ranks, topo.num_experts, path=f"layers.{layer}.load")
         pol = self.policy_for(layer)
-        plan = pol.plan(load, topo)
+        plan = plan_resident(pol, load, topo, resident_RE)
         cm = self.cost_model_for(layer)
         bd = cm.predict(plan)
         kind = self.config.layer_options(layer).kind

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ultraep.comm import AllToAll, all_gather_bytes, gather_load
+from ultraep.replica_cache import MasterEpoch, ReplicaCache
 from ultraep.replicas import GradSink, ReplicaExperts, ReplicaJob
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,6 +103,9 @@ def _reduce_measured(meas_RK: np.ndarray) -> tuple[dict[str, float], float]:
     return m, hi["total_s"]
 
 
+#: fields of the load all-gather before the measured phases: ids above the sentinel, "measured the last call",
+#: master epoch (replica cache), "replica cache buffers free"
+_HEAD = 4
 #: the cost model's terms recorded next to their measurement
 PREDICTED = ("compute_fwd_s", "compute_bwd_s", "a2a_fwd_s", "a2a_bwd_s", "weight_sync_s", "copy_s", "plan_s", "total_s")
 
@@ -150,6 +154,9 @@ class BalancedExperts(nn.Module):
         self.policy_name = cfg.layer_options(layer).kind
         self.last_plan = None
         self.replica_mode = "none"  # "kept" / "restore" once the runtime split its replica memory budget
+        #: replicas kept across calls while their masters are unchanged (a "kept" layer with the cache on)
+        self.cache: ReplicaCache | None = None
+        self.epoch = MasterEpoch()
         self._record = None
         self._observation: tuple[int, int, np.ndarray] | None = None  # last complete call: (step, mb, phases)
         #: this rank's measured phases of the last recorded call (the ``timings`` keys, seconds)
@@ -237,11 +244,13 @@ class BalancedExperts(nn.Module):
         counts = torch.bincount(top_k_index.reshape(-1).to(torch.int64), minlength=E)
         obs, self._observation = self._observation, None
         K = len(MEASURED)
-        mine = torch.zeros(K + 2, dtype=torch.int64)
+        mine = torch.zeros(_HEAD + K, dtype=torch.int64)
         mine[0] = int(counts[E:].sum())  # ids beyond the sentinel: every rank refuses together
+        mine[2] = self.epoch.current(self.master_params())  # the replica cache's master epoch of this rank
+        mine[3] = int(self.cache is not None and not rt.buffers.busy(self.layer))  # its buffers are free to use
         if obs is not None:
             mine[1] = 1
-            mine[2:] = torch.as_tensor(np.round(obs[2] * 1e9).astype(np.int64))
+            mine[_HEAD:] = torch.as_tensor(np.round(obs[2] * 1e9).astype(np.int64))
         with self._collective("load all-gather"):
             gathered = gather_load(torch.cat([counts[:E], mine.to(counts.device)]), rt.group)
         load, extra = gathered[:, :E], gathered[:, E:]
@@ -255,11 +264,19 @@ class BalancedExperts(nn.Module):
         t1 = time.perf_counter()
         eng = rt.engine
         if obs is not None and extra[:, 1].all():  # every rank measured the same call: calibrate identically
-            measured, total = _reduce_measured(extra[:, 2:].astype(np.float64) * 1e-9)
+            measured, total = _reduce_measured(extra[:, _HEAD:].astype(np.float64) * 1e-9)
             rt._safe(eng.observe, obs[0], obs[1], self.layer, measured, total)
-        # Step 2: plan (identical on every rank) and commit.
+        # Step 2: plan (identical on every rank: the residency table is too) and commit.
+        epoch_R = extra[:, 2]
+        cached = self.cache is not None and bool(extra[:, 3].all())
+        if cached:
+            resident = self.cache.resident(epoch_R, R)
+        else:
+            resident = np.zeros((R, E), dtype=bool)
+            if self.cache is not None:  # some rank cannot use its buffers: this call overwrites what they held
+                self.cache.clear()
         step, mb = rt.step, max(rt.microbatch, 0)
-        decision = eng.decide(step, mb, self.layer, load)
+        decision = eng.decide(step, mb, self.layer, load, resident)
         plan = decision.plan
         eng.commit(decision)
         if rt.config.check_plan_hash:
@@ -278,8 +295,13 @@ class BalancedExperts(nn.Module):
         needs_backward = torch.is_grad_enabled() and (hidden_states.requires_grad
                                                       or any(p.requires_grad for p in params + self.shared_params()))
         job = None
+        hits = 0
         if plan.num_replicas:
-            kept = rt.buffers.private(self.layer, [p[0].detach() for p in params], t.num_redundant_slots)
+            like = [p[0].detach() for p in params]
+            if cached:
+                kept, hits = self._cached_slots(plan, epoch_R, like)
+            else:
+                kept = rt.buffers.private(self.layer, like, t.num_redundant_slots)
             job = ReplicaJob(self, plan, kept)
             job.needs_backward = needs_backward
             if job.kept and needs_backward:
@@ -339,6 +361,10 @@ class BalancedExperts(nn.Module):
             timings["weight_sync_hidden_s"] = max(0.0, flight - ph.get("weight_wait_s", 0.0))
             timings["replica_kept"] = 1.0 if job.kept else 0.0
             timings["transfer_bytes"] = float(job.bytes_sent)
+        if cached:  # this rank's replicas of this call: found resident, streamed, and the bytes not received
+            mine = int((plan.replicas.rank == me).sum())
+            timings.update(cache_hits=float(hits), cache_misses=float(mine - hits),
+                           cache_bytes_saved=float(hits * t.expert_bytes))
         pred = decision.predicted
         timings["predicted_s"] = pred.total_s
         for k in PREDICTED:  # predicted next to measured, per term (the measured ones once the backward ran)
@@ -349,6 +375,18 @@ class BalancedExperts(nn.Module):
         else:
             self.flush_record()
         return out.to(hidden_states.dtype)
+
+    def _cached_slots(self, plan, epoch_R: np.ndarray, like: list[torch.Tensor]):
+        """This rank's ``[N][J]`` slot buffers for ``plan`` from the layer's cache buffers (a resident replica's
+        slot is the buffer that already holds it; an unused slot gets a buffer no replica of this plan needs),
+        and how many of this rank's replicas were resident."""
+        t = self.topology
+        M, N = t.num_masters, t.num_redundant_slots
+        bufs = self.runtime.buffers.private(self.layer, like, self.cache.capacity)
+        where, hits = self.cache.admit(plan.replicas, epoch_R, self.runtime.rank, t.expert_bytes)
+        spare = iter(sorted(set(range(self.cache.capacity)) - set(where.values())))
+        row = plan.phy2log_RS[self.runtime.rank, M:]
+        return [bufs[where[int(e)]] if e >= 0 else bufs[next(spare)] for e in row[:N]], hits
 
     # ------------------------------------------------------------------ backward bookkeeping
     def _hook_backward(self, out, send) -> None:

@@ -67,11 +67,12 @@ class ReplicaBuffers:
         self.restorations = 0
 
     def reserve(self, layer: int, nbytes: int) -> bool:
-        """Give ``layer`` its own buffers (``nbytes`` = N x expert bytes) if the budget still holds them."""
+        """Give ``layer`` its own buffers (``nbytes`` = N x expert bytes, or more for its replica cache) if the
+        budget still holds them."""
         if self.reserved_bytes + nbytes > self.budget_bytes:
             return False
         self.reserved_bytes += nbytes
-        self._private[layer] = None  # allocated on first use
+        self._private.setdefault(layer, None)  # allocated on first use (a second reservation adds cache room)
         return True
 
     def private(self, layer: int, like: list[torch.Tensor], num_slots: int) -> list[list[torch.Tensor]] | None:
@@ -104,19 +105,6 @@ class ReplicaBuffers:
         return have[:num_slots]
 
 
-def with_all_transfers(plan):
-    """``plan`` with a transfer for every replica (historical policies list only *new* replicas)."""
-    import dataclasses
-
-    from ultraep.plan import Transfers
-    from ultraep.policies.transfers import RELAY_MODES, schedule_transfers
-
-    t = plan.topology
-    cols = schedule_transfers(t.home_E, plan.replicas.ptr, plan.replicas.rank, t.expert_bytes, t.num_ranks, t.D,
-                              RELAY_MODES["auto"])
-    return dataclasses.replace(plan, transfers=Transfers(*cols))
-
-
 class ReplicaJob:
     """One layer's replicas for one plan, forward and backward (see the module docstring for the steps).
 
@@ -125,15 +113,15 @@ class ReplicaJob:
     """
 
     def __init__(self, layer: "BalancedExperts", plan, kept_slots: list[list[torch.Tensor]] | None) -> None:
+        """``kept_slots``: this layer's own ``[N][J]`` buffers for replica slots ``M..S-1`` (mode ``kept``; slot
+        ``M + i`` computes with ``kept_slots[i]``, which may already hold its weights), or None (shared buffers)."""
         from ultraep.kernels import ExpertLayout, GradReduceSchedule, StreamSchedule
 
         self.layer = layer
         self.rt = layer.runtime
         t = plan.topology
-        if len(plan.transfers) != plan.num_replicas:
-            # Weights change every optimizer step and buffers may be shared by layers, so every replica is
-            # streamed again: schedule them all.
-            plan = with_all_transfers(plan)
+        # ``plan.transfers`` are exactly the replicas this call streams (the engine planned with the layer's
+        # replica cache: resident replicas are reused in place, every other one is sent)
         self.plan = plan
         self.M, self.S, self.me = t.num_masters, t.num_slots, self.rt.rank
         self.params = layer.master_params()

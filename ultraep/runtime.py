@@ -17,6 +17,7 @@ from torch import nn
 from ultraep.adapters import UnsupportedModelError, adapter_for, prepare, supported
 from ultraep.config import BalancerConfig
 from ultraep.errors import UltraEPError
+from ultraep.replica_cache import ReplicaCache
 from ultraep.replicas import ReplicaBuffers
 
 log = logging.getLogger("ultraep")
@@ -73,6 +74,25 @@ class EPRuntime:
             if t.num_redundant_slots:
                 layer.replica_mode = "kept" if self.buffers.reserve(
                     layer.layer, t.num_redundant_slots * t.expert_bytes) else "restore"
+        if not self.config.replica_cache:
+            return
+        # The replica cache lives in the kept layers' own buffers; what the budget still holds adds up to N more
+        # per layer (layer order), so replicas that leave a plan survive a while (LRU) for when they come back.
+        for layer in self.layers:
+            if layer.replica_mode == "kept":
+                t = layer.topology
+                N = t.num_redundant_slots
+                more = min(N, (self.buffers.budget_bytes - self.buffers.reserved_bytes) // t.expert_bytes)
+                if more > 0:
+                    self.buffers.reserve(layer.layer, more * t.expert_bytes)
+                layer.cache = ReplicaCache(t.home_E, N + max(0, more))
+
+    def invalidate_replicas(self) -> None:
+        """Drop every cached replica at the next call: needed only after writing master weights through
+        ``p.data`` (which PyTorch's version counter does not see); optimizer steps, ``load_state_dict`` and
+        in-place writes to the parameters are detected."""
+        for layer in self.layers:
+            layer.epoch.invalidate()
 
     # ------------------------------------------------------------------ step bookkeeping
     def next_step(self, loss: float | None = None, step_time_s: float | None = None) -> None:
@@ -113,7 +133,8 @@ class EPRuntime:
         first = self.layers[0]
         like = [p[0].detach() for p in first.master_params()]
         hw, _, _, copy_s = local_seed(like, like[0].is_cuda)
-        params = CostParams(weight_sync_overlap=True, resend_all_replicas=True, copy_s_per_byte=copy_s,
+        # the layers plan with their replica residency, so a plan's transfers are exactly what moves
+        params = CostParams(weight_sync_overlap=True, resend_all_replicas=False, copy_s_per_byte=copy_s,
                             restore_in_backward=any(la.replica_mode == "restore" for la in self.layers))
         cm = CostModel(first.topology, hw, first.expert_spec, params)
         # plans and decisions are recorded by the layers (with the transfers that really moved), not the engine
