@@ -280,6 +280,12 @@ def _place_replicas(w_E, home_E, masters_RM, D, N):
 
 
 # ---------------------------------------------------------------------------------------------- policy
+#: Planner latency of EPLB fed the exact current load ("EPLB+"), seconds: it plans on the critical path of
+#: every microbatch, 0.153 ms in the UltraEP paper's planner ablation (arXiv 2606.04101 Table 3, EP64). The
+#: historical policy plans off the critical path (from past loads) and is charged nothing.
+EPLB_PLUS_PLAN_S = 1.53e-4
+
+
 class EplbPolicy:
     """Historical balancing for the runtime: replicas from past load, even token split.
 
@@ -340,7 +346,8 @@ class EplbPolicy:
             # masters-only plan is not a placement: the next step places as soon as history exists
             # instead of waiting ``interval`` steps (issue 15, item 2).
             info={"refreshed": bool(refresh), "placed": bool(refresh and w is not None),
-                  "age": 0 if refresh else self._age, "replicas": reps},
+                  "age": 0 if refresh else self._age, "replicas": reps,
+                  **({"plan_s": EPLB_PLUS_PLAN_S} if self.use_current_load else {})},
         )
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
         return plan
