@@ -96,3 +96,121 @@ def test_cli_errors(tmp_path, capsys):
     assert "topology.scale_out.bandwidth_GBps" in capsys.readouterr().err
     assert main(["trace", "info", str(tr)]) == 0
     assert json.loads(capsys.readouterr().out)["num_experts"] == 8
+
+
+def test_replay_decides_and_commits_through_the_engine(trace, monkeypatch):
+    """One decision loop: every replayed point is decided and committed by ``ultraep.engine.Engine`` (one per
+    simulated policy), and the rows carry the engine's CostBreakdown terms under their own names."""
+    from ultraep.engine import Engine
+    from ultraep.plan import Plan
+    from ultraep.policies import identity_plan
+
+    calls = {"decide": 0, "commit": 0}
+    decide, commit = Engine.decide, Engine.commit
+
+    def counted_decide(self, *a, **k):
+        calls["decide"] += 1
+        return decide(self, *a, **k)
+
+    def counted_commit(self, d):
+        calls["commit"] += 1
+        assert isinstance(d.plan, Plan)
+        return commit(self, d)
+
+    monkeypatch.setattr(Engine, "decide", counted_decide)
+    monkeypatch.setattr(Engine, "commit", counted_commit)
+    cm = build_cost_model("h100-8x-ib", 16, 32, 2)
+    res = simulate(trace, cm, ["none", "quota", "adaptive"], workers=1)
+    assert calls == {"decide": 3 * 48, "commit": 3 * 48}
+    # the terms are the cost model's own, not a translation (no all-to-all split in halves)
+    r = res.rows["none"]
+    load = next(trace.layer_loads(0, 16))[2]
+    bd = cm.predict(identity_plan("none", cm.topology, load))
+    for term in ("compute_fwd_s", "a2a_fwd_s", "a2a_bwd_s", "weight_sync_s", "plan_s", "engine_s", "fwd_s", "bwd_s"):
+        assert r[term][0] == pytest.approx(getattr(bd, term)), term
+    assert r["time_s"][0] == pytest.approx(bd.total_s)
+    # the adaptive engine reused the standalone engines' plans: its choice is predicted as that policy's time
+    # plus the engine overhead
+    q = res.rows["quota"]
+    for i, d in enumerate(res.decisions["adaptive"][:10]):
+        if d[3] == "quota":
+            assert res.rows["adaptive"]["time_s"][i] >= q["time_s"][i]
+
+
+def test_recorded_runs_use_the_engine_term_names(trace, tmp_path):
+    from ultraep.simulate import record
+    from ultraep.telemetry import open_run
+
+    cm = build_cost_model("h100-8x-ib", 16, 32, 2)
+    res = simulate(trace, cm, ["none", "quota"], workers=1, layers=[0])
+    record(res, tmp_path, run_name="r")
+    con = open_run(tmp_path / "r-quota")
+    got = con.execute("SELECT step, other['predicted.a2a_fwd_s'], other['predicted.compute_fwd_s'], "
+                      "other['ideal_s'] FROM timings ORDER BY step").fetchall()
+    r = res.rows["quota"]
+    assert [g[0] for g in got] == r["step"].tolist()
+    assert np.allclose([g[1] for g in got], r["a2a_fwd_s"]) and np.allclose([g[2] for g in got], r["compute_fwd_s"])
+    assert np.allclose([g[3] for g in got], r["ideal_s"])
+    cols = [c[0] for c in con.execute("DESCRIBE timings").fetchall()]
+    keys = con.execute("SELECT DISTINCT unnest(map_keys(other)) FROM timings").fetchall()
+    assert not any("dispatch" in k[0] or "combine" in k[0] for k in keys)  # no halves of the all-to-all
+    assert "predicted_s" in cols or ("predicted_s",) in keys
+
+
+def test_eplb_plus_next_to_eplb_and_charged(trace):
+    """EPLB+ (EPLB fed the exact current load) is its own simulated policy, replayed next to historical eplb,
+    with its planner on the critical path (0.153 ms, UltraEP Table 3); historical eplb plans off it."""
+    from policies.eplb import EPLB_PLUS_PLAN_S
+
+    cm = build_cost_model("h100-8x-ib", 16, 32, 2)
+    res = simulate(trace, cm, ["none", "eplb", "eplb+"], workers=1)
+    s = {x["policy"]: x for x in res.summary()}
+    assert set(s) == {"none", "eplb", "eplb+"}
+    assert np.allclose(res.rows["eplb+"]["plan_s"], EPLB_PLUS_PLAN_S)
+    assert np.all(res.rows["eplb"]["plan_s"] == 0)
+    # exact load from step 0: EPLB+ balances the first point, historical eplb has no history yet
+    first = res.rows["eplb+"]["step"] == 0
+    assert np.all(res.rows["eplb+"]["imbalance_after"][first] < res.rows["eplb"]["imbalance_after"][first])
+    assert s["eplb+"]["imbalance_after"] < s["eplb"]["imbalance_after"]
+
+
+def test_historical_replicas_pay_weight_sync_every_microbatch_by_default(trace):
+    """The simulator's default matches the runtime (every replica streamed each microbatch); resident replicas
+    (``resend_all_replicas=False``) pay only when the placement changes."""
+    from ultraep.simulate import sim_params
+
+    assert sim_params().resend_all_replicas and build_cost_model("h100-8x-ib", 16, 32, 2).params.resend_all_replicas
+    res = simulate(trace, build_cost_model("h100-8x-ib", 16, 32, 2), ["none", "eplb"], workers=1, layers=[0])
+    e = res.rows["eplb"]
+    placed = e["replicas"] > 0
+    assert placed.sum() > 5 and np.all(e["weight_sync_s"][placed] > 0)
+    cm = build_cost_model("h100-8x-ib", 16, 32, 2, params=sim_params(resend_all_replicas=False))
+    e2 = simulate(trace, cm, ["none", "eplb"], workers=1, layers=[0]).rows["eplb"]
+    placed2 = e2["replicas"] > 0
+    assert (e2["weight_sync_s"][placed2] == 0).sum() > 0  # resident between re-placements
+    assert e2["time_s"].sum() < e["time_s"].sum()
+
+
+def test_cli_layers_reads_only_those_layers(tmp_path, monkeypatch, capsys):
+    from ultraep.traces import Trace
+
+    tr = tmp_path / "t.parquet"
+    assert main(["trace", "synth", str(tr), "--ranks", "8", "--experts", "16", "--layers", "3", "--steps", "6"]) == 0
+    seen = []
+    read = Trace.read.__func__
+
+    def spy(cls, path, *, layers=None):
+        t = read(cls, path, layers=layers)
+        seen.append((layers, t.layers.tolist()))
+        return t
+
+    monkeypatch.setattr(Trace, "read", classmethod(spy))
+    out = tmp_path / "s.json"
+    assert main(["simulate", str(tr), "--ranks", "8", "--topology", "h100-8x-ib", "--policies", "none,eplb,eplb+",
+                 "--layers", "1", "--workers", "1", "--json", str(out)]) == 0
+    assert seen == [([1], [1])]  # the reader got the filter: only layer 1's rows were read
+    rows = json.loads(out.read_text())
+    assert [r["policy"] for r in rows] == ["none", "eplb", "eplb+"] and rows[0]["settings"]["layers"] == [1]
+    capsys.readouterr()
+    assert main(["simulate", str(tr), "--ranks", "8", "--layers", "7", "--workers", "1"]) == 2
+    assert "layer 7 is not in the trace" in capsys.readouterr().err

@@ -60,7 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topology", default="gb200-nvl72", choices=sorted(PRESETS), help="cluster preset")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="overrides",
                    help="override a preset field, e.g. scale_out.bandwidth_GBps=1.25 or expert.hidden_size=2048")
-    p.add_argument("--policies", default=",".join(ALL_POLICIES), help=f"comma list (default {','.join(ALL_POLICIES)})")
+    p.add_argument("--policies", default=",".join(ALL_POLICIES),
+                   help=f"comma list (default {','.join(ALL_POLICIES)}); also eplb+ (EPLB fed the exact current load, "
+                   "the UltraEP paper's EPLB+ baseline, replayed next to eplb)")
     p.add_argument("--ranks", type=int, default=None, help="EP group size R (default: the trace's source ranks)")
     p.add_argument("--slots", type=int, default=2, help="redundant slots per rank N (default 2)")
     p.add_argument("--layers", type=_csv_ints, default=None, help="only these layer ids (comma list)")
@@ -72,6 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=["training", "prefill"], default="training", help="training = fwd + bwd")
     p.add_argument("--non-moe-ms", type=float, nargs=2, metavar=("FWD", "BWD"), default=(0.0, 0.0),
                    help="per-layer time outside the MoE block (attention etc.), ms, forward and backward")
+    p.add_argument("--resident-replicas", action="store_true",
+                   help="replicas stay resident between re-placements (historical eplb pays weight sync only when its "
+                   "placement changes); default: every replica is streamed each microbatch, as the ultraep runtime does")
     p.add_argument("--policy-opt", action="append", metavar="POLICY.KEY=VALUE",
                    help="policy option, e.g. eplb.interval=100 or adaptive.margin=0.01")
     p.add_argument("--json", type=Path, default=None, help="write one JSON object per policy to this file")
@@ -84,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _policy_options(items) -> dict:
-    from ultraep.config import ALL_POLICIES
+    from ultraep.simulate import SIM_POLICIES as ALL_POLICIES
 
     out: dict = {}
     for key, value in parse_kv(items, "--policy-opt").items():
@@ -98,20 +103,40 @@ def _policy_options(items) -> dict:
     return out
 
 
+def read_trace(path: Path, fmt: str, options: dict, layers: list[int] | None):
+    """The trace at ``path``; with ``layers``, an ultraep Parquet trace reads only those layers (a row filter in
+    the reader, so memory follows the replayed layers, not the whole trace). Other formats are read whole."""
+    from ultraep.traces import Trace, load_trace
+    from ultraep.traces.importers import detect_format
+
+    if layers is not None and not options and path.is_file():
+        kind = detect_format(path) if fmt == "auto" else fmt
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            from ultraep.traces import META_KEY
+
+            try:
+                tagged = META_KEY in (pq.read_schema(str(path)).metadata or {})
+            except Exception:  # not readable as Parquet: load_trace says why, in one line
+                tagged = False
+            if tagged:
+                return Trace.read(path, layers=layers)
+    return load_trace(path, fmt, **options)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ultraep.cost import CostParams
     from ultraep.presets import parse_overrides
-    from ultraep.simulate import ALL_POLICIES, build_cost_model, check_new_runs, record, simulate
-    from ultraep.traces import load_trace
-
+    from ultraep.simulate import SIM_POLICIES as ALL_POLICIES
+    from ultraep.simulate import build_cost_model, check_new_runs, record, sim_params, simulate
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     unknown = [x for x in policies if x not in ALL_POLICIES]
     if unknown:
         raise ConfigError("--policies", f"unknown policy {unknown[0]!r}; available: {', '.join(ALL_POLICIES)}",
                           unknown[0])
-    trace = load_trace(args.trace, args.format, **parse_kv(args.trace_opt, "--trace-opt"))
+    trace = read_trace(args.trace, args.format, parse_kv(args.trace_opt, "--trace-opt"), args.layers)
     # global-count dumps may still say how large their EP group was (UltraEP's ep_size)
     ranks = args.ranks if args.ranks is not None else (trace.meta.num_ranks or trace.meta.extra.get("ep_size"))
     if ranks is None:
@@ -128,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:  # fail now, not after the replay, if the runs directory cannot be made
         args.out.mkdir(parents=True, exist_ok=True)
         check_new_runs(args.out, args.run_name, policies)
-    params = CostParams(mode=args.mode, non_moe_fwd_s=args.non_moe_ms[0] * 1e-3, non_moe_bwd_s=args.non_moe_ms[1] * 1e-3)
+    params = sim_params(mode=args.mode, non_moe_fwd_s=args.non_moe_ms[0] * 1e-3, non_moe_bwd_s=args.non_moe_ms[1] * 1e-3,
+                        resend_all_replicas=not args.resident_replicas)
     cm = build_cost_model(args.topology, ranks, E, args.slots, overrides=parse_overrides(args.overrides), params=params)
     err = Console(stderr=True)
     result = simulate(

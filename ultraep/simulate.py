@@ -27,30 +27,49 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
-from ultraep.config import ALL_POLICIES, DEFAULT_MAX_PLANS  # noqa: F401 - re-exported for callers
-from ultraep.cost import CostModel, CostParams
+from ultraep.config import ALL_POLICIES, DEFAULT_MAX_PLANS, BalancerConfig  # noqa: F401 - re-exported
+from ultraep.cost import CostBreakdown, CostModel, CostParams
+from ultraep.engine import Engine
 from ultraep.errors import ConfigError
 from ultraep.plan import Plan
 from ultraep.presets import get_preset
 from ultraep.traces import Trace
 
+#: the cost model's predicted terms kept per row, under the CostBreakdown's own names (the names the engine
+#: records as ``predicted.<term>`` and the runtime measures): no translation between vocabularies
+TERM_FIELDS = tuple(f.name for f in dataclasses.fields(CostBreakdown)
+                    if f.name.endswith("_s") and f.name != "total_s") + ("token_straggler",)
 ROW_FIELDS = ("step", "microbatch", "layer", "imbalance_before", "imbalance_after", "replicas", "transfer_bytes",
-              "time_s", "ideal_s", "fwd_s", "bwd_s", "compute_fwd_s", "a2a_fwd_s", "weight_sync_s", "plan_s",
-              "grad_reduce_exposed_s", "gemm_straggler_s", "token_straggler")
+              "time_s", "ideal_s", *TERM_FIELDS)
+#: simulator-only names of a policy with fixed options, replayed as their own run next to the base policy:
+#: ``eplb+`` is the UltraEP paper's EPLB+ baseline (DeepSeek EPLB fed the exact current load)
+VARIANTS: dict[str, tuple[str, dict]] = {"eplb+": ("eplb", {"use_current_load": True})}
+SIM_POLICIES = ("none", "eplb", "eplb+", "quota", "feplb", "hybridep", "adaptive")
+
+
+def sim_params(**fields) -> CostParams:
+    """The simulator's cost-model parameters: ``fields`` over the defaults, with ``resend_all_replicas=True``
+    unless given. The ultraep runtime keeps one set of replica buffers shared across layers and streams every
+    replica again each microbatch (``docs/design.md``), so a historical placement (``eplb``) pays its weight
+    sync every microbatch too, not only when it changes. ``resend_all_replicas=False`` models replicas that
+    stay resident between re-placements (DeepSeek EPLB's own deployment)."""
+    fields.setdefault("resend_all_replicas", True)
+    return CostParams(**fields)
 
 
 def build_cost_model(preset: str, num_ranks: int, num_experts: int, num_redundant_slots: int = 2, *,
                      overrides: dict | None = None, params: CostParams | None = None) -> CostModel:
-    """Preset (with overrides) → topology for the EP group → cost model."""
+    """Preset (with overrides) → topology for the EP group → cost model (``params`` default: :func:`sim_params`)."""
     pre = get_preset(preset, overrides)
     topo = pre.topology(num_ranks, num_experts, num_redundant_slots)
-    return CostModel(topo, pre.hardware, pre.expert, params)
+    return CostModel(topo, pre.hardware, pre.expert, params if params is not None else sim_params())
 
 
 @dataclass
@@ -105,38 +124,149 @@ def summarise(rows: dict[str, dict[str, np.ndarray]], policies) -> list[dict[str
 
 
 # ---------------------------------------------------------------------------------------------- replay
-def _make_policies(names, cm: CostModel, stride: int, policy_options: dict | None):
-    from ultraep.policies import make_policy
-    from ultraep.policies.adaptive import DEFAULT_CANDIDATES, AdaptivePolicy
+class _Shared:
+    """One policy instance shared by the engines of a replayed layer. The standalone engine of a policy and the
+    adaptive engine weighing it as a candidate see one history, and a plan for one load is made once:
+    ``plan`` returns the plan already made for this very load array and topology (policies plan purely; history
+    advances only in ``commit``), and ``commit`` of the plan committed last is a no-op."""
 
+    def __init__(self, policy) -> None:
+        object.__setattr__(self, "_inner", policy)
+        object.__setattr__(self, "_made", (None, None, None))  # (load, topology, plan)
+        object.__setattr__(self, "_committed", None)
+
+    def plan(self, load_RE, topology, **kw):
+        if kw:  # anything beyond (load, topology): no sharing
+            return self._inner.plan(load_RE, topology, **kw)
+        load, topo, plan = self._made
+        if load is not load_RE or topo is not topology:
+            plan = self._inner.plan(load_RE, topology)
+            object.__setattr__(self, "_made", (load_RE, topology, plan))
+        return plan
+
+    def commit(self, plan) -> None:
+        if plan is not self._committed:
+            object.__setattr__(self, "_committed", plan)
+            self._inner.commit(plan)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name, value) -> None:
+        setattr(self._inner, name, value)
+
+
+class _PointCostModel(CostModel):
+    """The cost model, with predictions memoised per plan object and the ideal per load array for the replayed
+    point at hand (:meth:`next_point` forgets them): the adaptive engine weighs plans the standalone engines
+    have just predicted. Plans and loads are immutable, so a hit is the same prediction."""
+
+    def _cache(self) -> None:
+        super()._cache()
+        self._memo: dict = {}
+
+    def next_point(self) -> None:
+        self._memo.clear()
+
+    def _once(self, key, obj, fn):
+        hit = self._memo.get(key)
+        if hit is None or hit[0] is not obj:  # keyed by id(): the object itself confirms the hit
+            hit = self._memo[key] = (obj, fn())
+        return hit[1]
+
+    def predict(self, plan: Plan, **kw) -> CostBreakdown:
+        if set(kw) - {"sync_s"}:
+            return super().predict(plan, **kw)
+        key = (id(plan), kw.get("sync_s"))
+        hit = self._memo.get(key)
+        if hit is None or hit[0] is not plan:
+            hit = self._memo[key] = (plan, super().predict(plan, **kw))
+        return hit[1]
+
+    def ideal(self, load_RE: np.ndarray) -> CostBreakdown:
+        return self._once(("ideal", id(load_RE)), load_RE, lambda: super(_PointCostModel, self).ideal(load_RE))
+
+    def full_sync_time(self, plan: Plan) -> float:
+        return self._once(("full_sync", id(plan)), plan, lambda: super(_PointCostModel, self).full_sync_time(plan))
+
+    def weight_sync_time(self, plan: Plan) -> float:
+        return self._once(("sync", id(plan)), plan, lambda: super(_PointCostModel, self).weight_sync_time(plan))
+
+
+class _Sink:
+    """The recorder an engine records into during a replay (workers are forked processes; :func:`record` writes
+    the telemetry runs afterwards): every ``keep_every``-th plan, and the decisions of a choosing policy."""
+
+    def __init__(self, keep_every: int, decisions: bool) -> None:
+        self.keep_every = keep_every
+        self.keep_decisions = decisions
+        self.count = 0
+        self.plans: list = []
+        self.decisions: list = []
+
+    def record_plan(self, step: int, microbatch: int, layer: int, plan: Plan) -> None:
+        if self.keep_every and self.count % self.keep_every == 0:  # a fresh copy: lazy derived arrays stay behind
+            self.plans.append((step, microbatch, layer, dataclasses.replace(plan)))
+        self.count += 1
+
+    def record_decision(self, step: int, microbatch: int, layer: int, *, policy: str, reason: str,
+                        predictions: dict, chosen_predicted_s: float) -> None:
+        if self.keep_decisions:
+            self.decisions.append((step, microbatch, layer, policy, reason, predictions, chosen_predicted_s))
+
+
+def _engines(names, cm: CostModel, layer: int, stride: int, policy_options: dict | None, keep_every: int):
+    """One :class:`~ultraep.engine.Engine` per simulated policy for ``layer`` (``adaptive`` last), over shared
+    policy instances (:class:`_Shared`), each recording into its own :class:`_Sink`."""
+    from ultraep.config import _DEFAULTS
+    from ultraep.policies import get_policy_class, make_policy
+    from ultraep.policies.adaptive import DEFAULT_CANDIDATES
+
+    t = cm.topology
     opts = {k: dict(v) for k, v in (policy_options or {}).items()}
-    want_adaptive = "adaptive" in names
     a_opts = opts.pop("adaptive", {})
-    candidates = tuple(a_opts.pop("candidates", DEFAULT_CANDIDATES)) if want_adaptive else ()
-    base_names = [n for n in dict.fromkeys(["none", *names, *candidates]) if n != "adaptive"]
-    pols = {}
-    for n in base_names:
-        o = dict(opts.get(n, {}))
-        if n == "eplb" and stride > 1:
+    candidates = tuple(a_opts.pop("candidates", DEFAULT_CANDIDATES)) if "adaptive" in names else ()
+    shared: dict[str, _Shared] = {}
+    for n in dict.fromkeys([*names, *candidates]):
+        if n == "adaptive":
+            continue
+        kind, fixed = VARIANTS.get(n, (n, {}))
+        o = {**fixed, **opts.get(n, {})}
+        if kind == "eplb" and stride > 1:  # interval and window count replayed points: keep their stretch
             o["interval"] = max(1, round(o.get("interval", 50) / stride))
             o["window"] = max(1, round(o.get("window", 50) / stride))
-        if n == "hybridep":
+        if getattr(get_policy_class(kind), "needs_cost_model", False):
             o.setdefault("cost_model", cm)
-        pols[n] = make_policy(n, **o)
-    adaptive = None
-    if want_adaptive:
-        # replayed layers are predicted, not measured: running a probe could only lose (the model is the
-        # outcome here); screened candidates are still re-planned every probe_every decisions
-        a_opts.setdefault("probe_max_loss", 0.0)
-        adaptive = AdaptivePolicy(policies={c: pols[c] for c in candidates}, cost_model=cm, owns_candidates=False,
-                                  **a_opts)
-    return pols, adaptive
+        shared[n] = _Shared(make_policy(kind, **o))
+    M = t.num_masters
+    engines, sinks = {}, {}
+    for n in sorted(names, key=lambda x: x == "adaptive"):
+        if n == "adaptive":
+            # replayed layers are predicted, not measured: a probe could only lose (the model is the outcome
+            # here); screened candidates are still re-planned every probe_every decisions
+            a_opts.setdefault("probe_max_loss", 0.0)
+            pol = make_policy("adaptive", policies={c: shared[c] for c in candidates}, cost_model=cm, **a_opts)
+        else:
+            pol = shared[n]
+        # the config gives the engine its configured name and is validated against the group; the replayed
+        # topology itself is handed over as is (slots beyond what a config allows still replay, as planned)
+        kind = VARIANTS.get(n, (n, {}))[0]
+        # (the layer's options given explicitly: the engine then looks them up instead of building defaults)
+        cfg = BalancerConfig(policy=kind, num_redundant_slots=min(t.num_redundant_slots, (t.D - 1) * M),
+                             domain_size=t.D, layers={layer: _DEFAULTS[kind]()})
+        sinks[n] = _Sink(keep_every, decisions=n == "adaptive")
+        engines[n] = Engine(cfg, t, cost_model=cm, recorder=sinks[n], record_timings=False,
+                            layer_topologies={layer: t}, policy_factory=lambda _layer, p=pol: p)
+    return engines, sinks
 
 
-def _row(plan: Plan, bd, ideal, transfer_bytes: float, step: int, mb: int, layer: int) -> tuple:
+_TERMS = operator.attrgetter(*TERM_FIELDS)
+
+
+def _row(plan: Plan, bd: CostBreakdown, ideal: CostBreakdown, transfer_bytes: float, step: int, mb: int,
+         layer: int) -> tuple:
     return (step, mb, layer, plan.imbalance_before, bd.imbalance, plan.num_replicas, transfer_bytes, bd.total_s,
-            ideal.total_s, bd.fwd_s, bd.bwd_s, bd.compute_fwd_s, bd.a2a_fwd_s, bd.weight_sync_s,
-            bd.plan_s + bd.engine_s, bd.grad_reduce_exposed_s, bd.gemm_straggler_s, bd.token_straggler)
+            ideal.total_s, *_TERMS(bd))
 
 
 def _transfer_bytes(plan: Plan, cm: CostModel) -> float:
@@ -153,40 +283,23 @@ def _transfer_bytes(plan: Plan, cm: CostModel) -> float:
 
 def replay_layer(trace: Trace, layer: int, cm: CostModel, names, *, stride: int = 1, policy_options=None,
                  keep_plan_every: int = 0, tick: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Replay one layer of ``trace`` through ``names``; return its rows, decisions and kept plans."""
+    """Replay one layer of ``trace`` through ``names``, one engine each (decide, then commit, per point in step
+    order); return its rows, decisions and kept plans."""
+    cm = _PointCostModel(cm.topology, cm.hardware, cm.expert, cm.params)
     t = cm.topology
-    pols, adaptive = _make_policies(names, cm, stride, policy_options)
+    engines, sinks = _engines(names, cm, layer, stride, policy_options, keep_plan_every)
     rows = {n: [] for n in names}
-    decisions = {"adaptive": []} if adaptive else {}
-    kept = {n: [] for n in names}
-    count = 0
-    pending = 0
-    for i, (step, mb, load) in enumerate(trace.layer_loads(layer, t.num_ranks, point_stride=stride)):
-        plans = {n: p.plan(load, t) for n, p in pols.items()}
+    count = pending = 0
+    for step, mb, load in trace.layer_loads(layer, t.num_ranks, point_stride=stride):
+        cm.next_point()
         ideal = cm.ideal(load)
-        keep = keep_plan_every > 0 and i % keep_plan_every == 0
-        bds = {n: cm.predict(pl) for n, pl in plans.items()}
-        for n in names:
-            if n == "adaptive":
-                continue
-            pl = plans[n]
-            rows[n].append(_row(pl, bds[n], ideal, _transfer_bytes(pl, cm), step, mb, layer))
-            if keep:  # a fresh copy: derived arrays (lazy routes) stay behind
-                kept[n].append((step, mb, layer, dataclasses.replace(pl)))
-        if adaptive is not None:
-            skip = set(adaptive.screened(load, t, none_s=bds["none"].total_s, ideal_s=ideal.total_s,
-                                         others_s=adaptive.references(bds)))
-            ap = adaptive.decide({c: plans[c] for c in adaptive.policies if c not in skip}, t, screened=sorted(skip),
-                                 breakdowns=bds)
-            bd = cm.predict(ap)
-            rows["adaptive"].append(_row(ap, bd, ideal, _transfer_bytes(ap, cm), step, mb, layer))
-            a = ap.info["adaptive"]
-            decisions["adaptive"].append((step, mb, layer, a["chosen"], a["reason"], a["predictions"], bd.total_s))
-            if keep:
-                kept["adaptive"].append((step, mb, layer, dataclasses.replace(ap)))
-            adaptive.commit(ap)
-        for n, p in pols.items():
-            p.commit(plans[n])
+        decided = []
+        for n, eng in engines.items():
+            d = eng.decide(step, mb, layer, load)
+            decided.append((eng, d))
+            rows[n].append(_row(d.plan, d.predicted, ideal, _transfer_bytes(d.plan, cm), step, mb, layer))
+        for eng, d in decided:
+            eng.commit(d)
         count += 1
         pending += 1
         if tick is not None and pending >= 8:
@@ -200,7 +313,9 @@ def replay_layer(trace: Trace, layer: int, cm: CostModel, names, *, stride: int 
         out_rows[n] = {f: arr[:, j] for j, f in enumerate(ROW_FIELDS)}
         for f in ("step", "microbatch", "layer", "replicas"):
             out_rows[n][f] = out_rows[n][f].astype(np.int64)
-    return {"layer": layer, "rows": out_rows, "decisions": decisions, "plans": kept, "count": count}
+    decisions = {"adaptive": sinks["adaptive"].decisions} if "adaptive" in sinks else {}
+    return {"layer": layer, "rows": out_rows, "decisions": decisions, "plans": {n: sinks[n].plans for n in names},
+            "count": count}
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -236,9 +351,9 @@ def simulate(trace: Trace, cm: CostModel, policies=ALL_POLICIES, *, layers=None,
         progress: ``True`` for a rich progress bar, or a callable ``f(done, total)``.
     """
     names = list(dict.fromkeys(policies))
-    unknown = [n for n in names if n not in ALL_POLICIES]
+    unknown = [n for n in names if n not in SIM_POLICIES]
     if unknown:
-        raise ConfigError("policies", f"unknown policy {unknown[0]!r}; available: {', '.join(ALL_POLICIES)}", unknown[0])
+        raise ConfigError("policies", f"unknown policy {unknown[0]!r}; available: {', '.join(SIM_POLICIES)}", unknown[0])
     if "none" not in names:
         names = ["none", *names]  # the baseline of speed-up figures
         report = [n for n in names if n != "none"]
@@ -385,14 +500,12 @@ def record(result: SimulationResult, runs_dir, *, run_name: str | None = None, t
         try:
             for i in range(len(r["time_s"])):
                 s, mb, layer = int(r["step"][i]), int(r["microbatch"][i]), int(r["layer"][i])
+                # the engine's names: predicted_s and predicted.<term> (CostBreakdown fields), as a live run records
                 rec.record_timings(s, mb, layer, {
                     "predicted_s": float(r["time_s"][i]), "plan_s": float(r["plan_s"][i]),
-                    "transfer_s": float(r["weight_sync_s"][i]), "dispatch_s": float(r["a2a_fwd_s"][i]) / 2,
-                    "combine_s": float(r["a2a_fwd_s"][i]) / 2, "experts_s": float(r["compute_fwd_s"][i]),
-                    "backward_reduce_s": float(r["grad_reduce_exposed_s"][i]), "ideal_s": float(r["ideal_s"][i]),
-                    "fwd_s": float(r["fwd_s"][i]), "bwd_s": float(r["bwd_s"][i]),
-                    "imbalance_before": float(r["imbalance_before"][i]),
+                    "ideal_s": float(r["ideal_s"][i]), "imbalance_before": float(r["imbalance_before"][i]),
                     "imbalance_after": float(r["imbalance_after"][i]),
+                    **{f"predicted.{f}": float(r[f][i]) for f in TERM_FIELDS if f.endswith("_s")},
                 })
                 if pol != "adaptive":
                     rec.record_decision(s, mb, layer, policy=pol, reason="fixed policy (simulation)",
