@@ -12,7 +12,7 @@ import numpy as np
 
 from ultraep.errors import TraceError
 
-from . import COLUMNS, Trace, TraceMeta
+from .trace import COLUMNS, Trace, TraceMeta
 
 
 def first_line(exc: BaseException) -> str:

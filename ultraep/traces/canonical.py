@@ -21,7 +21,7 @@ import numpy as np
 
 from ultraep.errors import TraceError
 
-from . import COLUMNS, META_KEY, Trace, TraceMeta
+from .trace import COLUMNS, META_KEY, Trace, TraceMeta
 from ._build import check_num_experts
 
 

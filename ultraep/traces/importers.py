@@ -33,7 +33,7 @@ import numpy as np
 
 from ultraep.errors import TraceError, UltraEPError, format_pydantic_error
 
-from . import Trace, TraceMeta
+from .trace import Trace, TraceMeta
 from ._build import first_line as _first_line
 from .canonical import import_csv, import_parquet, is_canonical_csv
 from .megatron import import_megatron_jsonl, is_megatron_dir

@@ -51,7 +51,7 @@ import numpy as np
 
 from ultraep.errors import TraceError
 
-from . import Trace, TraceMeta
+from .trace import Trace, TraceMeta
 from ._build import RowBuilder, dense_ranks, int_array, resolve_num_experts
 
 MTP_LAYER_BASE = 1000

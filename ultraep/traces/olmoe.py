@@ -37,7 +37,7 @@ import numpy as np
 
 from ultraep.errors import TraceError
 
-from . import Trace, TraceMeta
+from .trace import Trace, TraceMeta
 from ._build import RowBuilder, int_array, resolve_num_experts
 
 LAYERS = (0, 7, 15)

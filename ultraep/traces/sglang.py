@@ -49,7 +49,7 @@ import numpy as np
 
 from ultraep.errors import TraceError
 
-from . import Trace, TraceMeta
+from .trace import Trace, TraceMeta
 from ._build import RowBuilder, dense_ranks, first_line, int_array, resolve_num_experts
 
 PT_FILE = re.compile(r"^expert_distribution_recorder_(\d+(?:\.\d+)?(?:e[+-]?\d+)?)(?:_(\d+))?\.pt$")

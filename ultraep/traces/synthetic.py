@@ -34,7 +34,7 @@ from ultraep.errors import ConfigError
 from ultraep.limits import check_bound, check_synthetic_trace, limit
 from ultraep.workload import fit_popularity, solve_inclusion
 
-from . import Trace, TraceMeta
+from .trace import Trace, TraceMeta
 
 
 class SyntheticSpec(BaseModel):

@@ -31,7 +31,7 @@ import numpy as np
 
 from ultraep.errors import TraceError
 
-from . import Trace, TraceMeta
+from .trace import Trace, TraceMeta
 from ._build import RowBuilder, dense_ranks, int_array, resolve_num_experts
 
 _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",

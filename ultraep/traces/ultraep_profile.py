@@ -40,7 +40,7 @@ import numpy as np
 
 from ultraep.errors import TraceError
 
-from . import Trace, TraceMeta
+from .trace import Trace, TraceMeta
 from ._build import RowBuilder, check_num_experts, int_array
 
 MANIFEST = ".manifest.json"
