@@ -55,12 +55,14 @@ SIM_POLICIES = ("none", "eplb", "eplb+", "quota", "feplb", "hybridep", "adaptive
 
 
 def sim_params(**fields) -> CostParams:
-    """The simulator's cost-model parameters: ``fields`` over the defaults, with ``resend_all_replicas=True``
-    unless given. The ultraep runtime keeps one set of replica buffers shared across layers and streams every
-    replica again each microbatch (``docs/design.md``), so a historical placement (``eplb``) pays its weight
-    sync every microbatch too, not only when it changes. ``resend_all_replicas=False`` models replicas that
-    stay resident between re-placements (DeepSeek EPLB's own deployment)."""
-    fields.setdefault("resend_all_replicas", True)
+    """The simulator's cost-model parameters (``fields`` over the defaults).
+
+    Replica weights are charged as the ultraep runtime moves them (its replica cache, ``docs/design.md``): a
+    replica stays valid on its rank until its master changes, and the replay hands the engine which replicas
+    are resident (:func:`replay_layer`), so a plan pays for exactly its non-resident replicas. In training the
+    optimizer changes the masters every step, so every replica is sent again at the first microbatch of a
+    step, historical ``eplb`` included; in prefill a placement that does not change moves nothing.
+    ``resend_all_replicas=True`` charges every replica each microbatch instead (a runtime without a cache)."""
     return CostParams(**fields)
 
 
@@ -128,24 +130,28 @@ class _Shared:
     """One policy instance shared by the engines of a replayed layer. The standalone engine of a policy and the
     adaptive engine weighing it as a candidate see one history, and a plan for one load is made once:
     ``plan`` returns the plan already made for this very load array and topology (policies plan purely; history
-    advances only in ``commit``), and ``commit`` of the plan committed last is a no-op."""
+    advances only in ``commit``), and ``commit`` of the plan committed last (or a copy of it) is a no-op."""
 
     def __init__(self, policy) -> None:
         object.__setattr__(self, "_inner", policy)
-        object.__setattr__(self, "_made", (None, None, None))  # (load, topology, plan)
+        object.__setattr__(self, "_made", (None, None, None, None))  # (load, topology, resident, plan)
         object.__setattr__(self, "_committed", None)
 
     def plan(self, load_RE, topology, **kw):
-        if kw:  # anything beyond (load, topology): no sharing
-            return self._inner.plan(load_RE, topology, **kw)
-        load, topo, plan = self._made
-        if load is not load_RE or topo is not topology:
-            plan = self._inner.plan(load_RE, topology)
-            object.__setattr__(self, "_made", (load_RE, topology, plan))
+        resident = kw.pop("resident_RE", None)
+        if kw:  # anything else beyond (load, topology): no sharing
+            return self._inner.plan(load_RE, topology, resident_RE=resident, **kw)
+        load, topo, res, plan = self._made
+        if load is not load_RE or topo is not topology or res is not resident:
+            plan = (self._inner.plan(load_RE, topology) if resident is None
+                    else self._inner.plan(load_RE, topology, resident_RE=resident))
+            object.__setattr__(self, "_made", (load_RE, topology, resident, plan))
         return plan
 
     def commit(self, plan) -> None:
-        if plan is not self._committed:
+        last = self._committed
+        # a copy of one plan (the engine hands a plan over with its residency's transfers) commits once
+        if last is None or plan.quota_RS is not last.quota_RS or plan.info is not last.info:
             object.__setattr__(self, "_committed", plan)
             self._inner.commit(plan)
 
@@ -177,9 +183,11 @@ class _PointCostModel(CostModel):
     def predict(self, plan: Plan, **kw) -> CostBreakdown:
         if set(kw) - {"sync_s"}:
             return super().predict(plan, **kw)
-        key = (id(plan), kw.get("sync_s"))
+        # keyed by the arrays and info a plan shares with its copies (the engine hands each policy's plan over
+        # with the transfers of its own residency: a copy, equal when the residency is)
+        key = (id(plan.quota_RS), id(plan.info), kw.get("sync_s"))
         hit = self._memo.get(key)
-        if hit is None or hit[0] is not plan:
+        if hit is None or not _same_plan(hit[0], plan):
             hit = self._memo[key] = (plan, super().predict(plan, **kw))
         return hit[1]
 
@@ -191,6 +199,27 @@ class _PointCostModel(CostModel):
 
     def weight_sync_time(self, plan: Plan) -> float:
         return self._once(("sync", id(plan)), plan, lambda: super(_PointCostModel, self).weight_sync_time(plan))
+
+
+def _same_plan(a: Plan, b: Plan) -> bool:
+    if a is b:
+        return True
+    if a.quota_RS is not b.quota_RS or a.info is not b.info or a.phy2log_RS is not b.phy2log_RS:
+        return False
+    ta, tb = a.transfers, b.transfers
+    return ta is tb or (len(ta) == len(tb) and all(np.array_equal(getattr(ta, f), getattr(tb, f))
+                                                   for f in ("expert", "src", "dst", "bytes", "stage")))
+
+
+def resident_of(plan: Plan) -> np.ndarray | None:
+    """``[R, E]`` bool: the ranks holding weights of an expert after ``plan`` ran (its replicas; None if none)."""
+    rep = plan.replicas
+    if not len(rep.rank):
+        return None
+    t = plan.topology
+    out = np.zeros((t.num_ranks, t.num_experts), dtype=bool)
+    out[rep.rank, np.repeat(np.arange(t.num_experts), np.diff(rep.ptr))] = True
+    return out
 
 
 class _Sink:
@@ -276,8 +305,8 @@ def _transfer_bytes(plan: Plan, cm: CostModel) -> float:
         from ultraep.policies.hybridep import allgather_bytes_per_rank
 
         return float(allgather_bytes_per_rank(cm, S, float(hyb.get("compression", 1.0))).sum())
-    if "sync_s" in plan.info:  # a switch to a non-resident placement: every replica moves
-        return float(plan.num_replicas * cm.expert_bytes)
+    if "sync_s" in plan.info or (cm.params.resend_all_replicas and plan.num_replicas):  # every replica moves
+        return float(cm.replica_tree(plan).bytes.sum())
     return float(plan.transfers.bytes.sum()) if len(plan.transfers) else 0.0
 
 
@@ -290,16 +319,25 @@ def replay_layer(trace: Trace, layer: int, cm: CostModel, names, *, stride: int 
     engines, sinks = _engines(names, cm, layer, stride, policy_options, keep_plan_every)
     rows = {n: [] for n in names}
     count = pending = 0
+    # Residency as the runtime's replica cache keeps it: a replica stays valid until its master changes. The
+    # optimizer changes the masters once per training step, so only the replicas of the previous microbatch of
+    # the same step are resident then; prefill never changes them. (One array for "nothing resident", shared by
+    # every engine, so that policies shared between engines plan it once.)
+    nothing = np.zeros((t.num_ranks, t.num_experts), dtype=bool)
+    held: dict[str, tuple[int, np.ndarray | None]] = {}
+    keep = cm.params.mode == "prefill"
     for step, mb, load in trace.layer_loads(layer, t.num_ranks, point_stride=stride):
         cm.next_point()
         ideal = cm.ideal(load)
         decided = []
         for n, eng in engines.items():
-            d = eng.decide(step, mb, layer, load)
-            decided.append((eng, d))
+            s0, res = held.get(n, (None, None))
+            d = eng.decide(step, mb, layer, load, res if res is not None and (keep or s0 == step) else nothing)
+            decided.append((n, eng, d))
             rows[n].append(_row(d.plan, d.predicted, ideal, _transfer_bytes(d.plan, cm), step, mb, layer))
-        for eng, d in decided:
+        for n, eng, d in decided:
             eng.commit(d)
+            held[n] = (step, resident_of(d.plan))
         count += 1
         pending += 1
         if tick is not None and pending >= 8:
