@@ -96,6 +96,42 @@ def import_ultraep_npz(path, trace_id: str | None = None, chunks: int | None = N
     """UltraEP load profile: a manifest, one of its chunks, or the profile directory."""
     mp = _manifest_path(Path(path), trace_id)
     ms = str(mp)
+    manifest, tid, need = _read_manifest(mp)
+    n_chunks = need["chunks"]
+    on_disk = sorted(int(m.group(2)) for f in mp.parent.iterdir() if (m := CHUNK.match(f.name)) and m.group(1) == tid)
+    if chunks is not None:
+        if type(chunks) is not int or chunks < 1:
+            raise TraceError("ultraep-npz.chunks", f"must be an integer >= 1, got {chunks!r}", chunks)
+        n_chunks = chunks
+    elif len(on_disk) > n_chunks:
+        raise TraceError(f"{ms}.chunks", f"is {n_chunks} but {len(on_disk)} chunk files lie beside it (the run did not "
+                         f"close its profiler?); pass --trace-opt chunks={len(on_disk)} to read them", n_chunks)
+    if n_chunks == 0:
+        raise TraceError(f"{ms}.chunks", "is 0: the profiler wrote no chunks", 0)
+    if microbatches_per_step is not None and (type(microbatches_per_step) is not int or microbatches_per_step < 1):
+        raise TraceError("ultraep-npz.microbatches_per_step", f"must be an integer >= 1, got {microbatches_per_step!r}",
+                         microbatches_per_step)
+    E = check_num_experts(need["num_global_logical_experts"], ms, False)
+    max_mb = max(1, need["max_microbatches"])
+    rows = RowBuilder()
+    for k in range(n_chunks):
+        _add_chunk(mp.parent / f"{tid}.chunk{k:06d}.npz", E, max_mb, microbatches_per_step, rows)
+    dropped = manifest.get("dropped_records", 0)
+    meta = TraceMeta(
+        num_experts=E, source="ultraep-npz",
+        description=f"UltraEP load profile {tid}: global pre-reroute loads; "
+        + ("step = microbatch counter" if microbatches_per_step is None else
+           f"{microbatches_per_step} microbatches per step") + (f"; {dropped} records dropped by the writer"
+                                                                if dropped else ""),
+        extra={"trace_id": tid, "ep_size": need["ep_size"], "dropped_records": dropped,
+               "record_interval": manifest.get("record_interval"), "chunks": n_chunks},
+    )
+    return rows.finish(meta, ms)
+
+
+def _read_manifest(mp: Path) -> tuple[dict, str, dict[str, int]]:
+    """The manifest as written, its trace id (from the file name) and its required integer fields."""
+    ms = str(mp)
     try:
         manifest = json.loads(mp.read_text())
     except FileNotFoundError:
@@ -117,59 +153,35 @@ def import_ultraep_npz(path, trace_id: str | None = None, chunks: int | None = N
         if type(v) is not int or v < 0:
             raise TraceError(f"{ms}.{key}", f"must be an integer >= 0, got {v!r}", v)
         need[key] = v
-    n_chunks = need["chunks"]
-    on_disk = sorted(int(m.group(2)) for f in mp.parent.iterdir() if (m := CHUNK.match(f.name)) and m.group(1) == tid)
-    if chunks is not None:
-        if type(chunks) is not int or chunks < 1:
-            raise TraceError("ultraep-npz.chunks", f"must be an integer >= 1, got {chunks!r}", chunks)
-        n_chunks = chunks
-    elif len(on_disk) > n_chunks:
-        raise TraceError(f"{ms}.chunks", f"is {n_chunks} but {len(on_disk)} chunk files lie beside it (the run did not "
-                         f"close its profiler?); pass --trace-opt chunks={len(on_disk)} to read them", n_chunks)
-    if n_chunks == 0:
-        raise TraceError(f"{ms}.chunks", "is 0: the profiler wrote no chunks", 0)
-    if microbatches_per_step is not None and (type(microbatches_per_step) is not int or microbatches_per_step < 1):
-        raise TraceError("ultraep-npz.microbatches_per_step", f"must be an integer >= 1, got {microbatches_per_step!r}",
-                         microbatches_per_step)
-    E = check_num_experts(need["num_global_logical_experts"], ms, False)
-    max_mb = max(1, need["max_microbatches"])
-    rows = RowBuilder()
-    for k in range(n_chunks):
-        fp = mp.parent / f"{tid}.chunk{k:06d}.npz"
-        a = _chunk_arrays(fp)
-        pre = int_array(a["pre_logical_loads"], f"{fp}:pre_logical_loads", "pre_logical_loads")
-        post = int_array(a["post_physical_loads"], f"{fp}:post_physical_loads", "post_physical_loads")
-        layers, vlayers, mbs = (int_array(a[n], f"{fp}:{n}", n) for n in ("layers", "virtual_layers", "microbatches"))
-        n = pre.shape[0] if pre.ndim == 2 else -1
-        if pre.ndim != 2 or pre.shape[1] != E:
-            raise TraceError(f"{fp}:pre_logical_loads", f"has shape {pre.shape}, expected [records, {E}]", pre.shape)
-        for name, arr in (("layers", layers), ("virtual_layers", vlayers), ("microbatches", mbs)):
-            if arr.shape != (n,):
-                raise TraceError(f"{fp}:{name}", f"has shape {arr.shape} for {n} records", arr.shape)
-        if post.ndim != 2 or post.shape[0] != n:
-            raise TraceError(f"{fp}:post_physical_loads", f"has shape {post.shape} for {n} records", post.shape)
-        bad = np.flatnonzero(pre.sum(axis=1) != post.sum(axis=1))
-        if bad.size:
-            i = int(bad[0])
-            raise TraceError(f"{fp}:records[{i}]", f"pre-reroute total {int(pre[i].sum())} != post-reroute total "
-                             f"{int(post[i].sum())}: the chunk does not conserve tokens", i)
-        bad = np.flatnonzero(vlayers // max_mb != layers)
-        if bad.size:
-            i = int(bad[0])
-            raise TraceError(f"{fp}:virtual_layers[{i}]", f"({int(vlayers[i])}) is not a slot of layer {int(layers[i])} "
-                             f"with max_microbatches {max_mb}", int(vlayers[i]))
-        step, mb = (mbs, np.zeros(n, np.int64)) if microbatches_per_step is None else np.divmod(mbs, microbatches_per_step)
-        r, e = np.nonzero(pre)
-        rows.add_rows(step[r], mb[r], layers[r], np.full(r.size, -1), e, pre[r, e])
-        rows.add_total(int(pre.sum()))
-    dropped = manifest.get("dropped_records", 0)
-    meta = TraceMeta(
-        num_experts=E, source="ultraep-npz",
-        description=f"UltraEP load profile {tid}: global pre-reroute loads; "
-        + ("step = microbatch counter" if microbatches_per_step is None else
-           f"{microbatches_per_step} microbatches per step") + (f"; {dropped} records dropped by the writer"
-                                                                if dropped else ""),
-        extra={"trace_id": tid, "ep_size": need["ep_size"], "dropped_records": dropped,
-               "record_interval": manifest.get("record_interval"), "chunks": n_chunks},
-    )
-    return rows.finish(meta, ms)
+    return manifest, tid, need
+
+
+def _add_chunk(fp: Path, E: int, max_mb: int, microbatches_per_step: int | None, rows: RowBuilder) -> None:
+    """Check one chunk (shapes, token conservation pre/post reroute, virtual-layer slots) and add its global
+    pre-reroute loads to ``rows``."""
+    a = _chunk_arrays(fp)
+    pre = int_array(a["pre_logical_loads"], f"{fp}:pre_logical_loads", "pre_logical_loads")
+    post = int_array(a["post_physical_loads"], f"{fp}:post_physical_loads", "post_physical_loads")
+    layers, vlayers, mbs = (int_array(a[n], f"{fp}:{n}", n) for n in ("layers", "virtual_layers", "microbatches"))
+    n = pre.shape[0] if pre.ndim == 2 else -1
+    if pre.ndim != 2 or pre.shape[1] != E:
+        raise TraceError(f"{fp}:pre_logical_loads", f"has shape {pre.shape}, expected [records, {E}]", pre.shape)
+    for name, arr in (("layers", layers), ("virtual_layers", vlayers), ("microbatches", mbs)):
+        if arr.shape != (n,):
+            raise TraceError(f"{fp}:{name}", f"has shape {arr.shape} for {n} records", arr.shape)
+    if post.ndim != 2 or post.shape[0] != n:
+        raise TraceError(f"{fp}:post_physical_loads", f"has shape {post.shape} for {n} records", post.shape)
+    bad = np.flatnonzero(pre.sum(axis=1) != post.sum(axis=1))
+    if bad.size:
+        i = int(bad[0])
+        raise TraceError(f"{fp}:records[{i}]", f"pre-reroute total {int(pre[i].sum())} != post-reroute total "
+                         f"{int(post[i].sum())}: the chunk does not conserve tokens", i)
+    bad = np.flatnonzero(vlayers // max_mb != layers)
+    if bad.size:
+        i = int(bad[0])
+        raise TraceError(f"{fp}:virtual_layers[{i}]", f"({int(vlayers[i])}) is not a slot of layer {int(layers[i])} "
+                         f"with max_microbatches {max_mb}", int(vlayers[i]))
+    step, mb = (mbs, np.zeros(n, np.int64)) if microbatches_per_step is None else np.divmod(mbs, microbatches_per_step)
+    r, e = np.nonzero(pre)
+    rows.add_rows(step[r], mb[r], layers[r], np.full(r.size, -1), e, pre[r, e])
+    rows.add_total(int(pre.sum()))
