@@ -18,6 +18,7 @@ force-balanced at the default shape. A second table gives quota's per-phase time
     .venv/bin/python benchmarks/bench_runtime.py                 # the whole shape matrix
     .venv/bin/python benchmarks/bench_runtime.py --shapes default,mixtral --iters 3
     .venv/bin/python benchmarks/bench_runtime.py --shapes custom --tokens 2048 --hidden 1024 --ffn 1024
+    .venv/bin/python benchmarks/bench_runtime.py --mode serve        # forward only (benchmarks/bench_serving.py)
 """
 
 from __future__ import annotations
@@ -144,6 +145,13 @@ def _run_shape(shape: Shape, args, policies) -> dict:
 
 
 def main() -> None:
+    if "--mode" in sys.argv:  # serving / gradient accumulation: the replica cache's benchmark
+        i = sys.argv.index("--mode")
+        if sys.argv[i + 1:i + 2] != ["train"]:
+            from benchmarks import bench_serving
+
+            return bench_serving.main()
+        del sys.argv[i:i + 2]
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}, custom")
     ap.add_argument("--policies", default=",".join(p for p, _, _ in POLICIES))

@@ -92,8 +92,9 @@ class QuotaOptions(_Options):
     )
     relay: RelayMode = Field(default="auto", description="Weight transfer: relay tree when it pays, direct, or always.")
     cache_tolerance: StrictFloat = Field(
-        default=0.01, ge=0.0, description="Reuse resident replicas (no weight transfer) when the planned max rank load "
-        "is at most this fraction of the mean rank load above the plan that ignores them.",
+        default=0.02, ge=0.0, description="Reuse resident replicas (no weight transfer) when the planned max rank load "
+        "is at most this fraction of the mean rank load above the plan that ignores them (0.02: on persistent "
+        "skew, 96-100 % of replicas reused at 3072+ tokens per rank for a 0.4-0.5 % higher max load).",
     )
 
 
