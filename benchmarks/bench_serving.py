@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.bench_runtime import _experts  # noqa: E402 - the same transformers containers
 from benchmarks.common import row, write_rows  # noqa: E402
 from ultraep.launch import launch  # noqa: E402
 
@@ -62,18 +63,6 @@ ACCUM_SHAPES = {"qwen3-t1024": Shape("qwen3-t1024", 1024, hidden=512, ffn=1024, 
 #: (run, policy, replica cache, skewed routing)
 RUNS = [("none", "none", True, True), ("quota (no cache)", "quota", False, True), ("quota", "quota", True, True),
         ("adaptive", "adaptive", True, True), ("force-balanced", "none", True, False)]
-
-
-def _experts(shape: Shape):
-    import transformers as tf
-
-    if shape.family == "mixtral":
-        cfg = tf.MixtralConfig(hidden_size=shape.hidden, intermediate_size=shape.ffn, num_local_experts=shape.experts,
-                               num_experts_per_tok=shape.top_k)
-        return tf.models.mixtral.modeling_mixtral.MixtralExperts(cfg)
-    cfg = tf.Qwen3MoeConfig(hidden_size=shape.hidden, moe_intermediate_size=shape.ffn, num_experts=shape.experts,
-                            num_experts_per_tok=shape.top_k)
-    return tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(cfg)
 
 
 def _batch(rank: int, shape: Shape, skew: bool, batch: int):
