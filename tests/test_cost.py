@@ -168,3 +168,32 @@ def test_presets_overrides_and_errors():
     assert exc.value.path == "topology.scale_out.bandwidth_GBps" and exc.value.value == -1
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_overrides(["scale_out.bandwidth_GBps"])
+
+
+def test_token_dedup_per_destination_rank_and_domain():
+    """With the router's top-k, a token is sent once per destination rank inside a domain and once per destination
+    domain across domains (DeepEP), estimated from counts with independent choices: distinct = T·(1 − Π(1 − x/T))."""
+    D_ov = {"domain_size": 2, "ranks_per_node": 2}
+    pairs = _cm("h100-8x-ib", 4, 8, 0, **D_ov)
+    dedup = _cm("h100-8x-ib", 4, 8, 0, params=CostParams(dedup_top_k=2), **D_ov)
+    load = np.zeros((4, 8), dtype=np.int64)
+    load[0, [0, 2, 3, 4, 6]] = [4, 6, 4, 5, 1]  # source 0: 20 assignments = 10 tokens of top-2
+    plan = identity_plan("none", pairs.topology, load)
+    tp, td = pairs.traffic(plan), dedup.traffic(plan)
+    # rank 1 (same domain) holds experts 2, 3: 10 + 0 pairs, 10·(1 − 0.4·0.6) = 7.6 tokens
+    assert tp.send_RL[0, 0] == 10 and td.send_RL[0, 0] == pytest.approx(7.6)
+    assert td.recv_RL[1, 0] == pytest.approx(7.6)
+    # domain 1 (ranks 2, 3: experts 4 and 6) gets each token once, at rank 2 (source 0's in-domain offset)
+    assert tp.send_RL[0, 1] == 6 and td.send_RL[0, 1] == pytest.approx(10 * (1 - 0.5 * 0.9))
+    assert td.recv_RL[2, 1] == pytest.approx(5.5) and td.recv_RL[3, 1] == 0
+    # the force-balanced ideal uses the same estimate: a uniform load is its own ideal, with or without dedup
+    uni = _uniform(16, 64, 8 * 64 * 4)
+    for cm in (_cm("h100-8x-ib", 16, 64, 0), _cm("h100-8x-ib", 16, 64, 0, params=CostParams(dedup_top_k=8))):
+        mine = cm.traffic(identity_plan("none", cm.topology, uni))
+        ideal = cm.predict(identity_plan("none", cm.topology, uni)).a2a_fwd_s
+        assert ideal == pytest.approx(cm.ideal(uni).a2a_fwd_s, rel=0.02)
+        assert mine.send_RL.sum() > 0
+    # dedup lowers the all-to-all, most across domains (8 masters per node here)
+    none_p = pairs.predict(plan).a2a_fwd_s
+    none_d = dedup.predict(plan).a2a_fwd_s
+    assert none_d < none_p

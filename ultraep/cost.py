@@ -111,6 +111,12 @@ class CostParams(BaseModel):
     engine_overhead_s: float = Field(
         default=5e-6, ge=0, description="Decision overhead of the adaptive engine per layer, seconds."
     )
+    dedup_top_k: int | None = Field(
+        default=None, ge=1,
+        description="Router top-k. Set: the all-to-all sends a token once per destination rank inside a scale-up "
+        "domain and once per destination domain across domains (DeepEP), estimated from the counts (tokens of a "
+        "source = its assignments / k; choices independent per instance). None: every token-expert pair is sent.",
+    )
 
 
 @njit(cache=True)
@@ -164,6 +170,75 @@ def _level_flows(tok_RR, domain_R):
                 send[src, lvl] += x
                 recv[dst, lvl] += x
     return send, recv
+
+
+@njit(cache=True)
+def _dedup_levels(logmiss_RR, tok_R, D):
+    """Distinct tokens per link level: ``(send [R, 2], recv [R, 2])``.
+
+    ``logmiss_RR[src, dst]`` is the log-probability that a token of ``src`` goes to no instance on ``dst``
+    (``Σ log(1 − x_i / T_src)`` over the instances ``i`` of ``dst`` that ``src`` sends ``x_i`` assignments,
+    independent choices); ``tok_R`` the tokens of each source. Inside the source's domain a token is sent once
+    per destination rank; to another domain once (DeepEP's RDMA leg), received by the rank with the source's
+    in-domain offset, which forwards it over the scale-up link (not counted: that link is many times faster).
+    Ranks of a domain are contiguous blocks of ``D``.
+    """
+    R = logmiss_RR.shape[0]
+    G = R // D
+    send = np.zeros((R, 2))
+    recv = np.zeros((R, 2))
+    for src in range(R):
+        T = tok_R[src]
+        if T <= 0:
+            continue
+        a = src // D
+        for dst in range(a * D, a * D + D):
+            if dst != src:
+                x = T * (1.0 - np.exp(logmiss_RR[src, dst]))
+                send[src, 0] += x
+                recv[dst, 0] += x
+        for b in range(G):
+            if b == a:
+                continue
+            lm = 0.0
+            for dst in range(b * D, b * D + D):
+                lm += logmiss_RR[src, dst]
+            x = T * (1.0 - np.exp(lm))
+            send[src, 1] += x
+            recv[b * D + src % D, 1] += x
+    return send, recv
+
+
+@njit(cache=True)
+def _miss(x, T):
+    """``log(1 − x / T)``, a token's chance to miss an instance that gets ``x`` of the source's ``T`` tokens."""
+    return np.log1p(-min(x / T, 1.0 - 1e-12)) if T > 0 else 0.0
+
+
+@njit(cache=True)
+def _route_logmiss(routes_RRS, tok_R):
+    R, _, S = routes_RRS.shape
+    out = np.zeros((R, R))
+    for src in range(R):
+        for dst in range(R):
+            for s in range(S):
+                x = routes_RRS[src, dst, s]
+                if x:
+                    out[src, dst] += _miss(x, tok_R[src])
+    return out
+
+
+@njit(cache=True)
+def _dest_logmiss(load_RE, dst_RE, tok_R):
+    """``load_RE[r, e]`` assignments of source ``r`` to expert ``e`` go to rank ``dst_RE[r, e]``."""
+    R, E = load_RE.shape
+    out = np.zeros((R, R))
+    for src in range(R):
+        for e in range(E):
+            x = load_RE[src, e]
+            if x:
+                out[src, dst_RE[src, e]] += _miss(x, tok_R[src])
+    return out
 
 
 @dataclass(frozen=True)
@@ -259,6 +334,23 @@ class CostModel:
         send, recv = _level_flows(np.ascontiguousarray(tok_RR, dtype=np.float64), self.topology.domain_R)
         return Traffic(np.asarray(tokens_R), np.asarray(instances_R), send, recv, static_tokens_R, static_instances_R)
 
+    def tokens_of(self, load_RE: np.ndarray) -> np.ndarray | None:
+        """``[R]`` tokens each source routes (assignments / top-k) when de-duplicating, else None."""
+        k = self.params.dedup_top_k
+        return None if k is None else np.asarray(load_RE, dtype=np.float64).sum(axis=1) / k
+
+    def dest_flows(self, load_RE: np.ndarray, dst_RE: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(send [R, 2], recv [R, 2])`` when source ``r``'s assignments to expert ``e`` go to rank
+        ``dst_RE[r, e]``: assignments, or distinct tokens with :attr:`CostParams.dedup_top_k`."""
+        t = self.topology
+        tok = self.tokens_of(load_RE)
+        if tok is not None:
+            return _dedup_levels(_dest_logmiss(load_RE, dst_RE, tok), tok, t.D)
+        R = t.num_ranks
+        flows = np.zeros((R, R))
+        np.add.at(flows, (np.repeat(np.arange(R), load_RE.shape[1]), dst_RE.ravel()), load_RE.ravel())
+        return _level_flows(flows, t.domain_R)
+
     def traffic(self, plan: Plan) -> Traffic:
         """Traffic of a plan; a HybridEP plan (``plan.info["hybridep"]``) uses its expert-domain routing."""
         hyb = plan.info.get("hybridep")
@@ -267,11 +359,19 @@ class CostModel:
 
             return hybrid_traffic(self, plan.load_RE, int(hyb["expert_domain_size"]))
         q = plan.quota_RS
+        t = self.topology
+        tok = self.tokens_of(plan.load_RE)
         if plan.num_replicas == 0:  # masters only: every token goes home (no routes needed)
-            t = self.topology
-            send, recv = _home_flows(plan.load_RE, t.home_E, t.domain_R)
+            if tok is not None:
+                home = np.ascontiguousarray(np.broadcast_to(t.home_E, plan.load_RE.shape))
+                send, recv = _dedup_levels(_dest_logmiss(plan.load_RE, home, tok), tok, t.D)
+            else:
+                send, recv = _home_flows(plan.load_RE, t.home_E, t.domain_R)
             return Traffic(q.sum(axis=1), (q > 0).sum(axis=1), send, recv)
-        send, recv = _route_flows(plan.routes_RRS, self.topology.domain_R)
+        if tok is not None:
+            send, recv = _dedup_levels(_route_logmiss(plan.routes_RRS, tok), tok, t.D)
+        else:
+            send, recv = _route_flows(plan.routes_RRS, t.domain_R)
         static_t = static_i = None
         if plan.info.get("overlap") == "static_compute":
             M = self.topology.num_masters
@@ -413,10 +513,21 @@ class CostModel:
         R, D = t.num_ranks, t.D
         T_src = np.asarray(load_RE, dtype=np.float64).sum(axis=1)
         total = T_src.sum()
-        dom_T = np.repeat(T_src.reshape(-1, D).sum(axis=1), D)  # [R] tokens sourced in each rank's domain
-        send = np.stack([T_src * (D - 1) / R, T_src * (R - D) / R], axis=1)
-        recv = np.stack([(dom_T - T_src) / R, (total - dom_T) / R], axis=1)
         per_rank = total / R
+        k = self.params.dedup_top_k
+        if k is None:
+            dom_T = np.repeat(T_src.reshape(-1, D).sum(axis=1), D)  # [R] tokens sourced in each rank's domain
+            send = np.stack([T_src * (D - 1) / R, T_src * (R - D) / R], axis=1)
+            recv = np.stack([(dom_T - T_src) / R, (total - dom_T) / R], axis=1)
+        else:  # distinct tokens: a token picks each expert with probability k / E (the de-duplication estimate)
+            tok = T_src / k
+            q = min(k / t.num_experts, 1.0 - 1e-12)
+            hit_rank = 1.0 - (1.0 - q) ** t.num_masters
+            hit_dom = 1.0 - (1.0 - q) ** (t.num_masters * D)
+            dom_tok = np.repeat(tok.reshape(-1, D).sum(axis=1), D)
+            off_tok = np.tile(tok.reshape(-1, D).sum(axis=0), R // D)  # [R] tokens of the sources at r's offset
+            send = np.stack([tok * (D - 1) * hit_rank, tok * (R // D - 1) * hit_dom], axis=1)
+            recv = np.stack([(dom_tok - tok) * hit_rank, (off_tok - tok) * hit_dom], axis=1)
         inst = np.full(R, float(t.num_masters) if per_rank > 0 else 0.0)
         tr = Traffic(np.full(R, per_rank), inst, send, recv)
         return self._assemble(tr, plan_s=0.0, wsync=0.0, grad_s=0.0, overlap_static=False, ag_bytes=None)
