@@ -118,7 +118,10 @@ def hybrid_traffic(cost_model, load_RE: np.ndarray, S: int):
     from ultraep.cost import Traffic
 
     t = cost_model.topology
-    send, recv, tokens, inst = _hybrid_flows(load_RE, hybrid_destinations(t, S), t.domain_R)
+    dst_AE = hybrid_destinations(t, S)
+    send, recv, tokens, inst = _hybrid_flows(load_RE, dst_AE, t.domain_R)
+    if cost_model.params.dedup_top_k is not None:  # a token once per destination rank / domain
+        send, recv = cost_model.dest_flows(load_RE, np.ascontiguousarray(dst_AE[t.domain_R]))
     return Traffic(tokens, inst, send, recv)
 
 

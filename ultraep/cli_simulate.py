@@ -77,6 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resend-replicas", action="store_true",
                    help="charge every replica's weights each microbatch (a runtime without a replica cache); default: "
                    "as the ultraep runtime, replicas stay valid until their master changes (every training step)")
+    p.add_argument("--no-dedup", action="store_true",
+                   help="send every token-expert pair in the all-to-all; default: with the trace's top_k, a token goes "
+                   "once per destination rank, and once per destination domain across domains (DeepEP)")
     p.add_argument("--policy-opt", action="append", metavar="POLICY.KEY=VALUE",
                    help="policy option, e.g. eplb.interval=100 or adaptive.margin=0.01")
     p.add_argument("--json", type=Path, default=None, help="write one JSON object per policy to this file")
@@ -154,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         check_new_runs(args.out, args.run_name, policies)
     params = sim_params(mode=args.mode, non_moe_fwd_s=args.non_moe_ms[0] * 1e-3, non_moe_bwd_s=args.non_moe_ms[1] * 1e-3,
-                        resend_all_replicas=args.resend_replicas)
+                        resend_all_replicas=args.resend_replicas,
+                        dedup_top_k=None if args.no_dedup else trace.meta.top_k)
     cm = build_cost_model(args.topology, ranks, E, args.slots, overrides=parse_overrides(args.overrides), params=params)
     err = Console(stderr=True)
     result = simulate(

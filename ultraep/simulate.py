@@ -450,6 +450,7 @@ def simulate(trace: Trace, cm: CostModel, policies=ALL_POLICIES, *, layers=None,
         "num_redundant_slots": t.num_redundant_slots, "domain_size": t.D, "layers": all_layers,
         "points": n_points, "stride": stride, "layer_steps_per_policy": total, "workers": workers,
         "wall_s": time.perf_counter() - t0, "mode": cm.params.mode, "max_plans": max_plans,
+        "dedup_top_k": cm.params.dedup_top_k, "resend_all_replicas": cm.params.resend_all_replicas,
         "reported": report,
     }
     return SimulationResult(names, rows, decisions, plans, settings)
