@@ -366,6 +366,11 @@ def transfer_fanout(mirror: RunMirror):
     return mirror_query(mirror, sql.TRANSFER_FANOUT, ("transfer_expert_facts",))
 
 
+def cache_layers(mirror: RunMirror):
+    """Per layer: replica-cache hits, misses, hit rate, bytes saved (empty when no layer has a cache)."""
+    return mirror_query(mirror, sql.CACHE_LAYERS, ("cache_facts", sc.T_STEPS))
+
+
 def transfer_layers(mirror: RunMirror):
     df = mirror_query(mirror, sql.TRANSFER_LAYERS, ("transfer_plan_facts",))
     mirror.refresh(("transfer_time",))

@@ -17,6 +17,8 @@ The facts keep the store's meaning exactly (``telemetry/schema.sql``):
 * ``expert_facts`` (``expert_load``, E int32 per row) and ``replica_facts`` (replicas of each expert,
   E int16 per row, counted from ``phy2log``'s redundant slots): per layer-microbatch like
   ``layer_facts``; read only when a page asks (:data:`HEAVY`).
+* ``cache_facts``: every rank's replica-cache counters of each call (``timings.other['cache_hits']``,
+  ``cache_misses``, ``cache_bytes_saved``), one row per rank and layer-microbatch (they add up over ranks).
 * ``steps``, ``runs_log``: as written.
 
 The mirror (:mod:`.mirror`) reads parts with :func:`read_part` and :func:`convert`, and applies the store's
@@ -70,6 +72,7 @@ FACT_SCHEMAS: dict[str, pa.Schema] = {
         ("expert", pa.int32()), ("copies", pa.int64()), ("bytes", pa.int64()), ("fan_out", pa.int64()),
     ]),
     "transfer_time_facts": pa.schema(_BASE + [("idx", pa.int32()), ("seconds", pa.float64())]),
+    "cache_facts": pa.schema(_BASE + [(k, pa.float64()) for k in sc.CACHE_KEYS]),
     "expert_facts": pa.schema(_BASE + _TS + [("expert_load", pa.list_(pa.int32()))]),
     "replica_facts": pa.schema(_BASE + _TS + [("replicas", pa.list_(pa.int16()))]),
     sc.T_STEPS: sc.arrow_schema(sc.T_STEPS),
@@ -96,7 +99,7 @@ UNITS: dict[str, Unit] = {
                                                 "rank_load_before", "rank_load_after"), ("layer_facts",)),
     "plan": Unit(sc.T_PLANS, tuple(FACT_SCHEMAS["plan_facts"].names), ("plan_facts",)),
     "decision": Unit(sc.T_DECISIONS, tuple(FACT_SCHEMAS["decision_facts"].names), ("decision_facts",)),
-    "timing": Unit(sc.T_TIMINGS, _KEYCOLS + sc.TIMING_KEYS + ("other",), ("timing_facts",)),
+    "timing": Unit(sc.T_TIMINGS, _KEYCOLS + sc.TIMING_KEYS + ("other",), ("timing_facts", "cache_facts")),
     "transfer": Unit(sc.T_TRANSFERS, tuple(FACT_SCHEMAS["transfer_facts"].names),
                      ("transfer_facts", "transfer_plan_facts", "transfer_expert_facts")),
     "transfer_time": Unit(sc.T_TRANSFER_TIMES, tuple(n for n, _ in _BASE) + ("seconds",), ("transfer_time_facts",)),
@@ -223,8 +226,7 @@ def convert(unit: str, raw: pa.Table) -> dict[str, pa.Table]:
     """Convert one raw part (as read by :func:`read_part` with the unit's columns) into its facts' rows."""
     if unit == "transfer":
         return transfer_facts(raw)
-    fact = UNITS[unit].facts[0]
-    return {fact: _to_fact(fact, raw)}
+    return {fact: _to_fact(fact, raw) for fact in UNITS[unit].facts}
 
 
 def transfer_facts(raw: pa.Table) -> dict[str, pa.Table]:
@@ -330,6 +332,15 @@ def _to_fact(fact: str, raw: pa.Table) -> pa.Table:
                 out[key] = pa.nulls(raw.num_rows, type=pa.float64())
             else:
                 out[key] = pc.map_lookup(other, pa.scalar(key), "first").cast(pa.float64())
+        return pa.table(out, schema=schema)
+    if fact == "cache_facts":  # every rank's replica-cache counters of each call, where the layer has a cache
+        other = raw.column("other")
+        if other.null_count == len(other):
+            return schema.empty_table()
+        cols = {k: pc.map_lookup(other, pa.scalar(k), "first").cast(pa.float64()) for k in sc.CACHE_KEYS}
+        keep = pc.is_valid(cols[sc.CACHE_KEYS[0]])
+        out = {n: pc.filter(raw.column(n), keep) for n, _ in _BASE}
+        out.update({k: pc.filter(v, keep) for k, v in cols.items()})
         return pa.table(out, schema=schema)
     if fact == "transfer_time_facts":
         secs = raw.column("seconds").combine_chunks()

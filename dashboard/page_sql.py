@@ -227,6 +227,15 @@ GROUP BY t.layer ORDER BY t.layer
 """, doc="As queries.TRANSFER_SUMMARY's measured columns (transfer_times joined to transfers; warm-up "
          "excluded).")
 
+CACHE_LAYERS = _q("cache_layers", f"""
+SELECT layer, sum(cache_hits)::BIGINT AS hits, sum(cache_misses)::BIGINT AS misses,
+       sum(cache_hits) / nullif(sum(cache_hits) + sum(cache_misses), 0) AS hit_rate,
+       sum(cache_bytes_saved)::BIGINT AS bytes_saved, count(DISTINCT (step, microbatch)) AS calls
+FROM cache_facts WHERE {SETTLED}
+GROUP BY layer ORDER BY layer
+""", doc="As queries.REPLICA_CACHE: per layer, replicas found resident (hits) or streamed (misses) over every "
+         "rank, and the weight bytes the hits saved (warm-up excluded).")
+
 TRANSFER_UNITS = ("transfer", "transfer_time", "layer")
 
 

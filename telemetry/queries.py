@@ -319,6 +319,20 @@ ORDER BY run_id, layer
         "bandwidth without the warm-up steps.",
 )
 
+REPLICA_CACHE = Query(
+    "replica_cache", "Replica cache per layer" + _EXCLUDED,
+    f"""
+SELECT run_id, layer, sum(other['cache_hits'])::BIGINT AS hits, sum(other['cache_misses'])::BIGINT AS misses,
+       sum(other['cache_hits']) / nullif(sum(other['cache_hits']) + sum(other['cache_misses']), 0) AS hit_rate,
+       sum(other['cache_bytes_saved'])::BIGINT AS bytes_saved
+FROM timings {WARM_JOIN} WHERE {_RUN} AND {SETTLED} AND other['cache_hits'] IS NOT NULL
+GROUP BY run_id, layer
+ORDER BY run_id, layer
+""",
+    doc="Per layer, over every rank: replicas found resident in the replica cache (hits, no transfer) or "
+        "streamed (misses), the hit rate and the weight bytes the hits saved.",
+)
+
 POLICY_COMPARISON = Query(
     "policy_comparison", "Policies compared" + _EXCLUDED,
     f"""
@@ -373,12 +387,14 @@ ALL: dict[str, Query] = {q.name: q for q in (
     OVERVIEW, LAYER_IMBALANCE, LAYER_SUMMARY, RANK_LOAD, RANK_LOAD_BY_EXPERT, EXPERT_LOAD, DECISION_TIMELINE,
     POLICY_SHARES,
     PREDICTED_VS_MEASURED, PREDICTION_SUMMARY, PHASE_PREDICTION_ERRORS, TRANSFER_BYTES_PER_STEP, TRANSFER_SUMMARY,
+    REPLICA_CACHE,
     POLICY_COMPARISON,
     STEP_SUMMARY, PHASE_TIMES,
 )}
 
 # What `ultraep report` prints, in order.
-REPORT = (OVERVIEW, LAYER_SUMMARY, POLICY_SHARES, TRANSFER_SUMMARY, PREDICTION_SUMMARY, PHASE_PREDICTION_ERRORS)
+REPORT = (OVERVIEW, LAYER_SUMMARY, POLICY_SHARES, TRANSFER_SUMMARY, REPLICA_CACHE, PREDICTION_SUMMARY,
+          PHASE_PREDICTION_ERRORS)
 
 
 def run(con, query: Query | str, **params: Any) -> tuple[list[str], list[tuple]]:

@@ -97,6 +97,10 @@ TIMING_KEYS = (
 PREDICTED_TERMS = ("compute_fwd_s", "compute_bwd_s", "a2a_fwd_s", "a2a_bwd_s", "weight_sync_s", "copy_s", "plan_s",
                    "total_s")
 
+#: replica-cache counters the runtime records per call and rank (in ``other``): replicas of this rank found
+#: resident, replicas streamed, and the weight bytes the hits did not receive
+CACHE_KEYS = ("cache_hits", "cache_misses", "cache_bytes_saved")
+
 RUN_KINDS = ("train", "prefill", "simulation")
 
 # --------------------------------------------------------------------------- tables

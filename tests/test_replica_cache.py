@@ -262,3 +262,46 @@ def test_quota_prefers_a_resident_placement():
     warm = plan_resident(QuotaPolicy(), load, t, resident)
     assert warm.replicas.rank.tolist() == [3] and len(warm.transfers) == 0
     assert warm.rank_load_after_R.max() <= blind.rank_load_after_R.max()
+
+
+# ---------------------------------------------------------------------------------------------- telemetry
+def _recorded_serving(rank, world, runs):
+    import ultraep
+
+    model = build_model("qwen3-moe").eval()
+    rec = ultraep.telemetry.Recorder.open(runs, "cache-serve", kind="prefill", world_size=world, rank=rank,
+                                          flush_interval_s=None)
+    ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 2}, recorder=rec)
+    rt = ultraep.runtime_of(model)
+    with torch.no_grad():
+        for batch in range(4):
+            model(input_ids=_ids(rank, batch))
+            rt.next_step()
+    rec.close()
+    return sum(lay.cache.hits for lay in rt.layers), sum(lay.cache.misses for lay in rt.layers)
+
+
+def test_cache_hits_and_bytes_saved_are_recorded_and_shown(tmp_path):
+    from test_dashboard import app, select_run
+
+    import ultraep
+    from ultraep.telemetry import queries
+
+    counters = run_ranks(_recorded_serving, 2, str(tmp_path))
+    con = ultraep.telemetry.open_run(str(tmp_path / "cache-serve"))
+    cols, rows = queries.run(con, queries.REPLICA_CACHE)
+    got = [dict(zip(cols, r)) for r in rows]
+    assert [r["layer"] for r in got] == [0, 1]
+    # step 0 (warm-up: every replica streamed) is excluded; the later steps find every replica resident
+    hits, misses = sum(r["hits"] for r in got), sum(r["misses"] for r in got)
+    assert hits > 0 and misses == 0
+    assert hits == sum(h for h, _ in counters) - con.execute(
+        "SELECT coalesce(sum(other['cache_hits']), 0) FROM timings WHERE step = 0").fetchone()[0]
+    expert_bytes = con.execute("SELECT max(other['cache_bytes_saved'] / other['cache_hits']) FROM timings "
+                               "WHERE other['cache_hits'] > 0").fetchone()[0]
+    assert sum(r["bytes_saved"] for r in got) == hits * expert_bytes
+    con.close()
+    at = select_run(app(tmp_path, "transfers"), "cache-serve")
+    assert not at.exception
+    shown = {m.label: m.value for m in at.metric}
+    assert shown["replica cache hit rate"] == "100.0%", shown

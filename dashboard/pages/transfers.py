@@ -1,4 +1,4 @@
-"""Transfers: bytes per step, fan-out per expert, relay use, busiest sender."""
+"""Transfers: replica-cache hits and bytes saved, bytes per step, fan-out per expert, relay use, busiest sender."""
 
 import streamlit as st
 
@@ -8,6 +8,17 @@ from ultraep.dashboard import charts, data, ui
 def body(ctx: ui.Context) -> None:
     ui.header(ctx, "Transfers")
     m = ctx.mirror
+    cache = data.cache_layers(m)
+    if len(cache):
+        hits, misses = int(cache["hits"].sum()), int(cache["misses"].sum())
+        c = st.columns(3)
+        c[0].metric("replica cache hit rate", ui.fmt_pct(100 * hits / max(1, hits + misses)),
+                    help=f"{ui.fmt_int(hits)} replicas found resident (no transfer), {ui.fmt_int(misses)} streamed; "
+                    "warm-up excluded")
+        c[1].metric("weight bytes saved", ui.fmt_bytes(cache["bytes_saved"].sum()),
+                    help="weight bytes the resident replicas did not receive again (all ranks)")
+        c[2].metric("calls with a cache", ui.fmt_int(cache["calls"].sum()))
+        st.dataframe(cache, hide_index=True, key="transfers_cache")
     tot = data.transfer_totals(m)
     if int(tot["transfers"]) == 0:
         ui.empty_state(ctx, "transfers (no plan moved expert state so far)")
