@@ -111,6 +111,11 @@ class CostParams(BaseModel):
     engine_overhead_s: float = Field(
         default=5e-6, ge=0, description="Decision overhead of the adaptive engine per layer, seconds."
     )
+    scale_out_shared: bool = Field(
+        default=False,
+        description="The scale-out bandwidth is one link per scale-up domain, shared by its ranks (a datacenter's "
+        "WAN link): the scale-out level takes the busiest domain's bytes. False: every rank has that bandwidth.",
+    )
     dedup_top_k: int | None = Field(
         default=None, ge=1,
         description="Router top-k. Set: the all-to-all sends a token once per destination rank inside a scale-up "
@@ -389,6 +394,10 @@ class CostModel:
     def dispatch_time(self, tr: Traffic) -> float:
         """One direction of the token all-to-all: the slowest link level (levels run concurrently)."""
         worst = np.maximum(tr.send_RL, tr.recv_RL).max(axis=0) * self.token_bytes  # [L] bytes
+        if self.params.scale_out_shared:  # one link per domain: its ranks' bytes add up
+            D = self.topology.D
+            worst[1] = max(tr.send_RL[:, 1].reshape(-1, D).sum(axis=1).max(),
+                           tr.recv_RL[:, 1].reshape(-1, D).sum(axis=1).max()) * self.token_bytes
         t = np.where(worst > 0, worst / (self.bw_L * self.a2a_eff) + self.lat_L, 0.0)
         return float(t.max()) * self.params.a2a_scale
 
@@ -555,7 +564,9 @@ class CostModel:
             plan_exposed = plan_s
         ag_s = ag_exposed = 0.0
         if ag_bytes is not None:
-            ag_s = float(ag_bytes.max()) / (self.bw_L[1] * self.a2a_eff) + self.lat_L[1] if ag_bytes.max() > 0 else 0.0
+            ag_max = float(ag_bytes.reshape(-1, self.topology.D).sum(axis=1).max() if p.scale_out_shared
+                           else ag_bytes.max())  # a shared link carries the whole domain's fetches
+            ag_s = ag_max / (self.bw_L[1] * self.a2a_eff) + self.lat_L[1] if ag_max > 0 else 0.0
             ag_s *= p.a2a_scale
             ag_exposed = max(0.0, ag_s - self.prefetch_window)
         fwd = engine_s + plan_exposed + sync_exposed + a2a + compute + ag_exposed + p.non_moe_fwd_s + copy_s
