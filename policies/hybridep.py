@@ -133,6 +133,16 @@ def allgather_bytes_per_rank(cost_model, S: int, compression: float = 1.0) -> np
     return np.full(t.num_ranks, float(nbytes))
 
 
+def scheme_ideal(cost_model, load_RE: np.ndarray, S: int, compression: float = 1.0):
+    """The force-balanced ideal of HybridEP's own transmission scheme with expert-domain size ``S``: every source
+    keeps its token count, spread uniformly over all experts (``[R, E]`` float load), routed and fetched as HybridEP
+    routes them. Every rank then computes the mean; what is left is the scheme's own traffic and all-gather.
+    (``CostModel.ideal`` is the plain-EP scheme's, which HybridEP can beat on slow links by moving weights.)"""
+    T_R = np.asarray(load_RE, dtype=np.float64).sum(axis=1)
+    E = load_RE.shape[1]
+    return cost_model.predict_hybrid(np.repeat((T_R / E)[:, None], E, axis=1), S, compression)
+
+
 class HybridEPPolicy:
     """Hybrid expert/token transmission (HybridEP).
 

@@ -161,7 +161,7 @@ def test_presets_overrides_and_errors():
     assert t.expert_bytes == 3 * 4096 * 1536 * 2
     pre = get_preset("cross-dc", parse_overrides(["scale_out.bandwidth_GBps=5", "expert.hidden_size=512"]))
     assert pre.scale_out.bandwidth_GBps == 5 and pre.expert.hidden_size == 512
-    with pytest.raises(ConfigError, match="unknown preset 'nvl9'.*available: cross-dc, gb200-nvl72, h100-8x-ib"):
+    with pytest.raises(ConfigError, match="unknown preset 'nvl9'.*available: cross-dc, gb200-nvl72, h100-8x-ib, hybridep-a800"):
         get_preset("nvl9")
     with pytest.raises(ConfigError) as exc:
         get_preset("cross-dc", {"scale_out": {"bandwidth_GBps": -1}})
@@ -197,3 +197,18 @@ def test_token_dedup_per_destination_rank_and_domain():
     none_p = pairs.predict(plan).a2a_fwd_s
     none_d = dedup.predict(plan).a2a_fwd_s
     assert none_d < none_p
+
+
+def test_scale_out_link_shared_per_domain():
+    """A datacenter's WAN link is one link for its 8 GPUs (HybridEP's setting): the scale-out leg then carries the
+    whole domain's bytes, 8x what a per-GPU NIC of the same bandwidth would."""
+    from ultraep.simulate import build_cost_model
+
+    cm = build_cost_model("cross-dc", 16, 64, 0)
+    assert cm.params.scale_out_shared and not build_cost_model("h100-8x-ib", 16, 64, 0).params.scale_out_shared
+    per_gpu = cm.with_params(cm.params.model_copy(update={"scale_out_shared": False}))
+    load = _uniform(16, 64, 1 << 20)
+    plan = identity_plan("none", cm.topology, load)
+    lat = 2 * 500e-6  # dispatch + combine latency
+    ratio = (cm.predict(plan).a2a_fwd_s - lat) / (per_gpu.predict(plan).a2a_fwd_s - lat)
+    assert ratio == pytest.approx(8.0, rel=1e-6)

@@ -19,7 +19,9 @@ name            scale-up domain  scale-up link              scale-out link      
 ==============  ===============  =========================  =====================  ===================
 ``h100-8x-ib``  8 GPUs (node)    NVLink 4, 450 GB/s/dir     IB 400 Gb/s, 50 GB/s   989 TFLOP/s
 ``gb200-nvl72`` 72 GPUs (rack)   NVLink 5, 900 GB/s/dir     800 Gb/s, 100 GB/s     2500 TFLOP/s
-``cross-dc``    8 GPUs (one DC)  NVLink 4, 450 GB/s/dir     10 Gb/s, 1.25 GB/s     989 TFLOP/s
+``cross-dc``    8 GPUs (one DC)  NVLink 4, 450 GB/s/dir     10 Gb/s per DC, shared 989 TFLOP/s
+``hybridep-     8 GPUs (one DC)  PCIe 3.0 x16, 16 GB/s      10 Gb/s per DC, shared 312 TFLOP/s (A800)
+a800``
 ==============  ===============  =========================  =====================  ===================
 
 The scale-up domain of an EP group is the largest divisor of ``num_ranks`` that does not exceed the
@@ -60,6 +62,7 @@ class HardwareSpec(BaseModel):
         default=0.78, gt=0, le=1,
         description="Fraction of scale-up bandwidth replica weight copies achieve (UltraEP: ~700 of 900 GB/s).",
     )
+    memory_GB: float = Field(default=80.0, gt=0, description="Device memory per GPU, GB (1e9 bytes).")
     grad_reduce_efficiency: float = Field(
         default=0.35, gt=0, le=1,
         description="Fraction of scale-up bandwidth the SM-limited gradient reduction achieves (it shares "
@@ -114,6 +117,11 @@ class ClusterPreset(BaseModel):
     ranks_per_node: int = Field(ge=1, description="GPUs per host.")
     scale_up: LinkSpec = Field(description="Link inside a scale-up domain.")
     scale_out: LinkSpec = Field(description="Link between scale-up domains.")
+    scale_out_shared: bool = Field(
+        default=False,
+        description="scale_out is one link per scale-up domain shared by its GPUs (a datacenter's WAN link), not a "
+        "per-GPU NIC; the cost model then charges the busiest domain's total bytes.",
+    )
     hardware: HardwareSpec = Field(description="Accelerator compute and link efficiencies.")
     expert: ExpertSpec = Field(default_factory=ExpertSpec, description="Default expert geometry (Qwen3-235B).")
 
@@ -152,15 +160,25 @@ PRESETS: dict[str, ClusterPreset] = {
         domain_size=72, ranks_per_node=4,
         scale_up=LinkSpec(bandwidth_GBps=900.0, latency_us=3.0),
         scale_out=LinkSpec(bandwidth_GBps=100.0, latency_us=8.0),
-        hardware=HardwareSpec(name="B200 (GB200)", gemm_tflops=2500.0, gemm_efficiency=0.53),
+        hardware=HardwareSpec(name="B200 (GB200)", gemm_tflops=2500.0, gemm_efficiency=0.53, memory_GB=186.0),
     ),
     "cross-dc": ClusterPreset(
         name="cross-dc",
-        description="8-GPU H100 NVLink nodes, one per datacenter, joined by ~10 Gb/s links (HybridEP's setting)",
+        description="8-GPU H100 NVLink nodes, one per datacenter, each datacenter on one ~10 Gb/s link (HybridEP's "
+        "setting with H100 nodes)",
         domain_size=8, ranks_per_node=8,
         scale_up=LinkSpec(bandwidth_GBps=450.0, latency_us=3.0),
-        scale_out=LinkSpec(bandwidth_GBps=1.25, latency_us=500.0),
+        scale_out=LinkSpec(bandwidth_GBps=1.25, latency_us=500.0), scale_out_shared=True,
         hardware=HardwareSpec(name="H100-SXM", gemm_tflops=989.0),
+    ),
+    "hybridep-a800": ClusterPreset(
+        name="hybridep-a800",
+        description="HybridEP's testbed (arXiv 2510.19470 §V): a 'DC' is one node of 8 A800 on PCIe 3.0 x16 "
+        "(128 Gb/s), DCs joined by one 10 Gb/s Ethernet link each",
+        domain_size=8, ranks_per_node=8,
+        scale_up=LinkSpec(bandwidth_GBps=16.0, latency_us=10.0),
+        scale_out=LinkSpec(bandwidth_GBps=1.25, latency_us=500.0), scale_out_shared=True,
+        hardware=HardwareSpec(name="A800", gemm_tflops=312.0, memory_GB=80.0),
     ),
 }
 

@@ -47,7 +47,7 @@ from ultraep.traces import Trace
 TERM_FIELDS = tuple(f.name for f in dataclasses.fields(CostBreakdown)
                     if f.name.endswith("_s") and f.name != "total_s") + ("token_straggler",)
 ROW_FIELDS = ("step", "microbatch", "layer", "imbalance_before", "imbalance_after", "replicas", "transfer_bytes",
-              "time_s", "ideal_s", *TERM_FIELDS)
+              "time_s", "ideal_s", "scheme_ideal_s", *TERM_FIELDS)
 #: simulator-only names of a policy with fixed options, replayed as their own run next to the base policy:
 #: ``eplb+`` is the UltraEP paper's EPLB+ baseline (DeepSeek EPLB fed the exact current load)
 VARIANTS: dict[str, tuple[str, dict]] = {"eplb+": ("eplb", {"use_current_load": True})}
@@ -71,7 +71,10 @@ def build_cost_model(preset: str, num_ranks: int, num_experts: int, num_redundan
     """Preset (with overrides) → topology for the EP group → cost model (``params`` default: :func:`sim_params`)."""
     pre = get_preset(preset, overrides)
     topo = pre.topology(num_ranks, num_experts, num_redundant_slots)
-    return CostModel(topo, pre.hardware, pre.expert, params if params is not None else sim_params())
+    params = params if params is not None else sim_params()
+    if pre.scale_out_shared and not params.scale_out_shared:  # the preset's link is one per domain
+        params = params.model_copy(update={"scale_out_shared": True})
+    return CostModel(topo, pre.hardware, pre.expert, params)
 
 
 @dataclass
@@ -118,6 +121,7 @@ def summarise(rows: dict[str, dict[str, np.ndarray]], policies) -> list[dict[str
             "time_per_layer_ms": t / n * 1e3 if n else 0.0,
             "ideal_per_layer_ms": float(r["ideal_s"].sum()) / n * 1e3 if n else 0.0,
             "pct_of_ideal": 100.0 * float(r["ideal_s"].sum()) / t if t > 0 else 100.0,
+            "pct_of_scheme_ideal": 100.0 * float(r["scheme_ideal_s"].sum()) / t if t > 0 else 100.0,
             "speedup_vs_none": float(base["time_s"].sum()) / t if (base is not None and t > 0) else float("nan"),
             "gemm_straggler_ms": float(r["gemm_straggler_s"].mean()) * 1e3 if n else 0.0,
             "token_straggler": float(r["token_straggler"].mean()) if n else 0.0,
@@ -292,10 +296,23 @@ def _engines(names, cm: CostModel, layer: int, stride: int, policy_options: dict
 _TERMS = operator.attrgetter(*TERM_FIELDS)
 
 
-def _row(plan: Plan, bd: CostBreakdown, ideal: CostBreakdown, transfer_bytes: float, step: int, mb: int,
-         layer: int) -> tuple:
+def _row(plan: Plan, bd: CostBreakdown, ideal: CostBreakdown, scheme: CostBreakdown, transfer_bytes: float,
+         step: int, mb: int, layer: int) -> tuple:
     return (step, mb, layer, plan.imbalance_before, bd.imbalance, plan.num_replicas, transfer_bytes, bd.total_s,
-            ideal.total_s, *_TERMS(bd))
+            ideal.total_s, scheme.total_s, *_TERMS(bd))
+
+
+def _scheme_ideal(plan: Plan, cm: "_PointCostModel", load: np.ndarray, ideal: CostBreakdown) -> CostBreakdown:
+    """The force-balanced ideal of the plan's transmission scheme: plain EP's, or HybridEP's expert-domain
+    routing (:func:`~ultraep.policies.hybridep.scheme_ideal`) when the plan moves expert weights across domains."""
+    hyb = plan.info.get("hybridep") or {}
+    S = int(hyb.get("expert_domain_size", 1))
+    if S <= 1:
+        return ideal
+    from ultraep.policies.hybridep import scheme_ideal
+
+    c = float(hyb.get("compression", 1.0))
+    return cm._once(("scheme", id(load), S, c), load, lambda: scheme_ideal(cm, load, S, c))
 
 
 def _transfer_bytes(plan: Plan, cm: CostModel) -> float:
@@ -334,7 +351,8 @@ def replay_layer(trace: Trace, layer: int, cm: CostModel, names, *, stride: int 
             s0, res = held.get(n, (None, None))
             d = eng.decide(step, mb, layer, load, res if res is not None and (keep or s0 == step) else nothing)
             decided.append((n, eng, d))
-            rows[n].append(_row(d.plan, d.predicted, ideal, _transfer_bytes(d.plan, cm), step, mb, layer))
+            rows[n].append(_row(d.plan, d.predicted, ideal, _scheme_ideal(d.plan, cm, load, ideal),
+                                _transfer_bytes(d.plan, cm), step, mb, layer))
         for n, eng, d in decided:
             eng.commit(d)
             held[n] = (step, resident_of(d.plan))
