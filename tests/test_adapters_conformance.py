@@ -10,7 +10,7 @@ slots: every rank routes 24 tokens top-2 with a skew towards rank 0's masters (s
 asserted), and the wrapped container must equal the unwrapped one: outputs, input and routing-weight
 gradients on each rank, and each master's gradient equals the sum over ranks of the unwrapped expert's
 gradient (fp32, 1e-5 relative). A container whose MoE block ``ultraep.wrap`` rewrites first
-(:data:`ultraep.adapters_rewrite.BLOCKS`: Llama4, DBRX, JetMoE) is checked the same way on the whole block, router
+(:data:`ultraep.adapters_rewrite.BLOCKS`: Llama4, DBRX, JetMoE, Longcat-Flash) is checked the same way on the whole block, router
 included (skewed towards rank 0's masters), against the original block, with its router gradients. A family is
 otherwise refused at ``wrap`` with a one-line
 :class:`~ultraep.adapters.UnsupportedModelError`. A negative control perturbs one master after ``wrap`` and
@@ -43,7 +43,7 @@ DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "models.md")
 # if one of these is installed it must be *checked*, never refused.
 MUST_BALANCE = {"qwen2_moe", "olmoe", "granitemoe", "deepseek_v2", "glm4_moe", "dots1", "ernie4_5_moe",
                 "hunyuan_v1_moe", "phimoe", "qwen3_next", "minimax", "jamba", "flex_olmo", "lfm2_moe", "mixtral",
-                "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "dbrx", "jetmoe"}
+                "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "dbrx", "jetmoe", "longcat_flash"}
 
 
 @dataclass
@@ -115,9 +115,9 @@ def _shrink(cfg, depth=0):
             _set(cfg, key, H, val)
         elif _INTER.search(key):
             _set(cfg, key, I, val)
-        elif key in ("num_experts_per_tok", "moe_top_k") and isinstance(val, int):  # blocks route top-K
+        elif key in ("num_experts_per_tok", "moe_top_k", "moe_topk") and isinstance(val, int):  # blocks route top-K
             _set(cfg, key, K, val)
-    if getattr(cfg, "zero_expert_num", None):  # Longcat: keep its zero-computation experts (they are refused)
+    if getattr(cfg, "zero_expert_num", None):  # Longcat: keep 2 zero-computation experts (ids E, E+1)
         cfg.zero_expert_num = 2
     return cfg
 
@@ -197,8 +197,9 @@ def _build(fam: Family, seed: int):
     with torch.no_grad():
         for n, p in sorted(mod.named_parameters()):
             p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1))
-            if fam.block is not None and "router" in n and p.shape[0] == E:
+            if fam.block is not None and "router" in n and p.shape[0] >= E:
                 p[:2] += 0.25  # with inputs of mean 0.5: experts 0 and 1 (rank 0's masters) are hot
+                p[E:] += 0.15  # Longcat's zero-computation experts (router rows past E) are picked too
     if fam.prepare == "frozen_norm":
         mod.post_expert_norm.requires_grad_(False)
     return mod
@@ -395,8 +396,9 @@ def test_every_family_balances_exactly_or_is_refused_with_one_line():
     print(f"\nconformance: {len(checked)} checked, {len(refused)} refused")
     print("checked: " + ", ".join(checked))
     print("refused:\n  " + "\n  ".join(refused))
-    assert MUST_BALANCE <= {f.family for f in families if f.label in checked} | (
-        MUST_BALANCE - {f.family for f in families}), sorted(MUST_BALANCE - set(checked))
+    balanced = {f.family for f in families if f.label in checked}
+    assert MUST_BALANCE <= balanced | (MUST_BALANCE - {f.family for f in families}), sorted(
+        MUST_BALANCE & {f.family for f in families} - balanced)
 
 
 def test_muse_spark_post_expert_norm_balances_trainable_and_frozen():
@@ -476,6 +478,12 @@ def _whole_model(family: str):
                              attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0, mamba_d_state=8,
                              mamba_expand=2, use_mamba_kernels=False)
         cls = tf.JambaForCausalLM
+    elif family == "longcat_flash":  # zero-computation experts (ids 8, 9) beside 8 real ones, MLA attention
+        cfg = tf.LongcatFlashConfig(vocab_size=64, hidden_size=32, num_layers=1, num_attention_heads=4,
+                                    num_key_value_heads=4, ffn_hidden_size=16, q_lora_rank=16, kv_lora_rank=16,
+                                    qk_nope_head_dim=8, qk_rope_head_dim=8, head_dim=8, v_head_dim=8, moe_topk=2,
+                                    n_routed_experts=8, zero_expert_num=2, expert_ffn_hidden_size=16)
+        cls = tf.LongcatFlashForCausalLM
     elif family == "jetmoe":  # MoE MLPs (rewritten by prepare) and mixture-of-attention experts (stay replicated)
         cfg = tf.JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
                               intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)
@@ -489,7 +497,11 @@ def _whole_model(family: str):
         cls = tf.Qwen3NextForCausalLM
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
-    return cls(cfg)
+    model = cls(cfg)
+    for mod in model.modules():  # Longcat: a selection bias (not in the weights) so zero experts are picked
+        if type(mod).__name__ == "LongcatFlashTopkRouter":
+            mod.e_score_correction_bias[8:] = torch.tensor([0.02, 0.015])
+    return model
 
 
 def _whole(rank, world, family):
@@ -501,6 +513,11 @@ def _whole(rank, world, family):
     ref = copy.deepcopy(model)
     orig = copy.deepcopy(model)  # untouched: what unwrap + restore must give back
     ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 2})
+    zero_slots = []  # Longcat: slots its routers send to zero-computation experts (ids >= E) in the wrapped run
+    for mod in model.modules():
+        if type(mod).__name__ == "LongcatFlashTopkRouter":
+            E = mod.n_routed_experts - model.config.zero_expert_num
+            mod.register_forward_hook(lambda m, a, out, E=E: zero_slots.append(int((out[2] >= E).sum())))
     ids = torch.randint(0, 3, (2, 12), generator=torch.Generator().manual_seed(rank + 1))  # few ids: skewed routing
     out, ref_out = model(input_ids=ids).logits, ref(input_ids=ids).logits
     out.pow(2).mean().backward()
@@ -512,16 +529,18 @@ def _whole(rank, world, family):
     other = max(float((p.grad - ref_params[n].grad).abs().max()) for n, p in model.named_parameters()
                 if p.grad is not None and not any(n.startswith(lay.name + ".") for lay in rt.layers))
     result = [float((out - ref_out).detach().abs().max()), grad, other, [lay.last_plan.num_replicas for lay in rt.layers]]
+    if family == "longcat_flash":
+        assert sum(zero_slots) > 0, zero_slots  # zero experts were hit (and dropped by the balanced layer)
     ultraep.unwrap(model)
     restore(model)  # the original module tree: same classes, keys (in order), values and logits
     sd, osd = model.state_dict(), orig.state_dict()
     assert list(sd) == list(osd) and all(torch.equal(sd[k], osd[k]) for k in osd), family
     assert [type(m) for m in model.modules()] == [type(m) for m in orig.modules()], family
-    result.append(float((model(input_ids=ids).logits - orig(input_ids=ids).logits).abs().max()))
+    result.append(float((model(input_ids=ids).logits - orig(input_ids=ids).logits).detach().abs().max()))
     return result
 
 
-@pytest.mark.parametrize("family", ["jamba", "qwen3_next", "jetmoe"])
+@pytest.mark.parametrize("family", ["jamba", "qwen3_next", "jetmoe", "longcat_flash"])
 def test_whole_hybrid_model_balances_exactly(family):
     for logits, grad, other, replicas, back in run_ranks(_whole, 2, family, timeout=120):
         assert logits < 1e-5 and grad < 1e-5 and other < 1e-5, (logits, grad, other)

@@ -1,4 +1,4 @@
-"""``prepare`` rewrites Llama4 / DBRX / JetMoE MoE blocks exactly, keeps checkpoints loadable, and refuses what
+"""``prepare`` rewrites Llama4 / DBRX / JetMoE / Longcat-Flash MoE blocks exactly, keeps checkpoints loadable, and refuses what
 it cannot rewrite exactly (single process; the 2-rank exactness checks are in test_adapters_conformance.py)."""
 
 from __future__ import annotations
@@ -30,10 +30,15 @@ def _block(kind: str):
         from transformers.models.dbrx.modeling_dbrx import DbrxFFN as cls
 
         cfg = tf.DbrxConfig(d_model=H, ffn_config=dict(hidden_size=H, ffn_hidden_size=I, moe_num_experts=E, moe_top_k=2))
-    else:
+    elif kind == "jetmoe":
         from transformers.models.jetmoe.modeling_jetmoe import JetMoeMoE as cls
 
         cfg = tf.JetMoeConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2)
+    else:  # longcat: 2 zero-computation experts (ids 8, 9) beside the 8 real ones
+        from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMoE as cls
+
+        cfg = tf.LongcatFlashConfig(hidden_size=H, expert_ffn_hidden_size=I, n_routed_experts=E, zero_expert_num=2,
+                                    moe_topk=3)
     return randomized(cls, cfg)
 
 
@@ -42,12 +47,14 @@ def _out(block, x):
     return out[0] if isinstance(out, tuple) else out
 
 
-@pytest.mark.parametrize("kind", ["llama4", "dbrx", "jetmoe"])
+@pytest.mark.parametrize("kind", ["llama4", "dbrx", "jetmoe", "longcat"])
 def test_prepare_is_exact_keeps_storage_and_checkpoint_keys_and_restore_undoes_it(kind):
     block = _block(kind)
     orig = copy.deepcopy(block)
     ptrs = {p.data_ptr() for p in block.parameters()}
     x = torch.randn(1, 6, H, generator=torch.Generator().manual_seed(1))
+    if kind == "longcat":  # the check below covers zero-computation experts: some slots pick ids >= E
+        assert (orig.router(x)[2] >= E).any()
     assert prepare(block) == [""] and prepare(block) == []  # idempotent
     assert {p.data_ptr() for p in block.parameters()} == ptrs  # views / the same parameters: no copy
     experts = block.experts
@@ -69,7 +76,8 @@ def test_prepare_is_exact_keeps_storage_and_checkpoint_keys_and_restore_undoes_i
     assert torch.equal(_out(block, x), _out(other, x))
 
 
-@pytest.mark.parametrize("kind,attr", [("llama4", "experts"), ("dbrx", "experts"), ("jetmoe", "input_linear")])
+@pytest.mark.parametrize("kind,attr", [("llama4", "experts"), ("dbrx", "experts"), ("jetmoe", "input_linear"),
+                                       ("longcat", "experts")])
 def test_container_outside_its_block_is_refused_by_name(kind, attr):
     with pytest.raises(UnsupportedModelError) as info:
         adapter_for(getattr(_block(kind), attr))

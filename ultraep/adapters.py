@@ -26,7 +26,8 @@ sum over ranks equals the unwrapped model's gradient, which data parallelism's a
 (``docs/design.md``, § experts adapters).
 
 Plain PyTorch containers register with :func:`register_experts` (see the protocol there). MoE blocks that keep
-their experts another way (Llama4, DBRX, JetMoE) are rewritten exactly into a container by :func:`prepare`
+their experts another way (Llama4, DBRX, JetMoE; Longcat-Flash with zero-computation experts) are rewritten
+exactly into a container by :func:`prepare`
 (``ultraep/adapters_rewrite.py``) before ``wrap`` looks for containers.
 
 Legend: E experts, H hidden size, I expert intermediate size, T rows of one expert, K top-k.
@@ -83,7 +84,7 @@ FLAGS = {"is_transposed": False, "has_bias": False, "is_concatenated": True, "ha
 #: class name -> the flags their eager forward implements (read from transformers' source)
 KNOWN_NON_INTERFACE = {
     "Step3p7Experts": dict(FLAGS),  # concatenated gate/up through its own clamped _apply_gate
-    "LongcatFlashExperts": dict(FLAGS),  # only without zero-computation experts (checked below)
+    "LongcatFlashExperts": dict(FLAGS),  # zero-computation experts only inside its rewritten block (below)
 }
 
 #: containers ultraep recognises and refuses, with the reason (one line each)
@@ -178,8 +179,10 @@ def _hf_adapter(mod: nn.Module, flags: dict[str, object], label: str) -> Experts
                            "top_k_index carries the sentinel num_experts for dropped slots); load the model "
                            "without a tp_plan/EP and let ultraep distribute the experts")
     if getattr(mod, "zero_expert_num", 0):
-        raise _refuse(mod, f"zero_expert_num={mod.zero_expert_num}: zero-computation (identity) experts are not "
-                           "balanced yet (a block rewrite mapping them to the dropped-slot sentinel is planned; docs/design.md)")
+        raise _refuse(mod, f"outside a LongcatFlashMoE block (the block ultraep.wrap rewrites exactly): "
+                           f"zero_expert_num={mod.zero_expert_num} zero-computation experts (ids past the "
+                           "{} real ones) must be mapped to the dropped-slot sentinel by the block".format(
+                               getattr(mod, "num_routed_experts", "E")))
     first = "gate_up_proj" if flags["has_gate"] else "up_proj"
     names: tuple[str, ...] = (first, "down_proj")
     if flags["has_bias"]:
@@ -342,14 +345,15 @@ def supported() -> list[str]:
     """Human-readable list of what ``wrap`` accepts."""
     out = [f"transformers v5 {cls} ({fam})" for cls, fam in HF_EXPERTS.items()]
     out.append("every transformers v5 experts-interface module whose flags ultraep implements (docs/models.md)")
-    out.append("Llama4TextMoe, DbrxFFN and JetMoeMoE blocks (rewritten exactly into experts containers)")
+    out.append("Llama4TextMoe, DbrxFFN, JetMoeMoE and LongcatFlashMoE blocks (rewritten exactly into experts "
+               "containers)")
     out += [a.name for a in _CUSTOM.values()]
     return out
 
 
 def prepare(model: nn.Module) -> list[str]:
     """Rewrite, in place and exactly, MoE blocks whose experts are not an experts container (Llama4, DBRX,
-    JetMoE) into one, before :func:`~ultraep.runtime.wrap` looks for containers; returns the rewritten blocks'
+    JetMoE, Longcat-Flash) into one, before :func:`~ultraep.runtime.wrap` looks for containers; returns the rewritten blocks'
     names. See :mod:`ultraep.adapters_rewrite` (and its ``restore`` to undo it after ``unwrap``)."""
     from ultraep.adapters_rewrite import prepare as _prepare
 

@@ -2,7 +2,8 @@
 
 ``wrap`` balances *experts containers*: ``experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])
 -> [T, H]`` with 3-D ``[E, ...]`` parameters (``ultraep/adapters.py``). Three transformers families keep their
-experts another way; :func:`prepare` rewrites their MoE block, in place, into that form, exactly:
+experts another way (and Longcat-Flash adds experts that are no weights at all); :func:`prepare` rewrites
+their MoE block, in place, into that form, exactly:
 
 * **Llama4** (``Llama4TextMoe``): the block feeds *every* token to *every* expert in an expert-major
   ``[E·T, H]`` layout, the input pre-scaled by the router score (sigmoid of the top-k logits, exactly 0 for
@@ -21,15 +22,25 @@ experts another way; :func:`prepare` rewrites their MoE block, in place, into th
   the *same* parameter objects as ``gate_up_proj`` / ``down_proj``; the block keeps its router and its shared
   output ``bias``. Its mixture-of-attention (``JetMoeMoA``) experts are attention projections split around
   the attention itself, not an MLP: they stay replicated (data-parallel, exact) and are not balanced.
+* **Longcat-Flash** (``LongcatFlashMoE``): its router picks among ``E + Z`` ids; ids ``E..E+Z-1`` are
+  *zero-computation experts* whose output is the input times the routing weight. The block sends those slots
+  to the container as the experts interface's sentinel ``E`` (dropped exactly by the balanced layer and by
+  :func:`eager_experts`: no load, no compute, no transfer, no gradient) and adds ``Σ_{k: idx ≥ E} w[t, k] ·
+  x[t]`` itself, on the token's own rank: zero experts are free for the planner, which never sees them. The
+  container holds ``gate_up_proj [E, 2I, H]`` (a view of the first E rows: no copy) and the same ``down_proj``
+  object; the original ``gate_up_proj`` is ``[E + Z, 2I, H]`` and its Z rows are never read (zero gradient in
+  the original too), so they are kept beside the container, in a non-persistent buffer of the block, only so
+  that a checkpoint round-trips with its original keys, shapes and values (they are not trained).
 
 Every rewrite is **probed** before it is committed: the block's original forward and the rewritten one run on
 a few deterministic tokens (eval mode, private generator) and must agree (1e-4 relative in fp32), else the
-block is refused with one line. A checkpoint keeps its keys: DBRX/JetMoE blocks translate their state_dict
-to (and load from) the original keys and shapes while unwrapped; a *wrapped* model's state_dict holds this
-rank's masters under the container's names (``experts.w1 [M, I, H]``), as for every family. :func:`restore`
-gives back the original module classes (``unwrap`` first).
+block is refused with one line. A checkpoint keeps its keys: DBRX/JetMoE/Longcat blocks translate their
+state_dict to (and load from) the original keys and shapes while unwrapped; a *wrapped* model's state_dict holds
+this rank's masters under the container's names (``experts.w1 [M, I, H]``), as for every family (Longcat's Z
+dead rows are not in it). :func:`restore` gives back the original module classes (``unwrap`` first).
 
-Legend: E experts, H hidden size, I expert intermediate size, T tokens, K top-k, M masters per rank.
+Legend: E experts (real ones), Z zero-computation experts, H hidden size, I expert intermediate size, T tokens,
+K top-k, M masters per rank.
 """
 
 from __future__ import annotations
@@ -43,8 +54,10 @@ from torch import nn
 from ultraep.adapters import FLAGS, ExpertsAdapter, UnsupportedModelError, _make_hf_forward
 
 #: block class name -> the container class name it holds (the conformance test builds the block instead)
-BLOCKS = {"Llama4TextMoe": "Llama4TextExperts", "DbrxFFN": "DbrxExperts", "JetMoeMoE": "JetMoeParallelExperts"}
+BLOCKS = {"Llama4TextMoe": "Llama4TextExperts", "DbrxFFN": "DbrxExperts", "JetMoeMoE": "JetMoeParallelExperts",
+          "LongcatFlashMoE": "LongcatFlashExperts"}
 _MARK = "_ultraep_rewrite"  # on a Llama4TextExperts its block rewrote; "replicated" on JetMoE's MoA experts
+_TAIL = "_ultraep_zero_rows"  # Longcat block: gate_up_proj's Z never-read rows (checkpoint round trip only)
 
 
 def _refuse(block: nn.Module, why: str) -> UnsupportedModelError:
@@ -54,11 +67,15 @@ def _refuse(block: nn.Module, why: str) -> UnsupportedModelError:
 # --------------------------------------------------------------------------------------------- containers
 def eager_experts(forward, container: nn.Module, params: Sequence[torch.Tensor], x: torch.Tensor,
                   idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The protocol computed locally: ``out[t] = Σ_k w[t, k] · forward(container, x[t], params[·][idx[t, k]])``.
+    """The protocol computed locally: ``out[t] = Σ_k w[t, k] · forward(container, x[t], params[·][idx[t, k]])``;
+    a slot whose id is the sentinel E (``params[0].shape[0]``) is dropped, as in the interface's eager forwards.
 
     x [T, H], idx [T, K] (int), w [T, K] -> [T, H] (x's dtype)."""
     out = torch.zeros_like(x)
+    E = int(params[0].shape[0])
     for e in torch.unique(idx).tolist():
+        if e == E:
+            continue
         tok, k = torch.where(idx == e)
         y = forward(container, x[tok], [p[e] for p in params])
         out.index_add_(0, tok, (y * w[tok, k, None]).to(out.dtype))
@@ -175,6 +192,18 @@ def _jetmoe_protocol(self, layer_input, experts: Callable):
     return experts(x, idx, w).view(bsz, length, emb) + self.bias
 
 
+def _longcat_protocol(self, hidden_states, experts: Callable):
+    """``LongcatFlashMoE.forward`` as the protocol: hidden [..., H] -> [..., H]. Zero-expert slots (ids >= E) go
+    to the container as the sentinel E (dropped there) and are added here: ``Σ_{k: idx >= E} w[t, k] · x[t]``."""
+    _, w, idx = self.router(hidden_states)  # w [T, K] (router dtype), idx [T, K] in [0, E + Z)
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    E = int(self.config.n_routed_experts)
+    zero = idx >= E
+    out = experts(x, idx.masked_fill(zero, E), w)
+    out = out + (x * (w * zero).sum(dim=1, keepdim=True)).to(out.dtype)  # the identity experts, weighted
+    return out.view(hidden_states.shape)
+
+
 def _balanced(block: nn.Module) -> bool:
     return not isinstance(block.experts, type(block)._ultraep_experts_cls)
 
@@ -191,6 +220,10 @@ def _dbrx_forward(self, hidden_states):
 
 def _jetmoe_forward(self, layer_input):
     return _jetmoe_protocol(self, layer_input, self.experts)
+
+
+def _longcat_forward(self, hidden_states):
+    return _longcat_protocol(self, hidden_states, self.experts)
 
 
 _CLASSES: dict[type, type] = {}
@@ -215,10 +248,18 @@ def _keymap(block: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]] | None:
     return experts.origin["keys"]
 
 
+def _tail(block: nn.Module, new: str) -> torch.Tensor | None:
+    """Rows the original parameter had past the container's (Longcat's zero-expert rows of gate_up_proj)."""
+    return block._buffers.get(_TAIL) if new == "experts.gate_up_proj" else None
+
+
 def _state_dict_hook(block, state_dict, prefix, local_metadata):
     for new, (old, shape) in (_keymap(block) or {}).items():
         if prefix + new in state_dict:
-            state_dict[prefix + old] = state_dict.pop(prefix + new).view(shape)
+            t, tail = state_dict.pop(prefix + new), _tail(block, new)
+            if tail is not None:
+                t = torch.cat([t.detach(), tail.to(t.dtype)])
+            state_dict[prefix + old] = t.view(shape)
 
 
 def _load_pre_hook(block, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
@@ -226,7 +267,13 @@ def _load_pre_hook(block, state_dict, prefix, local_metadata, strict, missing, u
     for new, (old, _shape) in keymap.items():
         if prefix + old in state_dict:
             want = getattr(block.experts, new.split(".", 1)[1]).shape
-            state_dict[prefix + new] = state_dict.pop(prefix + old).reshape(want)
+            t, tail = state_dict.pop(prefix + old), _tail(block, new)
+            if tail is not None and t.dim() >= 1 and t.shape[0] == want[0] + tail.shape[0]:
+                with torch.no_grad():
+                    tail.copy_(t[want[0]:])
+                t = t[:want[0]]
+            # a tensor of another size goes through as it is: load_state_dict reports the size mismatch
+            state_dict[prefix + new] = t.reshape(want) if t.numel() == want.numel() else t
 
 
 def _commit(block: nn.Module, forward, experts_cls: type, container: nn.Module | None) -> None:
@@ -331,11 +378,40 @@ def _prepare_jetmoe(block: nn.Module) -> None:
     _commit(block, _jetmoe_forward, StackedExperts, container)
 
 
-_PREPARE = {"Llama4TextMoe": _prepare_llama4, "DbrxFFN": _prepare_dbrx, "JetMoeMoE": _prepare_jetmoe}
+def _prepare_longcat(block: nn.Module) -> None:
+    old = _need(block, "experts", "LongcatFlashExperts")
+    _need(block, "router", "LongcatFlashTopkRouter")
+    E = getattr(getattr(block, "config", None), "n_routed_experts", None)
+    if not isinstance(E, int) or E <= 0:
+        raise _refuse(block, f"config.n_routed_experts is {E!r}; expected a positive number of real experts")
+    Z = int(getattr(old, "zero_expert_num", 0) or 0)
+    gu, down = old.gate_up_proj, old.down_proj
+    if not isinstance(gu, nn.Parameter) or not isinstance(down, nn.Parameter) or gu.dim() != 3 or down.dim() != 3 \
+            or int(gu.shape[0]) != E + Z or int(down.shape[0]) != E or gu.shape[1] != 2 * down.shape[2] \
+            or gu.shape[2] != down.shape[1]:
+        shapes = [None if p is None else tuple(p.shape) for p in (gu, down)]
+        raise _refuse(block, f"LongcatFlashExperts parameters have shapes {shapes[0]}, {shapes[1]}; expected "
+                             f"gate_up_proj [E+Z, 2I, H] and down_proj [E, H, I] with E={E}, Z={Z}")
+    # the first E rows under the [E, ...] layout the balanced layer slices: a view, no copy
+    head = nn.Parameter(gu.detach()[:E], requires_grad=gu.requires_grad)
+    if gu.grad is not None:  # a gradient already accumulated stays with its weights (the Z rows' is zero)
+        head.grad = gu.grad[:E]
+    params = {"gate_up_proj": head, "down_proj": down}
+    origin = {"module": old, "keys": {"experts.gate_up_proj": ("experts.gate_up_proj", tuple(gu.shape))}}
+    container = StackedExperts("rewrite:LongcatFlashExperts", params, old.act_fn, _make_hf_forward(FLAGS), origin)
+    _probe_block(block, _longcat_protocol, container, _probe_input(head, (1, 4, int(gu.shape[2]))))
+    # a copy of the Z dead rows: a view would keep the whole [E + Z] storage alive once wrap frees the masters
+    block.register_buffer(_TAIL, gu.detach()[E:].clone(), persistent=False)
+    old.register_parameter("gate_up_proj", None)  # the old module keeps no storage alive
+    _commit(block, _longcat_forward, StackedExperts, container)
+
+
+_PREPARE = {"Llama4TextMoe": _prepare_llama4, "DbrxFFN": _prepare_dbrx, "JetMoeMoE": _prepare_jetmoe,
+            "LongcatFlashMoE": _prepare_longcat}
 
 
 def prepare(model: nn.Module) -> list[str]:
-    """Rewrite, in place and exactly, every Llama4 / DBRX / JetMoE MoE block of ``model`` into the
+    """Rewrite, in place and exactly, every Llama4 / DBRX / JetMoE / Longcat-Flash MoE block of ``model`` into the
     experts-container form (see the module docstring); returns the rewritten blocks' names. Idempotent.
     Raises :class:`~ultraep.adapters.UnsupportedModelError` (one line) for a block it cannot rewrite exactly."""
     done = []
@@ -374,6 +450,14 @@ def restore(model: nn.Module) -> nn.Module:
                 if p.grad is not None:
                     flat.grad = p.grad.reshape(flat.shape)
                 old.mlp.register_parameter(n, flat)
+            block.experts = old
+        elif isinstance(experts, StackedExperts) and base.__name__ == "LongcatFlashMoE":
+            old, p, tail = experts.origin["module"], experts.gate_up_proj, block._buffers.pop(_TAIL)
+            full = nn.Parameter(torch.cat([p.detach(), tail.to(p.dtype)]), requires_grad=p.requires_grad)
+            if p.grad is not None:  # the zero experts' rows get no gradient, as in the original forward
+                full.grad = torch.cat([p.grad, p.grad.new_zeros(tail.shape)])
+            old.register_parameter("gate_up_proj", full)
+            old.down_proj = experts.down_proj
             block.experts = old
         elif isinstance(experts, StackedExperts):  # JetMoE: the same parameter objects go back
             lin_in, lin_out = experts.origin["module"]
