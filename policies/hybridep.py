@@ -150,6 +150,9 @@ class HybridEPPolicy:
         domain_sizes: candidate expert-domain sizes in scale-out domains (default: every divisor of G).
         compression: expert compression ratio for the all-gather (the paper's SR compression reaches 50×;
             default 1 = uncompressed).
+        memory_fraction: share of a GPU's memory (``HardwareSpec.memory_GB``) the fetched experts of one layer
+            may take, their weights and the gradients they return in backward (as stored, uncompressed); an
+            expert-domain size whose fetches do not fit is not considered.
         cost_model: a :class:`~ultraep.cost.CostModel` (not a config value; the simulator and engine pass
             theirs). Default: one built from the topology's preset.
     """
@@ -157,9 +160,15 @@ class HybridEPPolicy:
     name = "hybridep"
     needs_cost_model = True  # the engine hands it the calibrated model
 
-    def __init__(self, domain_sizes: list[int] | None = None, compression: float = 1.0, cost_model=None) -> None:
+    def __init__(self, domain_sizes: list[int] | None = None, compression: float = 1.0,
+                 memory_fraction: float = 0.25, cost_model=None) -> None:
         self.domain_sizes = None if domain_sizes is None else [int(s) for s in domain_sizes]
         self.compression = float(compression)
+        if not 0.0 < float(memory_fraction) <= 1.0:
+            from ultraep.errors import ConfigError
+
+            raise ConfigError("hybridep.memory_fraction", f"must be in (0, 1], got {memory_fraction!r}", memory_fraction)
+        self.memory_fraction = float(memory_fraction)
         self.cost_model = cost_model
         self._models: dict = {}
 
@@ -176,12 +185,27 @@ class HybridEPPolicy:
             cm = self._models[topology] = CostModel(topology, hw, ex, params)
         return cm
 
+    def fetch_bytes(self, topology: Topology, S: int) -> float:
+        """Bytes one rank holds for the experts it fetches with expert-domain size S: the weights of its S − 1
+        peers' masters and the gradients it returns for them."""
+        cm = self._cost(topology)
+        per_expert = cm.expert_bytes + cm.grad_bytes
+        return float((S - 1) * topology.num_masters * per_expert)
+
     def candidates(self, topology: Topology) -> list[int]:
+        """Step 1: the expert-domain sizes to weigh (divisors of G, or the configured ones) whose fetched experts
+        fit in ``memory_fraction`` of a GPU's memory; plain EP (1) always."""
+        return [s for s in self._sizes(topology) if s == 1 or self._fits(topology, s)]
+
+    def _sizes(self, topology: Topology) -> list[int]:
         G = topology.num_domains
         divisors = [s for s in range(1, G + 1) if G % s == 0]
-        if self.domain_sizes is None:
-            return divisors
-        return sorted({s for s in self.domain_sizes if s in divisors} | {1})
+        if self.domain_sizes is not None:
+            divisors = sorted({s for s in self.domain_sizes if s in divisors} | {1})
+        return divisors
+
+    def _fits(self, topology: Topology, S: int) -> bool:
+        return self.fetch_bytes(topology, S) <= self.memory_fraction * self._cost(topology).hardware.memory_GB * 1e9
 
     def plan(self, load_RE: np.ndarray, topology: Topology) -> Plan:
         t0 = time.perf_counter()
@@ -203,6 +227,7 @@ class HybridEPPolicy:
                 "num_scale_out_domains": G,
                 "compression": self.compression,
                 "predicted_s": {str(s): v for s, v in predicted.items()},
+                "memory_refused": [s for s in self._sizes(t) if s > 1 and not self._fits(t, s)],
                 "stream_p_star": stream_p_star(
                     send_bytes, cm.expert_bytes / max(self.compression, 1e-9), G,
                     float(t.scale_out.bandwidth_GBps) * 1e9, cm.prefetch_window,

@@ -88,3 +88,20 @@ def test_hybridep_plans_satisfy_invariants(shape, bw, seed):
     h = plan.info["hybridep"]
     assert t.num_domains % h["expert_domain_size"] == 0
     assert min(h["predicted_s"].values()) == pytest.approx(cm.predict(plan).total_s)
+
+
+def test_memory_check_refuses_domains_whose_fetches_do_not_fit():
+    """Fetched experts (weights + the fp32 gradients returned for them) must fit in memory_fraction of the GPU:
+    with 2 x 8 GB per fetched expert, 4 masters per rank and 4 DCs, S = 2 needs 48 GB and S = 4 144 GB."""
+    big = {"expert": {"hidden_size": 8192, "ffn_size": 81920, "num_matrices": 3}, "scale_out": {"bandwidth_GBps": 0.01}}
+    cm, load = _setup("cross-dc", 32, 128, big)
+    assert cm.expert_bytes + cm.grad_bytes == pytest.approx(3 * 8192 * 81920 * 6)
+    pol = HybridEPPolicy(cost_model=cm, memory_fraction=0.25)  # 20 GB of 80
+    assert pol.candidates(cm.topology) == [1]
+    plan = pol.plan(load, cm.topology)
+    assert plan.info["hybridep"]["expert_domain_size"] == 1 and plan.info["hybridep"]["memory_refused"] == [2, 4]
+    roomy = HybridEPPolicy(cost_model=cm, memory_fraction=1.0)  # 80 GB: S = 2 fits, S = 4 does not
+    assert roomy.candidates(cm.topology) == [1, 2]
+    assert roomy.plan(load, cm.topology).info["hybridep"]["memory_refused"] == [4]
+    with pytest.raises(Exception, match="memory_fraction"):
+        HybridEPPolicy(memory_fraction=0)

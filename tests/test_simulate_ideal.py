@@ -31,3 +31,16 @@ def test_no_policy_beats_its_own_scheme_ideal(trace, preset, dedup):
         assert (h["hybrid_ag_s"] > 0).all() and (h["time_s"] < h["ideal_s"]).any()
     s = {x["policy"]: x for x in res.summary()}
     assert all(x["pct_of_scheme_ideal"] <= 100.0 + 1e-9 for x in s.values())
+
+
+def test_fixed_step_cost_bounds_the_speedup(trace):
+    """A fixed cost per step (the rest of the iteration) caps what balancing the replayed layers can gain."""
+    cm = build_cost_model("cross-dc", 16, 64, 2, overrides={"expert": {"hidden_size": 1024, "ffn_size": 64}})
+    bare = {s["policy"]: s for s in simulate(trace, cm, ["none", "hybridep"], workers=1).summary()}
+    res = simulate(trace, cm, ["none", "hybridep"], workers=1, step_fixed_s=1.0)
+    fixed = {s["policy"]: s for s in res.summary()}
+    assert res.settings["step_fixed_s"] == 1.0
+    assert 1.0 < fixed["hybridep"]["speedup_vs_none"] < bare["hybridep"]["speedup_vs_none"]
+    t = {p: res.rows[p]["time_s"].sum() for p in ("none", "hybridep")}
+    assert fixed["hybridep"]["speedup_vs_none"] == pytest.approx((t["none"] + 10) / (t["hybridep"] + 10))
+    assert fixed["hybridep"]["time_per_layer_ms"] == pytest.approx(bare["hybridep"]["time_per_layer_ms"])

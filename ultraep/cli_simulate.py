@@ -80,6 +80,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-dedup", action="store_true",
                    help="send every token-expert pair in the all-to-all; default: with the trace's top_k, a token goes "
                    "once per destination rank, and once per destination domain across domains (DeepEP)")
+    p.add_argument("--step-fixed-ms", type=float, default=0.0, metavar="MS",
+                   help="fixed time per step outside the replayed layers (optimizer, data-parallel reduction, layers "
+                   "not replayed), ms: %%ideal and speedup then weigh the replayed layers against the whole step")
     p.add_argument("--policy-opt", action="append", metavar="POLICY.KEY=VALUE",
                    help="policy option, e.g. eplb.interval=100 or adaptive.margin=0.01")
     p.add_argument("--json", type=Path, default=None, help="write one JSON object per policy to this file")
@@ -150,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ConfigError("--workers", f"must be >= 1, got {args.workers}", args.workers)
     for flag, value, low in (("--max-plans", args.max_plans, 0), ("--stride", args.stride, 1),
-                             ("--record-plans", args.record_plans, 0)):
+                             ("--record-plans", args.record_plans, 0), ("--step-fixed-ms", args.step_fixed_ms, 0)):
         if value is not None and value < low:
             raise ConfigError(flag, f"must be >= {low}, got {value}", value)
     if args.out is not None:  # fail now, not after the replay, if the runs directory cannot be made
@@ -164,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     result = simulate(
         trace, cm, policies, layers=args.layers, max_plans=args.max_plans, stride=args.stride, workers=args.workers,
         policy_options=_policy_options(args.policy_opt), keep_plans=args.record_plans if args.out else 0,
-        progress=not args.no_progress and sys.stderr.isatty(),
+        progress=not args.no_progress and sys.stderr.isatty(), step_fixed_s=args.step_fixed_ms * 1e-3,
     )
     summary = [s for s in result.summary() if s["policy"] in result.settings["reported"]]
     print_summary(summary, result.settings, Console(width=max(120, shutil.get_terminal_size().columns)))
