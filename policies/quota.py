@@ -18,7 +18,7 @@ Steps (per scale-up domain; replicas never leave the master's domain):
     Step 3: if infeasible, binary search τ in (fast τ, max ℓ] with the same oracle (max ℓ is always
             feasible: nothing moves).
     Step 4: re-run the oracle at the final τ, recording the accepted transfers → replicas and quotas.
-    Step 5: locality-aware split of every expert's tokens into ``routes`` (``split.locality_split``).
+    Step 5: locality-aware split of every expert's tokens into ``routes`` (``ultraep.routes.locality_split``).
     Step 6: weight-transfer schedule, direct or two-level relay (``transfers.schedule_transfers``).
 
 The oracle at threshold τ (the best-fit target choice is ours; UltraEP takes the most slack. On the
@@ -145,47 +145,17 @@ def _keep(tmp_e, tmp_r, tmp_s, tmp_q, out_e, out_r, out_s, out_q, at, n):
 @njit(cache=True)
 def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota, pref_RE):
     """Steps 1-4 for every domain. Returns replicas ``(e, rank, slot, quota)``, each ``[P]``, in acceptance
-    order, and the chosen τ per domain ``[R / D]``."""
-    R, E = load_RE.shape
+    order, and the chosen τ per domain ``[R / D]``.
+
+    Step 1: loads (:func:`_loads`) and the masters' order (:func:`_masters_in_order`). Per domain: nothing
+    moves when it is balanced already or has no redundant slot; Step 2: the oracle at the fast threshold;
+    if that fails, Steps 3-4: :func:`_search_tau`. The domain loop stays in this function: the planner runs
+    on every microbatch, and a compiled call per domain measured ~2 µs slower at EP64 (8 domains).
+    """
+    R = load_RE.shape[0]
     M = masters_RM.shape[1]
-    # Step 1: loads and orders.
-    lam_E = np.zeros(E, np.int64)
-    for r in range(R):
-        lrow = load_RE[r]
-        for e in range(E):
-            lam_E[e] += lrow[e]
-    ell_R = np.zeros(R, np.int64)
-    for e in range(E):
-        ell_R[home_E[e]] += lam_E[e]
-    mst = masters_RM.copy()
-    for r in range(R):  # insertion sort of each rank's masters by load desc, id asc
-        for a in range(1, M):
-            v = mst[r, a]
-            b = a - 1
-            while b >= 0 and v >= 0 and (mst[r, b] < 0 or lam_E[mst[r, b]] < lam_E[v] or
-                                         (lam_E[mst[r, b]] == lam_E[v] and mst[r, b] > v)):
-                mst[r, b + 1] = mst[r, b]
-                b -= 1
-            mst[r, b + 1] = v
-    # resident experts first (stable): a source sheds load through replicas that already exist before it
-    # creates new ones, so a persistent skew keeps its placement even when the hot experts' order shuffles
-    warm_E = np.zeros(E, np.bool_)
-    for t in range(R):
-        for e in range(E):
-            if pref_RE[t, e] != 0:
-                warm_E[e] = True
-    if warm_E.any():
-        for r in range(R):
-            row = mst[r].copy()
-            k = 0
-            for a in range(M):
-                if row[a] >= 0 and warm_E[row[a]]:
-                    mst[r, k] = row[a]
-                    k += 1
-            for a in range(M):
-                if not (row[a] >= 0 and warm_E[row[a]]):
-                    mst[r, k] = row[a]
-                    k += 1
+    lam_E, ell_R = _loads(load_RE, home_E)
+    mst = _masters_in_order(masters_RM, lam_E, pref_RE)
     cap_out = R * N
     out_e = np.empty(cap_out, np.int64)
     out_r = np.empty(cap_out, np.int64)
@@ -219,52 +189,109 @@ def solve_quota(load_RE, home_E, masters_RM, D, N, eps, min_quota, pref_RE):
         tau = max(lo, int(np.floor(total * (1.0 + eps) / D)))
         if tau >= hi:
             continue
-        n_best = -1
         ok, n = _oracle(tau, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota, pref_RE,
                         exc, slk, used, mark, tmp_e, tmp_r, tmp_s, tmp_q)
-        if ok:
-            n_best = n
-        else:
-            # Step 3: gallop up from the fast threshold (steps of eps * mean, doubling) to a feasible τ,
-            # then bisect between the last failure and it, down to a resolution of mean / 2048.
-            step = max(1, int(np.ceil(eps * total / D)))
-            a = tau + 1
-            b = hi
-            probe = tau + step
-            while probe < hi:
-                ok_p, n = _oracle(probe, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota, pref_RE,
-                                  exc, slk, used, mark, tmp_e, tmp_r, tmp_s, tmp_q)
-                if ok_p:
-                    b = probe
-                    n_best = n
-                    _keep(tmp_e, tmp_r, tmp_s, tmp_q, out_e, out_r, out_s, out_q, n_out, n)
-                    break
-                a = probe + 1
-                step *= 2
-                probe = tau + step
-            resolution = max(1, total // (D * 2048))
-            while b - a >= resolution:
-                mid = (a + b) // 2
-                ok_mid, n = _oracle(mid, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota, pref_RE,
-                                    exc, slk, used, mark, tmp_e, tmp_r, tmp_s, tmp_q)
-                if ok_mid:
-                    b = mid
-                    n_best = n
-                    # Step 4 (folded in): keep this pass's replicas; a later feasible pass replaces them.
-                    _keep(tmp_e, tmp_r, tmp_s, tmp_q, out_e, out_r, out_s, out_q, n_out, n)
-                else:
-                    a = mid + 1
-            tau = b
-            if tau >= hi:
-                n_best = -1
-            tau_dom[d] = tau
-            if n_best > 0:
-                n_out += n_best
-            continue
+        if ok:  # Step 4: keep the fast pass's replicas
+            _keep(tmp_e, tmp_r, tmp_s, tmp_q, out_e, out_r, out_s, out_q, n_out, n)
+        else:  # Steps 3-4: the smallest feasible τ, its replicas kept as it searches
+            tau, n = _search_tau(tau, hi, total, d0, D, N, M, eps, min_quota, ell_R, lam_E, src_order, mst,
+                                 pref_RE, exc, slk, used, mark, tmp_e, tmp_r, tmp_s, tmp_q,
+                                 out_e, out_r, out_s, out_q, n_out)
         tau_dom[d] = tau
-        _keep(tmp_e, tmp_r, tmp_s, tmp_q, out_e, out_r, out_s, out_q, n_out, n_best)
-        n_out += n_best
+        n_out += n
     return out_e[:n_out], out_r[:n_out], out_s[:n_out], out_q[:n_out], tau_dom
+
+
+@njit(cache=True)
+def _loads(load_RE, home_E):
+    """Step 1a: expert loads ``λ [E]`` and rank loads ``ℓ [R]`` (each rank's masters' total)."""
+    R, E = load_RE.shape
+    lam_E = np.zeros(E, np.int64)
+    for r in range(R):
+        lrow = load_RE[r]
+        for e in range(E):
+            lam_E[e] += lrow[e]
+    ell_R = np.zeros(R, np.int64)
+    for e in range(E):
+        ell_R[home_E[e]] += lam_E[e]
+    return lam_E, ell_R
+
+
+@njit(cache=True)
+def _masters_in_order(masters_RM, lam_E, pref_RE):
+    """Step 1b: each rank's masters ``[R, M]`` by load (desc, ids asc; -1 padding last), masters that have a
+    resident replica somewhere first (stable)."""
+    R, M = masters_RM.shape
+    E = lam_E.shape[0]
+    mst = masters_RM.copy()
+    for r in range(R):  # insertion sort of each rank's masters by load desc, id asc
+        for a in range(1, M):
+            v = mst[r, a]
+            b = a - 1
+            while b >= 0 and v >= 0 and (mst[r, b] < 0 or lam_E[mst[r, b]] < lam_E[v] or
+                                         (lam_E[mst[r, b]] == lam_E[v] and mst[r, b] > v)):
+                mst[r, b + 1] = mst[r, b]
+                b -= 1
+            mst[r, b + 1] = v
+    # resident experts first (stable): a source sheds load through replicas that already exist before it
+    # creates new ones, so a persistent skew keeps its placement even when the hot experts' order shuffles
+    warm_E = np.zeros(E, np.bool_)
+    for t in range(R):
+        for e in range(E):
+            if pref_RE[t, e] != 0:
+                warm_E[e] = True
+    if warm_E.any():
+        for r in range(R):
+            row = mst[r].copy()
+            k = 0
+            for a in range(M):
+                if row[a] >= 0 and warm_E[row[a]]:
+                    mst[r, k] = row[a]
+                    k += 1
+            for a in range(M):
+                if not (row[a] >= 0 and warm_E[row[a]]):
+                    mst[r, k] = row[a]
+                    k += 1
+    return mst
+
+
+@njit(cache=True)
+def _search_tau(tau, hi, total, d0, D, N, M, eps, min_quota, ell_R, lam_E, src_order, mst, pref_RE,
+                exc, slk, used, mark, tmp_e, tmp_r, tmp_s, tmp_q, out_e, out_r, out_s, out_q, n_out):
+    """Steps 3-4 for one domain whose fast threshold ``tau`` failed: gallop up from it (steps of eps * mean,
+    doubling) to a feasible τ, then bisect between the last failure and it, down to a resolution of
+    mean / 2048. Every feasible pass's replicas are copied to ``out_*[n_out:]`` (a later feasible pass
+    replaces them). Returns ``(τ, replicas kept)``; none kept when only ``hi`` (nothing moves) is feasible."""
+    n_best = -1
+    step = max(1, int(np.ceil(eps * total / D)))
+    a = tau + 1
+    b = hi
+    probe = tau + step
+    while probe < hi:
+        ok_p, n = _oracle(probe, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota, pref_RE,
+                          exc, slk, used, mark, tmp_e, tmp_r, tmp_s, tmp_q)
+        if ok_p:
+            b = probe
+            n_best = n
+            _keep(tmp_e, tmp_r, tmp_s, tmp_q, out_e, out_r, out_s, out_q, n_out, n)
+            break
+        a = probe + 1
+        step *= 2
+        probe = tau + step
+    resolution = max(1, total // (D * 2048))
+    while b - a >= resolution:
+        mid = (a + b) // 2
+        ok_mid, n = _oracle(mid, d0, D, N, M, ell_R, lam_E, src_order, mst, min_quota, pref_RE,
+                            exc, slk, used, mark, tmp_e, tmp_r, tmp_s, tmp_q)
+        if ok_mid:
+            b = mid
+            n_best = n
+            _keep(tmp_e, tmp_r, tmp_s, tmp_q, out_e, out_r, out_s, out_q, n_out, n)
+        else:
+            a = mid + 1
+    if b >= hi or n_best <= 0:
+        return b, 0
+    return b, n_best
 
 
 @njit(cache=True)
