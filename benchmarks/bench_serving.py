@@ -49,7 +49,7 @@ class Shape:
     ffn: int = 1536
     experts: int = 16
     top_k: int = 2
-    slots: int = 2
+    slots: int = 4  # rank 0 holds 8 hot experts: 4 replicas can carry the 0.6 x mean its ideal share leaves
 
     def label(self) -> str:
         return f"{self.family} T={self.tokens} H={self.hidden} I={self.ffn} E={self.experts} k={self.top_k} N={self.slots}"

@@ -3,13 +3,14 @@ ranks started with the fork start method (``ultraep.launch``) and fails the test
 
 from __future__ import annotations
 
-from ultraep.launch import RankFailedError, free_port, launch  # noqa: F401
+from ultraep.errors import LaunchedRankError
+from ultraep.launch import free_port, launch  # noqa: F401
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 300.0):
     try:
         return launch(fn, world_size, *args, backend="gloo", timeout_s=timeout)
-    except RankFailedError as exc:
+    except LaunchedRankError as exc:
         raise AssertionError(str(exc)) from None
 
 

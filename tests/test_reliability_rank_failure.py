@@ -3,7 +3,7 @@
 Three gloo ranks train a wrapped model (quota, so replicas are streamed and their gradients reduced). In
 step 1 the victim rank kills itself with SIGKILL, either in the middle of the forward pass (as layer 1
 gathers its load, after layer 0 ran) or between forward and backward. Every survivor must then raise
-:class:`ultraep.ep.RankFailureError` naming the layer, the phase and the peers, within the process group's
+:class:`ultraep.errors.CollectiveFailedError` naming the layer, the phase and the peers, within the process group's
 timeout (plus start-up slack) instead of hanging, and its telemetry must be on disk: the recorders here
 never flush on their own (no flusher thread, huge ``flush_every``), so rows of step 1 can only be there
 because the failure path flushed them.
@@ -73,8 +73,8 @@ def _rank_main(rank: int, port: int, runs_dir: str, kill_at: str, results) -> No
             if rank == VICTIM and kill_at == "backward":
                 os.kill(os.getpid(), signal.SIGKILL)
             out.pow(2).mean().backward()
-        except ep.RankFailureError as exc:
-            results.put((rank, "RankFailureError", str(exc), exc.layer, exc.phase, exc.peers,
+        except ep.CollectiveFailedError as exc:
+            results.put((rank, "CollectiveFailedError", str(exc), exc.layer, exc.phase, exc.peers,
                          time.monotonic() - t0, rt.recorder.errors))
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             results.put((rank, type(exc).__name__, str(exc)[:2000], None, None, None, time.monotonic() - t0, None))
@@ -118,7 +118,7 @@ def test_sigkilled_rank_makes_every_survivor_raise_a_clear_error(tmp_path, kill_
     assert sorted(got) == survivors, f"survivors that reported: {sorted(got)} ({got})"
     for rank in survivors:
         _, kind, msg, layer, phase, peers, elapsed, _errors = got[rank]
-        assert kind == "RankFailureError", (rank, kind, msg)
+        assert kind == "CollectiveFailedError", (rank, kind, msg)
         # the message names the layer (index and module path), the phase, this rank and the peers
         assert f"failed on rank {rank} of {WORLD}" in msg and "experts" in msg and "Telemetry was flushed" in msg
         assert msg.startswith(f"layer {layer} (model.layers.{layer}.mlp.experts): {phase}")
@@ -143,3 +143,38 @@ def test_sigkilled_rank_makes_every_survivor_raise_a_clear_error(tmp_path, kill_
             assert (1, 1) in mine
     assert not [r for r in rows if r[0] == VICTIM]  # the victim never flushed: nothing of it is on disk
     assert {r[0] for r in con.execute("SELECT rank FROM runs").fetchall()} >= set(survivors)
+
+
+def test_distributed_errors_join_the_hierarchy_with_distinct_names(monkeypatch, capsys):
+    import pickle
+
+    from ultraep import cli, ep, errors, launch
+
+    exc = errors.CollectiveFailedError("layer 1: load all-gather failed", layer=1, name="m.experts",
+                                       phase="load all-gather", rank=0, peers=[1], step=3)
+    back = pickle.loads(pickle.dumps(exc))  # errors cross process boundaries (launched ranks, pools)
+    assert type(back) is errors.CollectiveFailedError and str(back) == str(exc)
+    assert (back.layer, back.name, back.phase, back.rank, back.peers, back.step) == (1, "m.experts",
+                                                                                      "load all-gather", 0, [1], 3)
+    classes = (errors.CollectiveFailedError, errors.PlanDivergenceError, errors.LaunchedRankError)
+    assert len({c.__name__ for c in classes}) == 3
+    assert all(issubclass(c, errors.DistributedError) and issubclass(c, errors.UltraEPError) for c in classes)
+    # the old names still catch them
+    assert ep.RankFailureError is errors.CollectiveFailedError and launch.RankFailedError is errors.LaunchedRankError
+    # the CLI: one line, exit code 1 (a failed peer is not a user mistake, which exits with 2)
+    parser = cli.build_parser()
+
+    def boom(args):
+        raise errors.LaunchedRankError("rank 1 died (exit code -9)")
+
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    args = parser.parse_args(["sql", "run", "SELECT 1"])
+    monkeypatch.setattr(parser, "parse_args", lambda argv=None: argparse_ns(args, boom))
+    assert cli.main(["sql", "run", "SELECT 1"]) == 1
+    assert capsys.readouterr().err.strip() == "ultraep: error: rank 1 died (exit code -9)"
+
+
+def argparse_ns(args, func):
+    args.func = func
+    args.command = "sql"
+    return args

@@ -254,7 +254,7 @@ def test_unsupported_model_lists_supported_ones():
 def _divergence(rank, world):
     import ultraep
     import ultraep.ep as ep
-    from ultraep.ep import PlanDivergenceError
+    from ultraep.errors import PlanDivergenceError
 
     model = build_model("qwen3-moe")
     ultraep.wrap(model, {"policy": "quota", "check_plan_hash": True})

@@ -11,7 +11,7 @@ import argparse
 import sys
 from importlib import import_module
 
-from ultraep.errors import UltraEPError, format_pydantic_error
+from ultraep.errors import DistributedError, UltraEPError, format_pydantic_error
 
 # module path of each subcommand family, in help order
 COMMANDS = [
@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: outputs are written under a temporary name and renamed on success
         print("ultraep: interrupted", file=sys.stderr)
         return 130
+    except DistributedError as exc:  # a peer or collective failed: not the user's input
+        print(f"ultraep: error: {exc}", file=sys.stderr)
+        return 1
     except UltraEPError as exc:
         print(f"ultraep: error: {exc}", file=sys.stderr)
         return 2

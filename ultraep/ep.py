@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ultraep.comm import AllToAll, all_gather_bytes, gather_load
+from ultraep.errors import CollectiveFailedError, PlanDivergenceError
 from ultraep.replica_cache import MasterEpoch, ReplicaCache
 from ultraep.replicas import GradSink, ReplicaExperts, ReplicaJob
 
@@ -43,23 +44,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ultraep.runtime import EPRuntime
 
 
-class PlanDivergenceError(RuntimeError):
-    """Ranks computed different plans for the same layer: exchanging tokens would be wrong."""
-
-
-class RankFailureError(RuntimeError):
-    """A collective of a balanced layer failed on this rank: a peer died, or did not answer within the process
-    group's timeout (``init_process_group(timeout=...)``; ``ultraep.launch(..., timeout_s=...)``).
-
-    Raised by every surviving rank that reaches a collective, after its telemetry was flushed. Attributes:
-    ``layer`` (MoE layer index), ``name`` (module path), ``phase``, ``rank``, ``peers`` (the ranks this one
-    was exchanging with), ``step``.
-    """
-
-    def __init__(self, message: str, *, layer: int, name: str, phase: str, rank: int, peers: list[int],
-                 step: int) -> None:
-        super().__init__(message)
-        self.layer, self.name, self.phase, self.rank, self.peers, self.step = layer, name, phase, rank, peers, step
+#: the name this error had before it joined the UltraEPError hierarchy (kept for ``except`` clauses)
+RankFailureError = CollectiveFailedError
 
 
 #: what each rank measured of a layer's last complete call, piggy-backed on the next call's load all-gather
@@ -190,22 +176,22 @@ class BalancedExperts(nn.Module):
     @contextmanager
     def _collective(self, phase: str, peers: list[int] | None = None):
         """Around one collective: a backend failure (peer died, timeout) flushes this rank's telemetry and
-        becomes :class:`RankFailureError` naming the layer, the phase and the peers."""
+        becomes :class:`~ultraep.errors.CollectiveFailedError` naming the layer, the phase and the peers."""
         try:
             yield
-        except (RankFailureError, PlanDivergenceError):
+        except (CollectiveFailedError, PlanDivergenceError):
             raise
         except RuntimeError as exc:
             rt = self.runtime
             flushed = rt.recorder is not None
             if flushed:
                 rt.flush_records()
-                rt._safe(rt.recorder.flush)
+                rt.safe(rt.recorder.flush)
             if peers is None:
                 peers = [r for r in range(rt.world_size) if r != rt.rank]
             text = str(exc).strip()
             cause = text.splitlines()[0] if text else type(exc).__name__
-            raise RankFailureError(
+            raise CollectiveFailedError(
                 f"layer {self.layer} ({self.name}): {phase} failed on rank {rt.rank} of {rt.world_size} at step "
                 f"{rt.step} while exchanging with rank(s) {peers}: a peer died or did not answer within the "
                 f"process group timeout ({type(exc).__name__}: {cause}). {'Telemetry was flushed; ' if flushed else ''}"
@@ -265,7 +251,7 @@ class BalancedExperts(nn.Module):
         eng = rt.engine
         if obs is not None and extra[:, 1].all():  # every rank measured the same call: calibrate identically
             measured, total = _reduce_measured(extra[:, _HEAD:].astype(np.float64) * 1e-9)
-            rt._safe(eng.observe, obs[0], obs[1], self.layer, measured, total)
+            rt.safe(eng.observe, obs[0], obs[1], self.layer, measured, total)
         # Step 2: plan (identical on every rank: the residency table is too) and commit.
         epoch_R = extra[:, 2]
         cached = self.cache is not None and bool(extra[:, 3].all())

@@ -37,6 +37,48 @@ class TraceError(UltraEPError):
     """An unreadable or malformed routing trace file."""
 
 
+class DistributedError(UltraEPError):
+    """A distributed run failed — a peer, a collective, ranks that disagree — not the user's input: the CLI
+    prints it in one line and exits with code 1 (not 2)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("", message)
+
+    def __reduce__(self):
+        return _rebuild, (type(self), (self.message,), {k: v for k, v in self.__dict__.items()
+                                                         if k not in ("path", "value", "message")})
+
+
+def _rebuild(cls, args, state):
+    exc = cls.__new__(cls)
+    DistributedError.__init__(exc, *args)
+    exc.__dict__.update(state)
+    return exc
+
+
+class CollectiveFailedError(DistributedError):
+    """A collective of a balanced layer failed on this rank: a peer died, or did not answer within the process
+    group's timeout (``init_process_group(timeout=...)``; ``ultraep.launch(..., timeout_s=...)``).
+
+    Raised by every surviving rank that reaches a collective, after its telemetry was flushed. Attributes:
+    ``layer`` (MoE layer index), ``name`` (module path), ``phase``, ``rank``, ``peers`` (the ranks this one
+    was exchanging with), ``step``.
+    """
+
+    def __init__(self, message: str, *, layer: int, name: str, phase: str, rank: int, peers: list[int],
+                 step: int) -> None:
+        super().__init__(message)
+        self.layer, self.name, self.phase, self.rank, self.peers, self.step = layer, name, phase, rank, peers, step
+
+
+class PlanDivergenceError(DistributedError):
+    """Ranks computed different plans for the same layer (``check_plan_hash``): exchanging tokens would be wrong."""
+
+
+class LaunchedRankError(DistributedError):
+    """A rank started by :func:`ultraep.launch.launch` raised or died (the message carries its traceback)."""
+
+
 def format_pydantic_error(exc: Exception) -> str:
     """One line per pydantic error: ``field.path (value): message``."""
     errors = getattr(exc, "errors", None)

@@ -17,9 +17,11 @@ import socket
 import time
 import traceback
 
+from ultraep.errors import LaunchedRankError
 
-class RankFailedError(RuntimeError):
-    """A rank raised or died."""
+
+#: the name this error had before it joined the UltraEPError hierarchy (kept for ``except`` clauses)
+RankFailedError = LaunchedRankError
 
 
 def free_port() -> int:
@@ -92,5 +94,5 @@ def launch(fn, world_size: int, *args, backend: str = "auto", threads_per_rank: 
                 p.kill()
                 p.join(timeout=1)
     if errors:
-        raise RankFailedError("\n".join(errors))
+        raise LaunchedRankError("\n".join(errors))
     return [got[r] for r in range(world_size)]

@@ -16,6 +16,7 @@ from torch import nn
 
 from ultraep.adapters import UnsupportedModelError, adapter_for, prepare, supported
 from ultraep.config import BalancerConfig
+from ultraep.ep import BalancedExperts
 from ultraep.errors import UltraEPError
 from ultraep.replica_cache import ReplicaCache
 from ultraep.replicas import ReplicaBuffers
@@ -99,7 +100,7 @@ class EPRuntime:
         """Close the current training step (call once per optimizer step); records the step if recording."""
         self.flush_records()
         if self.recorder is not None:
-            self._safe(self.recorder.record_step, self.step, loss=loss, step_time_s=step_time_s,
+            self.safe(self.recorder.record_step, self.step, loss=loss, step_time_s=step_time_s,
                        warmup=self.step == 0)
         self.step += 1
         self.microbatch = -1
@@ -107,7 +108,7 @@ class EPRuntime:
     def flush_records(self) -> None:
         """Record every layer call still waiting for its backward (at a step's end, or on a failure)."""
         for layer in self.layers:
-            self._safe(layer.flush_record)
+            self.safe(layer.flush_record)
 
     def enter_layer(self, layer: int) -> None:
         if layer == 0:
@@ -115,7 +116,9 @@ class EPRuntime:
 
 
     # ------------------------------------------------------------------ telemetry (never breaks training)
-    def _safe(self, fn, *args, **kwargs) -> None:
+    def safe(self, fn, *args, **kwargs) -> None:
+        """Call ``fn`` (a telemetry or calibration step) so that its failure is counted in ``recording_errors``
+        and logged once, never raised: the layers and the step bookkeeping record through this."""
         try:
             fn(*args, **kwargs)
         except Exception as exc:  # recording must never stop a training step
@@ -152,14 +155,14 @@ class EPRuntime:
         if rec is None:
             return
         if self.rank == 0:  # plans are identical on every rank: one copy is enough
-            self._safe(rec.record_plan, step, mb, layer.layer, plan)
+            self.safe(rec.record_plan, step, mb, layer.layer, plan)
             if decision is not None:
-                self._safe(rec.record_decision, step, mb, layer.layer, policy=decision.chosen,
+                self.safe(rec.record_decision, step, mb, layer.layer, policy=decision.chosen,
                            reason=decision.reason, predictions=decision.predictions,
                            chosen_predicted_s=decision.predicted.total_s)
-        self._safe(rec.record_timings, step, mb, layer.layer, dict(timings))
+        self.safe(rec.record_timings, step, mb, layer.layer, dict(timings))
         if job is not None and len(plan.transfers):
-            self._safe(rec.record_transfer_times, step, mb, layer.layer, job.transfer_seconds())
+            self.safe(rec.record_transfer_times, step, mb, layer.layer, job.transfer_seconds())
 
 
 def _available_bytes(device) -> int:
@@ -222,8 +225,6 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
     __import__("ultraep.planning").planning.warm_up()  # compile the planners now, not inside step 0's timing
     runtime = EPRuntime(config, group, recorder)
     R = runtime.world_size
-    from ultraep.ep import BalancedExperts
-
     for layer, (name, mod) in enumerate(found):
         adapter = adapter_for(mod)
         E = adapter.num_experts(mod)
