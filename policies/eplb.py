@@ -300,6 +300,8 @@ class EplbPolicy:
     """
 
     name = "eplb"
+    #: defaults of a one-shot plan (``plan_layer``): with no history, plan from the load given (EPLB+)
+    one_shot_options = {"use_current_load": True}
 
     def __init__(self, interval: int = 50, window: int = 50, ewma: float | None = None,
                  use_current_load: bool = False, relay: str = "auto") -> None:

@@ -223,11 +223,8 @@ class BalancerConfig(_Model):
         """The options object that governs ``layer``."""
         if layer in self.layers:
             return self.layers[layer]
-        if self.policy == "quota":
-            return self.quota
-        if self.policy == "eplb":
-            return self.eplb
-        return _DEFAULTS[self.policy]()
+        configured = getattr(self, self.policy, None)  # the top-level options of that policy, if it has any
+        return configured if isinstance(configured, _Options) else _DEFAULTS[self.policy]()
 
     def slots_for(self, layer: int) -> int:
         opts = self.layer_options(layer)

@@ -68,8 +68,10 @@ def plan_layer(
         arr = validate_load(load, topology.num_ranks, topology.num_experts)
     # the [R, R, S] routes and per-plan copies are the big allocations: refuse what cannot fit, before planning
     check_plan(topology.num_ranks, topology.num_experts, topology.num_redundant_slots)
-    if policy == "eplb":
-        options.setdefault("use_current_load", True)
+    from ultraep.policies import get_policy_class
+
+    # a policy says how it plans once, without history (EPLB: from this load, the EPLB+ baseline)
+    options = {**getattr(get_policy_class(policy), "one_shot_options", {}), **options}
     try:
         pol = _policy(policy, tuple(sorted(options.items())) if options else ())
     except TypeError:  # unhashable option values: no caching
