@@ -82,7 +82,7 @@ class AdaptivePolicy:
         if "adaptive" in names:
             raise ConfigError("adaptive.candidates", "cannot include 'adaptive' itself", names)
         if policies is None:
-            from . import make_policy
+            from . import get_policy_class, make_policy
 
             opts = candidate_options or {}
             unknown = sorted(set(opts) - set(names))
@@ -91,7 +91,7 @@ class AdaptivePolicy:
             policies = {}
             for n in names:
                 o = dict(opts.get(n, {}))
-                if n == "hybridep" and cost_model is not None:
+                if cost_model is not None and getattr(get_policy_class(n), "needs_cost_model", False):
                     o.setdefault("cost_model", cost_model)
                 policies[n] = make_policy(n, **o)
         self.policies = dict(policies)
@@ -153,10 +153,10 @@ class AdaptivePolicy:
             return float(np.exp(np.mean([v for v, _ in self._outcome.values()])))
         return 1.0
 
-    @staticmethod
-    def exposed_planner_s(cm, name: str) -> float:
-        """Planner latency on the critical path (FEPLB plans on a CPU thread under static compute)."""
-        if name == "feplb":
+    def exposed_planner_s(self, cm, name: str) -> float:
+        """Planner latency on the critical path (0 for a candidate whose policy says its planner is not on it,
+        like FEPLB, which plans on a CPU thread under static compute)."""
+        if not getattr(self.policies.get(name), "planner_exposed", True):
             return 0.0
         return cm.params.planner_s.get(name, 0.0) * cm.params.plan_scale
 

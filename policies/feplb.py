@@ -124,6 +124,8 @@ class FeplbPolicy:
     """
 
     name = "feplb"
+    #: FEPLB plans on a CPU thread while the static experts compute: its planner is off the critical path
+    planner_exposed = False
 
     def __init__(self, num_dynamic: int = 4, min_tokens: int = 1, ewma: float = 0.3) -> None:
         if num_dynamic < 0:
