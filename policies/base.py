@@ -18,7 +18,7 @@ from ultraep.plan import Plan, Replicas, Transfers
 from ultraep.topology import Topology
 
 from .split import even_split
-from .transfers import RELAY_MODES, schedule_transfers, transfers_for
+from ultraep.transfers import RELAY_MODES, schedule_transfers, transfers_for
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -42,7 +42,7 @@ def plan_resident(policy, load_RE: np.ndarray, topology: Topology, resident_RE: 
     """``policy``'s plan when ``resident_RE[r, e]`` (bool ``[R, E]``) says which ranks already hold valid
     weights of which experts: a policy that declares ``uses_residency = True`` plans with it (it may prefer
     resident replicas), and the plan's transfers become exactly the non-resident replicas
-    (:func:`~ultraep.policies.transfers.transfers_for`). ``resident_RE=None``: the policy's own plan."""
+    (:func:`~ultraep.transfers.transfers_for`). ``resident_RE=None``: the policy's own plan."""
     if resident_RE is None:
         return policy.plan(load_RE, topology)
     if getattr(policy, "uses_residency", False):

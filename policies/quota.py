@@ -58,7 +58,7 @@ from ultraep.topology import Topology
 
 
 from .base import _assemble_arrays, identity_plan
-from .transfers import RELAY_MODES, schedule_transfers
+from ultraep.transfers import RELAY_MODES, schedule_transfers
 
 
 @njit(cache=True)

@@ -22,13 +22,12 @@ import import_graph as ig
 # of). A vocabulary module imports only vocabulary modules.
 VOCABULARY = {
     "ultraep.plan", "ultraep.load", "ultraep.topology", "ultraep.config", "ultraep.cost", "ultraep.metrics",
-    "ultraep.errors", "ultraep.routes", "ultraep.presets", "ultraep.limits",
+    "ultraep.errors", "ultraep.routes", "ultraep.transfers", "ultraep.presets", "ultraep.limits",
 }
 # Upward imports of the vocabulary still in the code (issue 19 item 1; the cost model's HybridEP traffic and
 # transfer helpers belong in the vocabulary or in the policy). Only entries may be removed.
 KNOWN_UPWARD = {
     ("ultraep.cost", "ultraep.policies.hybridep"),
-    ("ultraep.cost", "ultraep.policies.transfers"),
 }
 # Edges of the cycles that remain (module pairs, either direction of the cycle listed).
 KNOWN_CYCLE_EDGES = {

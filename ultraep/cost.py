@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ultraep.plan import Plan, Transfers
 from ultraep.presets import PRESETS, ExpertSpec, HardwareSpec
 from ultraep.topology import Topology
+from ultraep.transfers import transfers_for
 
 #: Planner latency on the critical path per policy, seconds. quota: UltraEP GPU planner 0.07 ms + reroute
 #: 0.04 ms at EP64 (README); eplb and hybridep decide off the critical path (history / closed form);
@@ -429,21 +430,7 @@ class CostModel:
         step needs, e.g. a historical placement moves weights only when it changes)."""
         if len(plan.transfers) >= plan.num_replicas:
             return plan.transfers
-        from ultraep.policies.transfers import RELAY_MODES, schedule_transfers
-
-        t = self.topology
-        M = t.num_masters
-        held = plan.phy2log_RS[:, M:]
-        rr, ss = np.nonzero(held >= 0)
-        ee = held[rr, ss]
-        order = np.argsort(ee, kind="stable")
-        ptr = np.zeros(t.num_experts + 1, dtype=np.int64)
-        np.cumsum(np.bincount(ee, minlength=t.num_experts), out=ptr[1:])
-        te, ts, td, tb, tg = schedule_transfers(
-            t.home_E, ptr, np.ascontiguousarray(rr[order].astype(np.int64)), int(self.expert_bytes),
-            t.num_ranks, t.D, RELAY_MODES["auto"],
-        )
-        return Transfers(te, ts, td, tb, tg)
+        return transfers_for(plan, expert_bytes=int(self.expert_bytes)).transfers
 
     def full_sync_time(self, plan: Plan) -> float:
         """Weight sync if every replica of ``plan`` had to be sent (a placement that is not resident)."""

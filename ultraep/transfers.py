@@ -108,10 +108,11 @@ def schedule_transfers(home_E, rep_ptr, rep_rank, expert_bytes, num_ranks, domai
     return t_exp[:n_t], t_src[:n_t], t_dst[:n_t], nbytes, t_stage[:n_t]
 
 
-def transfers_for(plan, resident_RE: np.ndarray | None = None, relay: str = "auto"):
+def transfers_for(plan, resident_RE: np.ndarray | None = None, relay: str = "auto", expert_bytes: int | None = None):
     """``plan`` with exactly the weight transfers it needs: one for every replica whose weights are not
     already resident on its rank (``resident_RE[r, e]``: rank ``r`` holds a valid copy of expert ``e``; None
-    = nothing is resident, every replica is streamed).
+    = nothing is resident, every replica is streamed). ``expert_bytes``: bytes per copy (default: the
+    topology's).
 
     This is what the runtime moves, whatever the policy listed (a historical placement lists only its new
     replicas, assuming the others stay resident; a runtime whose masters changed must send them all).
@@ -126,5 +127,6 @@ def transfers_for(plan, resident_RE: np.ndarray | None = None, relay: str = "aut
             np.cumsum(np.bincount(expert_P[need], minlength=t.num_experts), out=ptr[1:])
             rank = np.ascontiguousarray(rank[need])
     cols = schedule_transfers(t.home_E, np.ascontiguousarray(ptr, dtype=np.int64), np.ascontiguousarray(
-        rank, dtype=np.int64), t.expert_bytes, t.num_ranks, t.D, RELAY_MODES[relay])
+        rank, dtype=np.int64), t.expert_bytes if expert_bytes is None else int(expert_bytes), t.num_ranks, t.D,
+        RELAY_MODES[relay])
     return dataclasses.replace(plan, transfers=Transfers(*cols))
