@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+from ultraep.cost import model_for
 from ultraep.plan import Plan
 from ultraep.topology import Topology
 
@@ -112,7 +113,6 @@ class AdaptivePolicy:
         self._ran: set[str] = set()  # candidates that ran at least once
         self._none_streak = 0  # consecutive decisions none won by more than switch_now
         self._lost: dict[str, int] = {}  # consecutive decisions a planned candidate lost by more than switch_now
-        self._models: dict = {}
         self._current: str | None = None
         self._pending: tuple[str, int] | None = None
         self._memo: tuple[Plan, dict] | None = None
@@ -120,18 +120,8 @@ class AdaptivePolicy:
     # ------------------------------------------------------------------ helpers
     def _cost(self, topology: Topology):
         """The cost model for ``topology``: the one the engine handed over (calibrated), re-targeted to another
-        topology with the *current* calibrated parameters (a cached copy is dropped when they change)."""
-        base = self.cost_model
-        if base is not None and base.topology == topology:
-            return base
-        cm = self._models.get(topology)
-        if cm is None or (base is not None and cm.params is not base.params):
-            from ultraep.cost import CostModel
-
-            cm = self._models[topology] = CostModel(
-                topology, base.hardware if base else None, base.expert if base else None, base.params if base else None
-            )
-        return cm
+        topology with the current calibrated parameters (:func:`~ultraep.cost.model_for`)."""
+        return model_for(self.cost_model, topology)
 
     # ------------------------------------------------------------------ measured outcomes
     def observe_outcome(self, name: str, predicted_s: float, measured_s: float) -> None:

@@ -46,6 +46,7 @@ import time
 import numpy as np
 from numba import njit
 
+from ultraep.cost import Traffic, model_for
 from ultraep.plan import Plan
 from ultraep.topology import Topology
 
@@ -115,8 +116,6 @@ def _hybrid_flows(load_RE, dst_AE, domain_R):
 
 def hybrid_traffic(cost_model, load_RE: np.ndarray, S: int):
     """The cost model's :class:`~ultraep.cost.Traffic` of the HybridEP overlay with expert-domain size S."""
-    from ultraep.cost import Traffic
-
     t = cost_model.topology
     dst_AE = hybrid_destinations(t, S)
     send, recv, tokens, inst = _hybrid_flows(load_RE, dst_AE, t.domain_R)
@@ -170,20 +169,9 @@ class HybridEPPolicy:
             raise ConfigError("hybridep.memory_fraction", f"must be in (0, 1], got {memory_fraction!r}", memory_fraction)
         self.memory_fraction = float(memory_fraction)
         self.cost_model = cost_model
-        self._models: dict = {}
 
     def _cost(self, topology: Topology):
-        if self.cost_model is not None and self.cost_model.topology == topology:
-            return self.cost_model
-        cm = self._models.get(topology)
-        if cm is None:
-            from ultraep.cost import CostModel
-
-            params = self.cost_model.params if self.cost_model is not None else None
-            hw = self.cost_model.hardware if self.cost_model is not None else None
-            ex = self.cost_model.expert if self.cost_model is not None else None
-            cm = self._models[topology] = CostModel(topology, hw, ex, params)
-        return cm
+        return model_for(self.cost_model, topology)
 
     def fetch_bytes(self, topology: Topology, S: int) -> float:
         """Bytes one rank holds for the experts it fetches with expert-domain size S: the weights of its S − 1

@@ -319,6 +319,17 @@ class CostModel:
     def with_params(self, params: CostParams) -> "CostModel":
         return CostModel(self.topology, self.hardware, self.expert, params)
 
+    def for_topology(self, topology: Topology) -> "CostModel":
+        """This model re-targeted to ``topology`` (same hardware, expert and parameters): itself for its own
+        topology, else one copy per topology, rebuilt when the parameters were replaced (calibration)."""
+        if topology == self.topology:
+            return self
+        cache = self.__dict__.setdefault("_retargeted", {})
+        cm = cache.get(topology)
+        if cm is None or cm.params is not self.params:
+            cm = cache[topology] = CostModel(topology, self.hardware, self.expert, self.params)
+        return cm
+
     def _cache(self) -> None:
         t, hw, ex, p = self.topology, self.hardware, self.expert, self.params
         self.expert_bytes = float(t.expert_bytes or ex.expert_bytes)
@@ -679,3 +690,19 @@ class Calibrator:
             timings.update({f"measured.{r['term']}": r["measured_s"] for r in rows})
             self.recorder.record_timings(step, microbatch, layer, timings)
         return rows
+
+
+_DEFAULT_MODELS: dict[Topology, CostModel] = {}
+
+
+def model_for(base: CostModel | None, topology: Topology) -> CostModel:
+    """The cost model a policy predicts ``topology`` with: ``base`` (the engine's calibrated model) re-targeted
+    to it, or, with no ``base``, the preset model of that topology (one per topology, kept)."""
+    if base is not None:
+        return base.for_topology(topology)
+    cm = _DEFAULT_MODELS.get(topology)
+    if cm is None:
+        if len(_DEFAULT_MODELS) > 64:  # bounded: topologies are few; a sweep over many should not grow it
+            _DEFAULT_MODELS.clear()
+        cm = _DEFAULT_MODELS[topology] = CostModel(topology)
+    return cm

@@ -188,7 +188,5 @@ class Engine:
 def _refresh(pol, cm: CostModel) -> None:
     if getattr(pol, "cost_model", None) is not None:
         pol.cost_model = cm
-        if hasattr(pol, "_models"):
-            pol._models.clear()
     for sub in getattr(pol, "policies", {}).values():
         _refresh(sub, cm)
