@@ -215,35 +215,43 @@ def _dedup_levels(logmiss_RR, tok_R, D):
     return send, recv
 
 
-@njit(cache=True)
-def _miss(x, T):
-    """``log(1 − x / T)``, a token's chance to miss an instance that gets ``x`` of the source's ``T`` tokens."""
-    return np.log1p(-min(x / T, 1.0 - 1e-12)) if T > 0 else 0.0
+_CAP = 1.0 - 1e-12  # a count can reach all of a source's tokens: keep the log finite
 
 
 @njit(cache=True)
 def _route_logmiss(routes_RRS, tok_R):
+    """``[R, R]``: ``Σ_s log(1 − routes[src, dst, s] / T_src)``, a token's log-chance to miss every instance of
+    ``dst`` (see :func:`_dedup_levels`)."""
     R, _, S = routes_RRS.shape
     out = np.zeros((R, R))
     for src in range(R):
+        if tok_R[src] <= 0:
+            continue
+        inv = 1.0 / tok_R[src]
         for dst in range(R):
+            acc = 0.0
             for s in range(S):
                 x = routes_RRS[src, dst, s]
                 if x:
-                    out[src, dst] += _miss(x, tok_R[src])
+                    acc += np.log1p(-min(x * inv, _CAP))
+            out[src, dst] = acc
     return out
 
 
 @njit(cache=True)
 def _dest_logmiss(load_RE, dst_RE, tok_R):
-    """``load_RE[r, e]`` assignments of source ``r`` to expert ``e`` go to rank ``dst_RE[r, e]``."""
+    """As :func:`_route_logmiss` when ``load_RE[r, e]`` assignments of source ``r`` to expert ``e`` go to rank
+    ``dst_RE[r, e]``."""
     R, E = load_RE.shape
     out = np.zeros((R, R))
     for src in range(R):
+        if tok_R[src] <= 0:
+            continue
+        inv = 1.0 / tok_R[src]
         for e in range(E):
             x = load_RE[src, e]
             if x:
-                out[src, dst_RE[src, e]] += _miss(x, tok_R[src])
+                out[src, dst_RE[src, e]] += np.log1p(-min(x * inv, _CAP))
     return out
 
 
