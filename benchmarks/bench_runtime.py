@@ -117,12 +117,16 @@ def _body(rank, world, shape: Shape, args, policy, skew):
     idx = _routing(rank, shape.tokens, shape.top_k, shape.experts, skew, args.seed)
     w = torch.softmax(torch.randn(shape.tokens, shape.top_k, generator=g), -1)
     times, phases, chosen = [], [], []
+    # an optimizer step after every iteration (untimed): training changes the masters every step, so every
+    # replica is streamed again, as in a real run (without it the replica cache would reuse them)
+    opt = torch.optim.SGD(layer.parameters(), lr=1e-6)
     for it in range(args.warmup + args.iters):
         torch.distributed.barrier()
         t0 = time.perf_counter()
         y = layer(x, idx, w)
         y.pow(2).mean().backward()
         t = time.perf_counter() - t0
+        opt.step()
         layer.zero_grad(set_to_none=True)
         x.grad = None
         rt.next_step()  # records the call (with its backward phases) into layer.last_timings

@@ -122,6 +122,7 @@ def _rank_main(rank: int, world: int, settings: DemoSettings, policy: str, run_n
     rt = ultraep.runtime_of(model)
     train = settings.mode == "train"
     opt = torch.optim.Adam(model.parameters(), lr=1e-3) if train else None
+    masters = {id(p) for layer in rt.layers for p in layer.master_params()}
     losses, times, calls = [], [], []
     grad_sum = None
     progress = None
@@ -144,8 +145,8 @@ def _rank_main(rank: int, world: int, settings: DemoSettings, policy: str, run_n
                 loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                          ids[:, 1:].reshape(-1))
                 loss.backward()
-                for name, p in model.named_parameters():  # data parallel for everything but the masters
-                    if p.grad is not None and ".experts." not in name:
+                for p in model.parameters():  # data parallel for everything but the masters (shared expert
+                    if p.grad is not None and id(p) not in masters:  # submodules, e.g. a post-norm, included)
                         dist.all_reduce(p.grad)
                         p.grad /= world
                 if step == 0:
