@@ -39,13 +39,13 @@ def _calls(rt):
 
 
 # ---------------------------------------------------------------------------------------------- serving
-def _serve(rank, world, cache: bool):
+def _serve(rank, world, cache: bool, transport: str = "auto"):
     import ultraep
 
     model = build_model("qwen3-moe").eval()
     ref = copy.deepcopy(model)
     ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 2, "replica_cache": cache,
-                         "check_plan_hash": True})
+                         "check_plan_hash": True, "replica_transport": transport})
     rt = ultraep.runtime_of(model)
     errs, calls = [], []
     with torch.no_grad():
@@ -65,8 +65,9 @@ def _serve(rank, world, cache: bool):
     return errs, calls, [lay.cache is not None for lay in rt.layers]
 
 
-def test_serving_reuses_resident_replicas_exactly():
-    out = run_ranks(_serve, 2, True)
+@pytest.mark.parametrize("transport", ["auto", "tiles"])  # per-tensor messages on CPU; tile-packed (GPU path)
+def test_serving_reuses_resident_replicas_exactly(transport):
+    out = run_ranks(_serve, 2, True, transport)
     for errs, calls, has_cache in out:
         assert all(has_cache)
         assert max(errs) < 1e-5, errs  # equal to the unwrapped model, before and after the master changed
