@@ -36,15 +36,16 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from benchmarks.common import row, write_rows  # noqa: E402
-from ultraep.cost import CostParams  # noqa: E402
-from ultraep.simulate import build_cost_model, simulate  # noqa: E402
+from ultraep.simulate import build_cost_model, sim_params, simulate  # noqa: E402
 from ultraep.traces.synthetic import SyntheticSpec, synthetic_trace  # noqa: E402
 
 R, E, SLOTS, TOPK, TOKENS = 64, 128, 2, 8, 8192
 WHAT = "simulate/qwen3-235b-ep64-gb200"
 SINGLE = ("none", "eplb", "quota", "feplb", "hybridep")
-FIG13 = CostParams(non_moe_fwd_s=2.83e-3, non_moe_bwd_s=4.49e-3, backward_compute_factor=4.32 / 1.89,
-                   backward_a2a_factor=1.62 / 1.68)
+# the simulator's defaults (replicas charged as the runtime's cache moves them), tokens de-duplicated per
+# destination rank (top-8, as DeepEP)
+FIG13 = sim_params(non_moe_fwd_s=2.83e-3, non_moe_bwd_s=4.49e-3, backward_compute_factor=4.32 / 1.89,
+                   backward_a2a_factor=1.62 / 1.68, dedup_top_k=TOPK)
 
 
 def _trace(layers, steps, imbalance, drift, seed):
