@@ -382,7 +382,7 @@ class CostModel:
         if hyb and hyb.get("expert_domain_size", 1) > 1:
             from ultraep.policies.hybridep import hybrid_traffic
 
-            return hybrid_traffic(self, plan.load_RE, int(hyb["expert_domain_size"]))
+            return hybrid_traffic(self, plan.load_RE, int(hyb["expert_domain_size"]), hyb.get("fetched_masters"))
         q = plan.quota_RS
         t = self.topology
         tok = self.tokens_of(plan.load_RE)
@@ -476,13 +476,15 @@ class CostModel:
         placement whose replicas are not resident, see :meth:`full_sync_time`)."""
         hyb = plan.info.get("hybridep") or {}
         if hyb.get("expert_domain_size", 1) > 1 and "engine_s" not in plan.info:
-            return self.predict_hybrid(plan.load_RE, int(hyb["expert_domain_size"]), float(hyb.get("compression", 1.0)))
+            return self.predict_hybrid(plan.load_RE, int(hyb["expert_domain_size"]), float(hyb.get("compression", 1.0)),
+                                       fetched=hyb.get("fetched_masters"))
         tr = self.traffic(plan)
         ag_bytes_R = None
         if hyb.get("expert_domain_size", 1) > 1:
             from ultraep.policies.hybridep import allgather_bytes_per_rank
 
-            ag_bytes_R = allgather_bytes_per_rank(self, int(hyb["expert_domain_size"]), float(hyb.get("compression", 1.0)))
+            ag_bytes_R = allgather_bytes_per_rank(self, int(hyb["expert_domain_size"]), float(hyb.get("compression", 1.0)),
+                                                  hyb.get("fetched_masters"))
         if sync_s is None:
             sync_s = plan.info.get("sync_s")
         wsync = self.weight_sync_time(plan) if sync_s is None else float(sync_s)
@@ -512,13 +514,15 @@ class CostModel:
             nbytes = nbytes + moves * self.grad_bytes
         return float(nbytes.max()) * p.copy_s_per_byte * p.copy_scale
 
-    def predict_hybrid(self, load_RE: np.ndarray, expert_domain_size: int, compression: float = 1.0) -> CostBreakdown:
-        """Predicted time of a HybridEP overlay (no replicas, no planner on the critical path)."""
+    def predict_hybrid(self, load_RE: np.ndarray, expert_domain_size: int, compression: float = 1.0, *,
+                       fetched: int | None = None) -> CostBreakdown:
+        """Predicted time of a HybridEP overlay (no replicas, no planner on the critical path); ``fetched``: masters
+        of each peer a rank fetches (default all)."""
         from ultraep.policies.hybridep import allgather_bytes_per_rank, hybrid_traffic
 
         S = int(expert_domain_size)
-        tr = hybrid_traffic(self, load_RE, S)
-        ag = allgather_bytes_per_rank(self, S, compression) if S > 1 else None
+        tr = hybrid_traffic(self, load_RE, S, fetched)
+        ag = allgather_bytes_per_rank(self, S, compression, fetched) if S > 1 else None
         return self._assemble(tr, plan_s=0.0, wsync=0.0, grad_s=0.0, overlap_static=False, ag_bytes=ag)
 
     def ideal(self, load_RE: np.ndarray) -> CostBreakdown:
