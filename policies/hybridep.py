@@ -74,14 +74,17 @@ def stream_p_star(D_bytes: float, P_E: float, G: int, B: float, lat_pe: float) -
     return 0.0 if 2.0 * D_bytes - G * P_E >= 0 else bound
 
 
-def hybrid_destinations(topology: Topology, S: int) -> np.ndarray:
-    """Step 2: ``[G, E]`` rank that computes DC ``a``'s tokens for expert ``e`` with expert-domain size S."""
+def hybrid_destinations(topology: Topology, S: int, fetched: int | None = None) -> np.ndarray:
+    """Step 2: ``[G, E]`` rank that computes DC ``a``'s tokens for expert ``e`` with expert-domain size S, when
+    every rank fetches the first ``fetched`` masters of each peer (default: all ``M``)."""
     t = topology
     D, G = t.D, t.num_domains
     home = t.home_E
     hdc, hoff = home // D, home % D
     a = np.arange(G)[:, None]
     same = (a // S) == (hdc // S)[None, :]
+    if fetched is not None and fetched < t.num_masters:
+        same &= (t.master_slot_E < fetched)[None, :]
     return np.where(same, a * D + hoff[None, :], home[None, :])
 
 
@@ -114,32 +117,34 @@ def _hybrid_flows(load_RE, dst_AE, domain_R):
     return send, recv, tokens, instances
 
 
-def hybrid_traffic(cost_model, load_RE: np.ndarray, S: int):
-    """The cost model's :class:`~ultraep.cost.Traffic` of the HybridEP overlay with expert-domain size S."""
+def hybrid_traffic(cost_model, load_RE: np.ndarray, S: int, fetched: int | None = None):
+    """The cost model's :class:`~ultraep.cost.Traffic` of the HybridEP overlay with expert-domain size S (each
+    rank fetching ``fetched`` masters of each peer; default all)."""
     t = cost_model.topology
-    dst_AE = hybrid_destinations(t, S)
+    dst_AE = hybrid_destinations(t, S, fetched)
     send, recv, tokens, inst = _hybrid_flows(load_RE, dst_AE, t.domain_R)
     if cost_model.params.dedup_top_k is not None:  # a token once per destination rank / domain
         send, recv = cost_model.dest_flows(load_RE, np.ascontiguousarray(dst_AE[t.domain_R]))
     return Traffic(tokens, inst, send, recv)
 
 
-def allgather_bytes_per_rank(cost_model, S: int, compression: float = 1.0) -> np.ndarray:
-    """``[R]`` weight bytes every rank fetches over the scale-out link: the masters of its S − 1 peers
-    (same offset, other DCs of its expert domain), divided by the compression ratio."""
+def allgather_bytes_per_rank(cost_model, S: int, compression: float = 1.0, fetched: int | None = None) -> np.ndarray:
+    """``[R]`` weight bytes every rank fetches over the scale-out link: ``fetched`` (default all) masters of each
+    of its S − 1 peers (same offset, other DCs of its expert domain), divided by the compression ratio."""
     t = cost_model.topology
-    nbytes = (S - 1) * t.num_masters * cost_model.expert_bytes / max(compression, 1e-9)
+    f = t.num_masters if fetched is None else min(int(fetched), t.num_masters)
+    nbytes = (S - 1) * f * cost_model.expert_bytes / max(compression, 1e-9)
     return np.full(t.num_ranks, float(nbytes))
 
 
-def scheme_ideal(cost_model, load_RE: np.ndarray, S: int, compression: float = 1.0):
+def scheme_ideal(cost_model, load_RE: np.ndarray, S: int, compression: float = 1.0, fetched: int | None = None):
     """The force-balanced ideal of HybridEP's own transmission scheme with expert-domain size ``S``: every source
     keeps its token count, spread uniformly over all experts (``[R, E]`` float load), routed and fetched as HybridEP
     routes them. Every rank then computes the mean; what is left is the scheme's own traffic and all-gather.
     (``CostModel.ideal`` is the plain-EP scheme's, which HybridEP can beat on slow links by moving weights.)"""
     T_R = np.asarray(load_RE, dtype=np.float64).sum(axis=1)
     E = load_RE.shape[1]
-    return cost_model.predict_hybrid(np.repeat((T_R / E)[:, None], E, axis=1), S, compression)
+    return cost_model.predict_hybrid(np.repeat((T_R / E)[:, None], E, axis=1), S, compression, fetched=fetched)
 
 
 class HybridEPPolicy:
@@ -173,17 +178,31 @@ class HybridEPPolicy:
     def _cost(self, topology: Topology):
         return model_for(self.cost_model, topology)
 
-    def fetch_bytes(self, topology: Topology, S: int) -> float:
-        """Bytes one rank holds for the experts it fetches with expert-domain size S: the weights of its S − 1
-        peers' masters and the gradients it returns for them."""
+    def fetch_bytes(self, topology: Topology, S: int, fetched: int | None = None) -> float:
+        """Bytes one rank holds for the experts it fetches with expert-domain size S (``fetched`` masters of each
+        peer, default all): their weights and the gradients it returns for them."""
         cm = self._cost(topology)
-        per_expert = cm.expert_bytes + cm.grad_bytes
-        return float((S - 1) * topology.num_masters * per_expert)
+        f = topology.num_masters if fetched is None else fetched
+        return float((S - 1) * f * (cm.expert_bytes + cm.grad_bytes))
 
-    def candidates(self, topology: Topology) -> list[int]:
-        """Step 1: the expert-domain sizes to weigh (divisors of G, or the configured ones) whose fetched experts
-        fit in ``memory_fraction`` of a GPU's memory; plain EP (1) always."""
-        return [s for s in self._sizes(topology) if s == 1 or self._fits(topology, s)]
+    @staticmethod
+    def fetch_options(topology: Topology) -> list[int]:
+        """Masters fetched per peer: all M, then halving down to 1 (a partial fetch, HybridEP's intermediate p:
+        the part of the experts an all-gather can move while the rest still travels as tokens)."""
+        M, out = topology.num_masters, set()
+        f = M
+        while f >= 1:
+            out.add(f)
+            f = f // 2
+        return sorted(out)
+
+    def candidates(self, topology: Topology) -> list[tuple[int, int]]:
+        """Step 1: ``(S, fetched)`` pairs to weigh: expert-domain sizes (divisors of G, or the configured ones)
+        times the fetch options, whose fetched experts fit in ``memory_fraction`` of a GPU's memory; plain EP
+        ``(1, M)`` always, first."""
+        M = topology.num_masters
+        return [(1, M)] + [(S, f) for S in self._sizes(topology) if S > 1 for f in self.fetch_options(topology)
+                           if self._fits(topology, S, f)]
 
     def _sizes(self, topology: Topology) -> list[int]:
         G = topology.num_domains
@@ -192,35 +211,42 @@ class HybridEPPolicy:
             divisors = sorted({s for s in self.domain_sizes if s in divisors} | {1})
         return divisors
 
-    def _fits(self, topology: Topology, S: int) -> bool:
-        return self.fetch_bytes(topology, S) <= self.memory_fraction * self._cost(topology).hardware.memory_GB * 1e9
+    def _fits(self, topology: Topology, S: int, fetched: int | None = None) -> bool:
+        budget = self.memory_fraction * self._cost(topology).hardware.memory_GB * 1e9
+        return self.fetch_bytes(topology, S, fetched) <= budget
 
     def plan(self, load_RE: np.ndarray, topology: Topology) -> Plan:
         t0 = time.perf_counter()
         t = topology
         cm = self._cost(t)
-        G = t.num_domains
-        predicted: dict[int, float] = {}
-        best_S, best_t = 1, float("inf")
-        for S in self.candidates(t):  # Step 1
-            total = cm.predict_hybrid(load_RE, S, self.compression).total_s  # Steps 2-3
-            predicted[S] = total
+        G, M = t.num_domains, t.num_masters
+        predicted: dict[str, float] = {}
+        by_pair: dict[str, float] = {}
+        best, best_t = (1, M), float("inf")
+        for S, f in self.candidates(t):  # Step 1; ties keep the smaller domain, then the smaller fetch
+            total = cm.predict_hybrid(load_RE, S, self.compression, fetched=f).total_s  # Steps 2-3
+            by_pair[f"{S}x{f}"] = total
+            predicted[str(S)] = min(predicted.get(str(S), float("inf")), total)
             if total < best_t * (1 - 1e-12):
-                best_S, best_t = S, total
+                best, best_t = (S, f), total
+        S, f = best
         send_bytes = float(load_RE.sum(axis=1).mean()) * cm.token_bytes
         info = {
             "hybridep": {
-                "expert_domain_size": best_S,
-                "p": paper_p(best_S, G),
+                "expert_domain_size": S,
+                "fetched_masters": f,
+                "p": paper_p(S, G) if f == M else 1.0 - (S - 1) * f / ((G - 1) * M),
                 "num_scale_out_domains": G,
                 "compression": self.compression,
-                "predicted_s": {str(s): v for s, v in predicted.items()},
-                "memory_refused": [s for s in self._sizes(t) if s > 1 and not self._fits(t, s)],
+                "predicted_s": predicted,
+                "predicted_fetch_s": by_pair,
+                "memory_refused": [f"{s}x{x}" for s in self._sizes(t) if s > 1 for x in self.fetch_options(t)
+                                   if not self._fits(t, s, x)],
                 "stream_p_star": stream_p_star(
                     send_bytes, cm.expert_bytes / max(self.compression, 1e-9), G,
                     float(t.scale_out.bandwidth_GBps) * 1e9, cm.prefetch_window,
                 ),
-                "mode": "plain-ep" if best_S == 1 else "expert-transmission",
+                "mode": "plain-ep" if S == 1 else ("expert-transmission" if f == M else "mixed"),
             }
         }
         plan = assemble_plan(self.name, t, load_RE, _EMPTY, _EMPTY, _EMPTY, _EMPTY, info=info)  # masters only

@@ -96,12 +96,32 @@ def test_memory_check_refuses_domains_whose_fetches_do_not_fit():
     big = {"expert": {"hidden_size": 8192, "ffn_size": 81920, "num_matrices": 3}, "scale_out": {"bandwidth_GBps": 0.01}}
     cm, load = _setup("cross-dc", 32, 128, big)
     assert cm.expert_bytes + cm.grad_bytes == pytest.approx(3 * 8192 * 81920 * 6)
-    pol = HybridEPPolicy(cost_model=cm, memory_fraction=0.25)  # 20 GB of 80
-    assert pol.candidates(cm.topology) == [1]
+    pol = HybridEPPolicy(cost_model=cm, memory_fraction=0.25)  # 20 GB of 80: one master of one peer (12 GB)
+    assert pol.candidates(cm.topology) == [(1, 4), (2, 1)]
     plan = pol.plan(load, cm.topology)
-    assert plan.info["hybridep"]["expert_domain_size"] == 1 and plan.info["hybridep"]["memory_refused"] == [2, 4]
-    roomy = HybridEPPolicy(cost_model=cm, memory_fraction=1.0)  # 80 GB: S = 2 fits, S = 4 does not
-    assert roomy.candidates(cm.topology) == [1, 2]
-    assert roomy.plan(load, cm.topology).info["hybridep"]["memory_refused"] == [4]
+    assert plan.info["hybridep"]["memory_refused"] == ["2x2", "2x4", "4x1", "4x2", "4x4"]
+    roomy = HybridEPPolicy(cost_model=cm, memory_fraction=1.0)  # 80 GB: all of one peer (48 GB) fits
+    assert roomy.candidates(cm.topology) == [(1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]
     with pytest.raises(Exception, match="memory_fraction"):
         HybridEPPolicy(memory_fraction=0)
+
+
+def test_partial_fetch_when_only_part_of_the_experts_hides_behind_the_window():
+    """HybridEP's intermediate p (Case 2.1 of its stream model): fetch the part of the experts the pre-expert
+    window hides, send the rest as tokens. Two DCs, 4 masters per GPU, a window that hides about one expert."""
+    from ultraep.cost import CostParams
+
+    pre = get_preset("hybridep-a800", {"expert": {"hidden_size": 1024, "ffn_size": 2048, "num_matrices": 2}})
+    t = pre.topology(16, 64, 0)
+    ag_one = 8 * 2 * 1024 * 2048 * 2 / (1.25e9 * 0.7)  # one master of the peer, for the DC's 8 GPUs
+    cm = CostModel(t, pre.hardware, pre.expert, CostParams(scale_out_shared=True, mode="prefill",
+                                                           prefetch_window_s=1.05 * ag_one))
+    load = np.full((16, 64), 4096 * 2 // 64, dtype=np.int64)
+    h = HybridEPPolicy(cost_model=cm).plan(load, t).info["hybridep"]
+    assert (h["expert_domain_size"], h["fetched_masters"], h["mode"]) == (2, 1, "mixed")
+    assert h["predicted_fetch_s"]["2x1"] < min(h["predicted_fetch_s"]["2x4"], h["predicted_s"]["1"])
+    assert 0 < h["p"] < 1
+    # the fetched masters' tokens stay in the source's DC, the others go home
+    dst = hybrid_destinations(t, 2, 1)
+    slot = t.master_slot_E
+    assert (dst[0, (t.home_E >= 8) & (slot == 0)] < 8).all() and (dst[0, (t.home_E >= 8) & (slot > 0)] >= 8).all()

@@ -317,8 +317,8 @@ def _scheme_ideal(plan: Plan, cm: "_PointCostModel", load: np.ndarray, ideal: Co
         return ideal
     from ultraep.policies.hybridep import scheme_ideal
 
-    c = float(hyb.get("compression", 1.0))
-    return cm._once(("scheme", id(load), S, c), load, lambda: scheme_ideal(cm, load, S, c))
+    c, f = float(hyb.get("compression", 1.0)), hyb.get("fetched_masters")
+    return cm._once(("scheme", id(load), S, c, f), load, lambda: scheme_ideal(cm, load, S, c, f))
 
 
 def _transfer_bytes(plan: Plan, cm: CostModel) -> float:
@@ -327,7 +327,7 @@ def _transfer_bytes(plan: Plan, cm: CostModel) -> float:
     if S > 1:
         from ultraep.policies.hybridep import allgather_bytes_per_rank
 
-        return float(allgather_bytes_per_rank(cm, S, float(hyb.get("compression", 1.0))).sum())
+        return float(allgather_bytes_per_rank(cm, S, float(hyb.get("compression", 1.0)), hyb.get("fetched_masters")).sum())
     if "sync_s" in plan.info or (cm.params.resend_all_replicas and plan.num_replicas):  # every replica moves
         return float(cm.replica_tree(plan).bytes.sum())
     return float(plan.transfers.bytes.sum()) if len(plan.transfers) else 0.0
