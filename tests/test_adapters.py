@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from ultraep.adapters import UnsupportedModelError, adapter_for, register_experts
+from ultraep.models.adapters import UnsupportedModelError, adapter_for, register_experts
 
 
 def _mixtral_experts(E=8, H=16, I=8):
@@ -172,7 +172,7 @@ def _shared_norm(rank, world, budget, drop_replica_grad):
     import torch.distributed as dist
 
     import ultraep
-    from ultraep.replicas import ReplicaJob
+    from ultraep.runtime.replicas import ReplicaJob
 
     if drop_replica_grad:  # negative control: the replica rows' norm gradient is lost (the pre-fix behaviour)
         original = ReplicaJob.backward

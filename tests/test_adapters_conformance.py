@@ -2,7 +2,7 @@
 
 Discovery (no list to maintain): every ``modeling_*.py`` of the installed transformers is scanned for classes
 declared with ``@use_experts_implementation`` (read from the decorator's closure) and for the non-interface
-containers ultraep knows by name (:data:`ultraep.adapters.KNOWN_NON_INTERFACE`, :data:`~ultraep.adapters.REFUSED`).
+containers ultraep knows by name (:data:`ultraep.models.adapters.KNOWN_NON_INTERFACE`, :data:`~ultraep.models.adapters.REFUSED`).
 Each is built tiny from its own config class (E = 8 experts, H = 16, I = 8; random weights, no download).
 
 Check, container level, on 2 gloo ranks in ONE launch for all families, policy ``quota`` with 1 and 2 redundant
@@ -10,10 +10,10 @@ slots: every rank routes 24 tokens top-2 with a skew towards rank 0's masters (s
 asserted), and the wrapped container must equal the unwrapped one: outputs, input and routing-weight
 gradients on each rank, and each master's gradient equals the sum over ranks of the unwrapped expert's
 gradient (fp32, 1e-5 relative). A container whose MoE block ``ultraep.wrap`` rewrites first
-(:data:`ultraep.adapters_rewrite.BLOCKS`: Llama4, DBRX, JetMoE, Longcat-Flash) is checked the same way on the whole block, router
+(:data:`ultraep.models.rewrite.BLOCKS`: Llama4, DBRX, JetMoE, Longcat-Flash) is checked the same way on the whole block, router
 included (skewed towards rank 0's masters), against the original block, with its router gradients. A family is
 otherwise refused at ``wrap`` with a one-line
-:class:`~ultraep.adapters.UnsupportedModelError`. A negative control perturbs one master after ``wrap`` and
+:class:`~ultraep.models.adapters.UnsupportedModelError`. A negative control perturbs one master after ``wrap`` and
 the same comparison must fail.
 
 ``python tests/test_adapters_conformance.py`` rewrites ``docs/models.md`` (the README's model table) from a run.
@@ -57,7 +57,7 @@ class Family:
     build_error: str = ""
     prepare: str = ""  # "" or "frozen_norm": freeze shared parameters before wrap
     flags: dict = field(default_factory=dict)
-    block: type | None = None  # the MoE block built instead of the container (ultraep.adapters_rewrite)
+    block: type | None = None  # the MoE block built instead of the container (ultraep.models.rewrite)
 
 
 def _config_candidates(family: str):
@@ -152,8 +152,8 @@ def discover() -> list[Family]:
     """Every experts container class of the installed transformers (see the module docstring)."""
     import transformers.models as tm
 
-    from ultraep.adapters import KNOWN_NON_INTERFACE, REFUSED, _declared_flags  # noqa: F401
-    from ultraep.adapters_rewrite import BLOCKS
+    from ultraep.models.adapters import KNOWN_NON_INTERFACE, REFUSED, _declared_flags  # noqa: F401
+    from ultraep.models.rewrite import BLOCKS
 
     rewritten = {c: b for b, c in BLOCKS.items()}  # container class -> the block prepare() rewrites
 
@@ -267,7 +267,7 @@ def _compare(rank, model, ref, hidden, perturb=False):
 
     diffs = {"out": rel(out, ref_out), "x.grad": rel(xs[0].grad, xs[1].grad)}
     if block:  # the original block's gradients, now under the container's names (grads carried), and its
-        from ultraep.adapters_rewrite import prepare  # router/shared parameters, rank-local on both sides
+        from ultraep.models.rewrite import prepare  # router/shared parameters, rank-local on both sides
 
         prepare(ref)
         ref_experts = ref.block.experts
@@ -298,7 +298,7 @@ def _compare(rank, model, ref, hidden, perturb=False):
 
 
 def _hidden(holder) -> int:
-    from ultraep.adapters import adapter_for
+    from ultraep.models.adapters import adapter_for
 
     if isinstance(holder, BlockHolder):
         return H
@@ -309,7 +309,7 @@ def _hidden(holder) -> int:
 
 def _unbuilt(fam: Family) -> dict:
     """A container not built tiny: one refused by name still reports its refusal; anything else fails."""
-    from ultraep.adapters import REFUSED, UnsupportedModelError, adapter_for
+    from ultraep.models.adapters import REFUSED, UnsupportedModelError, adapter_for
 
     if fam.cls.__name__ in REFUSED:
         bare = fam.cls.__new__(fam.cls)
@@ -330,7 +330,7 @@ def _pair(fam: Family, seed: int):
 
 def _conformance(rank, world, families):
     import ultraep
-    from ultraep.adapters import UnsupportedModelError
+    from ultraep.models.adapters import UnsupportedModelError
 
     results = {}
     for i, fam in enumerate(families):
@@ -429,7 +429,7 @@ def render_doc(results, families) -> str:
         "shared parameter's gradient (post-expert norm: its sum over ranks, as data parallelism reduces it), "
         f"max relative difference below {TOL:g}. **refused** = `ultraep.wrap` raises this one line. A family "
         "marked *(X block)* keeps its experts another way: `ultraep.wrap` rewrites block X into an experts "
-        "container first (`ultraep/adapters_rewrite.py`), and the check runs on the whole block (its own router "
+        "container first (`ultraep/models/rewrite.py`), and the check runs on the whole block (its own router "
         "routes; router and shared-parameter gradients compared too) against the original, unrewritten block.",
         "",
         "| family | container | result | detail |",
@@ -507,7 +507,7 @@ def _whole_model(family: str):
 def _whole(rank, world, family):
     import ultraep
 
-    from ultraep.adapters_rewrite import prepare, restore
+    from ultraep.models.rewrite import prepare, restore
 
     model = _whole_model(family)
     ref = copy.deepcopy(model)

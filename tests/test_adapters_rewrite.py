@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from ultraep.adapters import UnsupportedModelError, adapter_for
-from ultraep.adapters_rewrite import prepare, restore
+from ultraep.models.adapters import UnsupportedModelError, adapter_for
+from ultraep.models.rewrite import prepare, restore
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_adapters import randomized  # noqa: E402

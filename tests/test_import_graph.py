@@ -36,7 +36,7 @@ KNOWN_CYCLE_EDGES = {
     # the adaptive policy builds its candidates through the registry that registers it
     ("ultraep.policies", "ultraep.policies.adaptive"), ("ultraep.policies.adaptive", "ultraep.policies"),
     # wrap() rewrites blocks with adapters_rewrite, which registers its containers with adapters
-    ("ultraep.adapters", "ultraep.adapters_rewrite"), ("ultraep.adapters_rewrite", "ultraep.adapters"),
+    ("ultraep.models.adapters", "ultraep.models.rewrite"), ("ultraep.models.rewrite", "ultraep.models.adapters"),
 }
 
 

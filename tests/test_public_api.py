@@ -57,7 +57,7 @@ def test_runtime_names_keep_their_documented_parameters():
     assert list(inspect.signature(ultraep.register_experts).parameters)[:3] == ["cls", "param_names", "forward"]
     with pytest.raises(ultraep.UltraEPError, match="ultraep.wrap"):
         ultraep.runtime_of(torch.nn.Linear(2, 2))  # not wrapped: the documented one-line error
-    from ultraep.adapters_rewrite import restore
+    from ultraep.models.rewrite import restore
     from ultraep.launch import launch
 
     assert callable(restore) and callable(launch)

@@ -96,7 +96,7 @@ def _forkable() -> None:
 def _ranks_fingerprints(rank, world):
     import torch
 
-    from ultraep.comm import all_gather_bytes
+    from ultraep.runtime.comm import all_gather_bytes
 
     np.random.seed(1000 + rank)  # different global RNG states must not matter
     torch.manual_seed(1000 + rank)

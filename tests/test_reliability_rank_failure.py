@@ -40,7 +40,7 @@ def _rank_main(rank: int, port: int, runs_dir: str, kill_at: str, results) -> No
     import torch.distributed as dist
 
     import ultraep
-    import ultraep.ep as ep
+    import ultraep.runtime.layer as ep
     from ultraep.telemetry import Recorder
 
     try:
@@ -148,7 +148,8 @@ def test_sigkilled_rank_makes_every_survivor_raise_a_clear_error(tmp_path, kill_
 def test_distributed_errors_join_the_hierarchy_with_distinct_names(monkeypatch, capsys):
     import pickle
 
-    from ultraep import cli, ep, errors, launch
+    from ultraep import cli, errors, launch
+    from ultraep.runtime import layer as ep
 
     exc = errors.CollectiveFailedError("layer 1: load all-gather failed", layer=1, name="m.experts",
                                        phase="load all-gather", rank=0, peers=[1], step=3)

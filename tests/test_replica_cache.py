@@ -19,7 +19,7 @@ from dist_utils import master_grad_error, run_ranks
 from ultraep.models import build_model, preload
 from ultraep.plan import Replicas
 from ultraep.policies import QuotaPolicy, plan_resident
-from ultraep.replica_cache import MasterEpoch, ReplicaCache
+from ultraep.runtime.replica_cache import MasterEpoch, ReplicaCache
 from ultraep.topology import Topology
 
 preload()

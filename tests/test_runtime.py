@@ -237,7 +237,7 @@ def test_unwrap_restores_full_model():
 
 def _unsupported(rank, world):
     import ultraep
-    from ultraep.adapters import UnsupportedModelError
+    from ultraep.models.adapters import UnsupportedModelError
 
     try:
         ultraep.wrap(torch.nn.Linear(4, 4))
@@ -253,7 +253,7 @@ def test_unsupported_model_lists_supported_ones():
 
 def _divergence(rank, world):
     import ultraep
-    import ultraep.ep as ep
+    import ultraep.runtime.layer as ep
     from ultraep.errors import PlanDivergenceError
 
     model = build_model("qwen3-moe")

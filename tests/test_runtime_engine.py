@@ -54,7 +54,7 @@ def _call(holder, rt, inputs):
 
 
 def _calibration_reaches_decisions(rank, world):
-    import ultraep.ep as ep
+    import ultraep.runtime.layer as ep
 
     cfg = {"policy": "adaptive", "num_redundant_slots": 2, "check_plan_hash": True,
            "layers": {0: {"kind": "adaptive", "candidates": ["none", "quota"], "probe_every": 0}}}

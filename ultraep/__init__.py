@@ -26,7 +26,7 @@ _LAZY = {
     "wrap": "ultraep.runtime",
     "unwrap": "ultraep.runtime",
     "runtime_of": "ultraep.runtime",
-    "register_experts": "ultraep.adapters",
+    "register_experts": "ultraep.models.adapters",
     "telemetry": "ultraep.telemetry",  # the README's `ultraep.telemetry.Recorder.open(...)` works after `import ultraep`
 }
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ultraep.planning import plan_layer
     from ultraep.topology import LinkSpec, Topology
     from ultraep.runtime import runtime_of, unwrap, wrap
-    from ultraep.adapters import register_experts
+    from ultraep.models.adapters import register_experts
 
 
 def __getattr__(name: str) -> Any:

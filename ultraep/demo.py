@@ -66,7 +66,7 @@ def _structure(model, family: str, num_domains: int, vocab: int, strength: float
     with torch.no_grad():
         for d in range(num_domains):
             emb[d * per:(d + 1) * per] = 0.3 * emb[d * per:(d + 1) * per] + dirs[d]
-        from ultraep.adapters import adapter_for
+        from ultraep.models.adapters import adapter_for
 
         for name, mod in model.named_modules():
             if adapter_for(mod) is None:

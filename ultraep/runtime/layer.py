@@ -8,18 +8,18 @@ Forward, per MoE layer and microbatch (ARCHITECTURE.md §4):
     Step 1: local per-expert counts → all-gather → exact load λ[R, E] on every rank.
     Step 2: the layer's policy plans from λ (deterministic: every rank computes the same plan; with
             ``check_plan_hash`` the ranks compare digests and stop on divergence) and commits it.
-    Step 3: post the replica weight sync (receives and stage-0 sends; :mod:`ultraep.replicas`): it travels
+    Step 3: post the replica weight sync (receives and stage-0 sends; :mod:`ultraep.runtime.replicas`): it travels
             while the tokens are dispatched and the masters compute.
     Step 4: reroute logical top-k ids to physical instances; order (token, k) pairs by destination slot.
     Step 5: all-to-all the token rows (split sizes straight from the plan's routes); relays forward weights.
     Step 6: experts: master slots with the local parameters (plain autograd), then the replica slots
-            (:class:`~ultraep.replicas.ReplicaExperts`), which wait for their weights only now.
+            (:class:`~ultraep.runtime.replicas.ReplicaExperts`), which wait for their weights only now.
     Step 7: reverse all-to-all, then combine with the routing weights.
 
 Backward: gradients flow back through combine, the all-to-alls and the master experts by autograd. The
 replica slots run their backward first, from the graph kept in forward (or restore + recompute beyond the
 replica memory budget), and post each replica's weight gradient (fp32 tiles) to its master's rank without
-waiting; :class:`~ultraep.replicas.GradSink`, right before the dispatch all-to-all's backward, waits for them
+waiting; :class:`~ultraep.runtime.replicas.GradSink`, right before the dispatch all-to-all's backward, waits for them
 and adds them to the masters' gradients in rank order (deterministic): each master's gradient equals the
 unbalanced model's.
 """
@@ -34,14 +34,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from ultraep.comm import AllToAll, all_gather_bytes, gather_load
+from ultraep.runtime.comm import AllToAll, all_gather_bytes, gather_load
 from ultraep.errors import CollectiveFailedError, PlanDivergenceError
-from ultraep.replica_cache import MasterEpoch, ReplicaCache
-from ultraep.replicas import GradSink, ReplicaExperts, ReplicaJob
+from ultraep.runtime.replica_cache import MasterEpoch, ReplicaCache
+from ultraep.runtime.replicas import GradSink, ReplicaExperts, ReplicaJob
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ultraep.adapters import ExpertsAdapter
-    from ultraep.runtime import EPRuntime
+    from ultraep.models.adapters import ExpertsAdapter
+    from ultraep.runtime.wrap import EPRuntime
 
 
 #: the name this error had before it joined the UltraEPError hierarchy (kept for ``except`` clauses)
@@ -241,7 +241,7 @@ class BalancedExperts(nn.Module):
             gathered = gather_load(torch.cat([counts[:E], mine.to(counts.device)]), rt.group)
         load, extra = gathered[:, :E], gathered[:, E:]
         if extra[:, 0].any():
-            from ultraep.adapters import UnsupportedModelError
+            from ultraep.models.adapters import UnsupportedModelError
 
             bad = [r for r in range(R) if extra[r, 0]]
             raise UnsupportedModelError(

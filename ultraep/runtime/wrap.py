@@ -1,7 +1,7 @@
 """``ultraep.wrap`` / ``ultraep.unwrap``: turn an MoE model into a balanced expert-parallel one and back.
 
 Every rank builds the same model, then calls ``wrap`` under an initialised process group (the EP group).
-Each experts container the adapters recognise is replaced by a :class:`~ultraep.ep.BalancedExperts` that
+Each experts container the adapters recognise is replaced by a :class:`~ultraep.runtime.layer.BalancedExperts` that
 keeps only this rank's masters; ``wrap`` returns the model and reports which layers it balanced. A model
 with no recognised experts raises with the list of supported ones (never a silent no-op).
 """
@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch import nn
 
-from ultraep.adapters import UnsupportedModelError, adapter_for, prepare, supported
+from ultraep.models.adapters import UnsupportedModelError, adapter_for, prepare, supported
 from ultraep.config import BalancerConfig
-from ultraep.ep import BalancedExperts
+from ultraep.runtime.layer import BalancedExperts
 from ultraep.errors import UltraEPError
-from ultraep.replica_cache import ReplicaCache
-from ultraep.replicas import ReplicaBuffers
+from ultraep.runtime.replica_cache import ReplicaCache
+from ultraep.runtime.replicas import ReplicaBuffers
 
 log = logging.getLogger("ultraep")
 
@@ -259,7 +259,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     experts containers (e.g. before saving a plain checkpoint). Collective: call on every rank."""
     import torch
 
-    from ultraep.comm import _all_gather
+    from ultraep.runtime.comm import _all_gather
 
     rt = runtime_of(model)
     for layer in rt.layers:
@@ -273,7 +273,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, layer.container)
     object.__delattr__(model, _ATTR)
-    from ultraep.adapters_rewrite import restore
+    from ultraep.models.rewrite import restore
 
     restore(model)  # blocks prepare() rewrote get their original classes back (same storage)
     return model

@@ -28,7 +28,7 @@ sum over ranks equals the unwrapped model's gradient, which data parallelism's a
 Plain PyTorch containers register with :func:`register_experts` (see the protocol there). MoE blocks that keep
 their experts another way (Llama4, DBRX, JetMoE; Longcat-Flash with zero-computation experts) are rewritten
 exactly into a container by :func:`prepare`
-(``ultraep/adapters_rewrite.py``) before ``wrap`` looks for containers.
+(``ultraep/models/rewrite.py``) before ``wrap`` looks for containers.
 
 Legend: E experts, H hidden size, I expert intermediate size, T rows of one expert, K top-k.
 """
@@ -322,7 +322,7 @@ def adapter_for(mod: nn.Module) -> ExpertsAdapter | None:
 
 
 def _adapter_uncached(mod: nn.Module) -> ExpertsAdapter | None:
-    from ultraep.adapters_rewrite import adapter_of
+    from ultraep.models.rewrite import adapter_of
 
     decided, adapter = adapter_of(mod)  # a container prepare() built or marked
     if decided:
@@ -354,7 +354,7 @@ def supported() -> list[str]:
 def prepare(model: nn.Module) -> list[str]:
     """Rewrite, in place and exactly, MoE blocks whose experts are not an experts container (Llama4, DBRX,
     JetMoE, Longcat-Flash) into one, before :func:`~ultraep.runtime.wrap` looks for containers; returns the rewritten blocks'
-    names. See :mod:`ultraep.adapters_rewrite` (and its ``restore`` to undo it after ``unwrap``)."""
-    from ultraep.adapters_rewrite import prepare as _prepare
+    names. See :mod:`ultraep.models.rewrite` (and its ``restore`` to undo it after ``unwrap``)."""
+    from ultraep.models.rewrite import prepare as _prepare
 
     return _prepare(model)

@@ -57,7 +57,7 @@ def preload() -> None:
 
     for name in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"):
         getattr(tf, name)
-    import ultraep.ep  # noqa: F401
+    import ultraep.runtime.layer  # noqa: F401
     import ultraep.kernels.dispatch  # noqa: F401
     import ultraep.kernels.grad_reduce  # noqa: F401
     import ultraep.kernels.rerouting  # noqa: F401

@@ -1,7 +1,7 @@
 """Exact rewrites of MoE blocks whose experts are not an experts container (called by ``ultraep.wrap``).
 
 ``wrap`` balances *experts containers*: ``experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])
--> [T, H]`` with 3-D ``[E, ...]`` parameters (``ultraep/adapters.py``). Three transformers families keep their
+-> [T, H]`` with 3-D ``[E, ...]`` parameters (``ultraep/models/adapters.py``). Three transformers families keep their
 experts another way (and Longcat-Flash adds experts that are no weights at all); :func:`prepare` rewrites
 their MoE block, in place, into that form, exactly:
 
@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ultraep.adapters import FLAGS, ExpertsAdapter, UnsupportedModelError, _make_hf_forward
+from ultraep.models.adapters import FLAGS, ExpertsAdapter, UnsupportedModelError, _make_hf_forward
 
 #: block class name -> the container class name it holds (the conformance test builds the block instead)
 BLOCKS = {"Llama4TextMoe": "Llama4TextExperts", "DbrxFFN": "DbrxExperts", "JetMoeMoE": "JetMoeParallelExperts",
@@ -235,7 +235,7 @@ def _prepared_class(base: type, forward, experts_cls: type) -> type:
     if base not in _CLASSES:
         _CLASSES[base] = type(base.__name__, (base,), {
             "forward": forward, "_ultraep_base": base, "_ultraep_experts_cls": experts_cls,
-            "__doc__": f"{base.__name__} rewritten by ultraep.adapters_rewrite.prepare (exact; see its docstring)."})
+            "__doc__": f"{base.__name__} rewritten by ultraep.models.rewrite.prepare (exact; see its docstring)."})
     return _CLASSES[base]
 
 
@@ -413,7 +413,7 @@ _PREPARE = {"Llama4TextMoe": _prepare_llama4, "DbrxFFN": _prepare_dbrx, "JetMoeM
 def prepare(model: nn.Module) -> list[str]:
     """Rewrite, in place and exactly, every Llama4 / DBRX / JetMoE / Longcat-Flash MoE block of ``model`` into the
     experts-container form (see the module docstring); returns the rewritten blocks' names. Idempotent.
-    Raises :class:`~ultraep.adapters.UnsupportedModelError` (one line) for a block it cannot rewrite exactly."""
+    Raises :class:`~ultraep.models.adapters.UnsupportedModelError` (one line) for a block it cannot rewrite exactly."""
     done = []
     for name, block in list(model.named_modules()):
         cls = type(block)

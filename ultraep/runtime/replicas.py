@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ultraep.comm import Pending, post
+from ultraep.runtime.comm import Pending, post
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ultraep.ep import BalancedExperts
+    from ultraep.runtime.layer import BalancedExperts
 
 TAG_WEIGHTS = 11  # point-to-point tags: weight and gradient messages never match each other
 TAG_GRADS = 12

@@ -1,0 +1,15 @@
+"""The distributed runtime: ``wrap`` a model's experts containers into balanced expert-parallel layers.
+
+Modules, each with one job (dependencies point down the list):
+
+* :mod:`.wrap` — ``wrap`` / ``unwrap`` / ``runtime_of`` and :class:`EPRuntime`, the per-model state the layers
+  share (process groups, config, the engine, replica buffers, the recorder);
+* :mod:`.layer` — :class:`~ultraep.runtime.layer.BalancedExperts`, what runs in place of an experts container;
+* :mod:`.replicas` — replica weights posted early and waited late, gradients reduced back without a barrier;
+* :mod:`.replica_cache` — replicas kept valid until their master changes;
+* :mod:`.comm` — the collectives and posted point-to-point messages.
+"""
+
+from ultraep.runtime.wrap import EPRuntime, WrapReport, replica_budget_bytes, runtime_of, unwrap, wrap
+
+__all__ = ["EPRuntime", "WrapReport", "replica_budget_bytes", "runtime_of", "unwrap", "wrap"]
