@@ -189,16 +189,17 @@ def print_summary(summary: list[dict], settings: dict, console) -> None:
     table = Table(title=f"ultraep simulate · {s['topology']} EP{s['num_ranks']} · {s['num_experts']} experts · "
                   f"{s['num_redundant_slots']} slots · domain {s['domain_size']} · {s['mode']}")
     for col in ("policy", "imb.before", "p99", "imb.after", "p99 ", "replicas", "MB/layer", "ms/layer",
-                "%ideal", "speedup"):
+                "%ideal", "%own", "speedup"):
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in summary:
         table.add_row(
             r["policy"], f"{r['imbalance_before']:.3f}", f"{r['imbalance_before_p99']:.3f}",
             f"{r['imbalance_after']:.3f}", f"{r['imbalance_after_p99']:.3f}", f"{r['replicas']:.1f}",
             f"{r['transfer_bytes_per_layer'] / 1e6:.1f}", f"{r['time_per_layer_ms']:.3f}", f"{r['pct_of_ideal']:.1f}",
-            f"{r['speedup_vs_none']:.3f}",
+            f"{r['pct_of_scheme_ideal']:.1f}", f"{r['speedup_vs_none']:.3f}",
         )
     console.print(table)
     console.print(f"replayed {s['layer_steps_per_policy']} layer-steps per policy ({len(s['layers'])} layers, stride "
                   f"{s['stride']} over {s['points']} points) in {s['wall_s']:.1f} s with {s['workers']} worker(s); "
-                  "MB/layer = expert state moved per layer-step; %ideal = force-balanced plain-EP ideal / predicted")
+                  "MB/layer = expert state moved per layer-step; %ideal = force-balanced plain-EP ideal / predicted; "
+                  "%own = the ideal of the policy's own transmission scheme (HybridEP's) / predicted")
