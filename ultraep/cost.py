@@ -42,12 +42,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-from numba import njit
 from pydantic import BaseModel, ConfigDict, Field
 
 from ultraep.plan import Plan, Transfers
 from ultraep.presets import PRESETS, ExpertSpec, HardwareSpec
 from ultraep.topology import Topology
+from ultraep.traffic import (Traffic, dedup_levels, dest_logmiss, home_flows, level_flows, route_flows,  # noqa: F401
+                             route_logmiss)
 from ultraep.transfers import transfers_for
 
 #: Planner latency on the critical path per policy, seconds. quota: UltraEP GPU planner 0.07 ms + reroute
@@ -123,150 +124,6 @@ class CostParams(BaseModel):
         "domain and once per destination domain across domains (DeepEP), estimated from the counts (tokens of a "
         "source = its assignments / k; choices independent per instance). None: every token-expert pair is sent.",
     )
-
-
-@njit(cache=True)
-def _route_flows(routes_RRS, domain_R):
-    """``[R, R, S]`` routes → ``(send [R, 2], recv [R, 2])`` assignments per link level (self excluded)."""
-    R, _, S = routes_RRS.shape
-    send = np.zeros((R, 2))
-    recv = np.zeros((R, 2))
-    for src in range(R):
-        for dst in range(R):
-            if dst == src:
-                continue
-            x = 0
-            for s in range(S):
-                x += routes_RRS[src, dst, s]
-            if x:
-                lvl = 0 if domain_R[src] == domain_R[dst] else 1
-                send[src, lvl] += x
-                recv[dst, lvl] += x
-    return send, recv
-
-
-@njit(cache=True)
-def _home_flows(load_RE, home_E, domain_R):
-    """Masters-only routing: ``(send [R, 2], recv [R, 2])`` per link level (self excluded)."""
-    R, E = load_RE.shape
-    send = np.zeros((R, 2))
-    recv = np.zeros((R, 2))
-    for src in range(R):
-        for e in range(E):
-            x = load_RE[src, e]
-            d = home_E[e]
-            if x != 0 and d != src:
-                lvl = 0 if domain_R[src] == domain_R[d] else 1
-                send[src, lvl] += x
-                recv[d, lvl] += x
-    return send, recv
-
-
-@njit(cache=True)
-def _level_flows(tok_RR, domain_R):
-    """``[R, R]`` flows → ``(send [R, 2], recv [R, 2])`` per link level (self excluded)."""
-    R = tok_RR.shape[0]
-    send = np.zeros((R, 2))
-    recv = np.zeros((R, 2))
-    for src in range(R):
-        for dst in range(R):
-            x = tok_RR[src, dst]
-            if dst != src and x != 0:
-                lvl = 0 if domain_R[src] == domain_R[dst] else 1
-                send[src, lvl] += x
-                recv[dst, lvl] += x
-    return send, recv
-
-
-@njit(cache=True)
-def _dedup_levels(logmiss_RR, tok_R, D):
-    """Distinct tokens per link level: ``(send [R, 2], recv [R, 2])``.
-
-    ``logmiss_RR[src, dst]`` is the log-probability that a token of ``src`` goes to no instance on ``dst``
-    (``Σ log(1 − x_i / T_src)`` over the instances ``i`` of ``dst`` that ``src`` sends ``x_i`` assignments,
-    independent choices); ``tok_R`` the tokens of each source. Inside the source's domain a token is sent once
-    per destination rank; to another domain once (DeepEP's RDMA leg), received by the rank with the source's
-    in-domain offset, which forwards it over the scale-up link (not counted: that link is many times faster).
-    Ranks of a domain are contiguous blocks of ``D``.
-    """
-    R = logmiss_RR.shape[0]
-    G = R // D
-    send = np.zeros((R, 2))
-    recv = np.zeros((R, 2))
-    for src in range(R):
-        T = tok_R[src]
-        if T <= 0:
-            continue
-        a = src // D
-        for dst in range(a * D, a * D + D):
-            if dst != src:
-                x = T * (1.0 - np.exp(logmiss_RR[src, dst]))
-                send[src, 0] += x
-                recv[dst, 0] += x
-        for b in range(G):
-            if b == a:
-                continue
-            lm = 0.0
-            for dst in range(b * D, b * D + D):
-                lm += logmiss_RR[src, dst]
-            x = T * (1.0 - np.exp(lm))
-            send[src, 1] += x
-            recv[b * D + src % D, 1] += x
-    return send, recv
-
-
-_CAP = 1.0 - 1e-12  # a count can reach all of a source's tokens: keep the log finite
-
-
-@njit(cache=True)
-def _route_logmiss(routes_RRS, tok_R):
-    """``[R, R]``: ``Σ_s log(1 − routes[src, dst, s] / T_src)``, a token's log-chance to miss every instance of
-    ``dst`` (see :func:`_dedup_levels`)."""
-    R, _, S = routes_RRS.shape
-    out = np.zeros((R, R))
-    for src in range(R):
-        if tok_R[src] <= 0:
-            continue
-        inv = 1.0 / tok_R[src]
-        for dst in range(R):
-            acc = 0.0
-            for s in range(S):
-                x = routes_RRS[src, dst, s]
-                if x:
-                    acc += np.log1p(-min(x * inv, _CAP))
-            out[src, dst] = acc
-    return out
-
-
-@njit(cache=True)
-def _dest_logmiss(load_RE, dst_RE, tok_R):
-    """As :func:`_route_logmiss` when ``load_RE[r, e]`` assignments of source ``r`` to expert ``e`` go to rank
-    ``dst_RE[r, e]``."""
-    R, E = load_RE.shape
-    out = np.zeros((R, R))
-    for src in range(R):
-        if tok_R[src] <= 0:
-            continue
-        inv = 1.0 / tok_R[src]
-        for e in range(E):
-            x = load_RE[src, e]
-            if x:
-                out[src, dst_RE[src, e]] += np.log1p(-min(x * inv, _CAP))
-    return out
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """What a plan makes every rank do. ``send_RL``/``recv_RL`` count token–expert assignments crossing
-    each link level (self-traffic excluded); ``tokens_R`` assignments computed; ``instances_R`` active
-    expert instances; ``static_tokens_R`` tokens of instances that need no transfer (FEPLB overlap)."""
-
-    tokens_R: np.ndarray
-    instances_R: np.ndarray
-    send_RL: np.ndarray
-    recv_RL: np.ndarray
-    static_tokens_R: np.ndarray | None = None
-    static_instances_R: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -356,7 +213,7 @@ class CostModel:
     def traffic_from_flows(self, tok_RR: np.ndarray, tokens_R, instances_R, static_tokens_R=None,
                            static_instances_R=None) -> Traffic:
         """``tok_RR[src, dst]``: assignments src sends to dst (the diagonal stays local)."""
-        send, recv = _level_flows(np.ascontiguousarray(tok_RR, dtype=np.float64), self.topology.domain_R)
+        send, recv = level_flows(np.ascontiguousarray(tok_RR, dtype=np.float64), self.topology.domain_R)
         return Traffic(np.asarray(tokens_R), np.asarray(instances_R), send, recv, static_tokens_R, static_instances_R)
 
     def tokens_of(self, load_RE: np.ndarray) -> np.ndarray | None:
@@ -370,11 +227,11 @@ class CostModel:
         t = self.topology
         tok = self.tokens_of(load_RE)
         if tok is not None:
-            return _dedup_levels(_dest_logmiss(load_RE, dst_RE, tok), tok, t.D)
+            return dedup_levels(dest_logmiss(load_RE, dst_RE, tok), tok, t.D)
         R = t.num_ranks
         flows = np.zeros((R, R))
         np.add.at(flows, (np.repeat(np.arange(R), load_RE.shape[1]), dst_RE.ravel()), load_RE.ravel())
-        return _level_flows(flows, t.domain_R)
+        return level_flows(flows, t.domain_R)
 
     def traffic(self, plan: Plan) -> Traffic:
         """Traffic of a plan; a HybridEP plan (``plan.info["hybridep"]``) uses its expert-domain routing."""
@@ -389,14 +246,14 @@ class CostModel:
         if plan.num_replicas == 0:  # masters only: every token goes home (no routes needed)
             if tok is not None:
                 home = np.ascontiguousarray(np.broadcast_to(t.home_E, plan.load_RE.shape))
-                send, recv = _dedup_levels(_dest_logmiss(plan.load_RE, home, tok), tok, t.D)
+                send, recv = dedup_levels(dest_logmiss(plan.load_RE, home, tok), tok, t.D)
             else:
-                send, recv = _home_flows(plan.load_RE, t.home_E, t.domain_R)
+                send, recv = home_flows(plan.load_RE, t.home_E, t.domain_R)
             return Traffic(q.sum(axis=1), (q > 0).sum(axis=1), send, recv)
         if tok is not None:
-            send, recv = _dedup_levels(_route_logmiss(plan.routes_RRS, tok), tok, t.D)
+            send, recv = dedup_levels(route_logmiss(plan.routes_RRS, tok), tok, t.D)
         else:
-            send, recv = _route_flows(plan.routes_RRS, t.domain_R)
+            send, recv = route_flows(plan.routes_RRS, t.domain_R)
         static_t = static_i = None
         if plan.info.get("overlap") == "static_compute":
             M = self.topology.num_masters
