@@ -1,4 +1,4 @@
-"""``ultraep demo``: the main job (see :mod:`ultraep.demo`)."""
+"""``ultraep demo``: the main job (see :mod:`ultraep.cli.demo_job`)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ultraep.demo import DemoSettings, run_demo
+    from ultraep.cli.demo_job import DemoSettings, run_demo
     from ultraep.policies import available_policies
 
     from ultraep.errors import ConfigError

@@ -1,7 +1,8 @@
-"""The ``ultraep`` command line.
+"""The ``ultraep`` command line (``python -m ultraep.cli`` too).
 
-Every subcommand lives in its own module exposing ``register(subparsers)``; they are listed in
-``COMMANDS``. User mistakes (bad arguments, files, values, sizes beyond :mod:`ultraep.limits`) print one line on
+Every subcommand lives in its own module exposing ``register(subparsers)`` (``plan``, ``trace``, ``demo`` here,
+``sql``/``report``/``export`` in the telemetry package, ``dashboard`` in the dashboard's, ``simulate``); they
+are listed in ``COMMANDS``. User mistakes (bad arguments, files, values, sizes beyond :mod:`ultraep.limits`) print one line on
 stderr and exit with code 2, without a traceback; Ctrl-C prints one line and exits with 130.
 """
 
@@ -15,12 +16,12 @@ from ultraep.errors import DistributedError, UltraEPError, format_pydantic_error
 
 # module path of each subcommand family, in help order
 COMMANDS = [
-    "ultraep.cli_plan",
+    "ultraep.cli.plan",
     "ultraep.telemetry.cli",
     "ultraep.dashboard.cli",
     "ultraep.cli_simulate",
-    "ultraep.cli_trace",
-    "ultraep.cli_demo",
+    "ultraep.cli.trace",
+    "ultraep.cli.demo",
 ]
 
 # commands that time planners warm them up themselves, after their size checks, so that a refusal never waits
@@ -76,7 +77,3 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     return int(rc or 0)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

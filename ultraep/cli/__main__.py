@@ -1,0 +1,7 @@
+"""``python -m ultraep.cli``: the ``ultraep`` command."""
+
+import sys
+
+from ultraep.cli import main
+
+sys.exit(main())
