@@ -57,7 +57,7 @@ class Shape:
 
 SERVE_SHAPES = {f"qwen3-t{t}": Shape(f"qwen3-t{t}", t) for t in (512, 1024, 3072, 4096, 8192)}
 SERVE_SHAPES.update({f"mixtral-t{t}": Shape(f"mixtral-t{t}", t, family="mixtral") for t in (512, 1024, 3072, 4096, 8192)})
-DEFAULT_SERVE = "qwen3-t512,qwen3-t1024,qwen3-t3072,qwen3-t4096,qwen3-t8192,mixtral-t1024,mixtral-t3072,mixtral-t8192"
+DEFAULT_SERVE = ",".join(SERVE_SHAPES)
 ACCUM_SHAPES = {"qwen3-t1024": Shape("qwen3-t1024", 1024, hidden=512, ffn=1024, experts=8),
                 "mixtral-t1024": Shape("mixtral-t1024", 1024, family="mixtral", hidden=512, ffn=1024, experts=8)}
 #: (run, policy, replica cache, skewed routing)
