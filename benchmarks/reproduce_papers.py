@@ -43,11 +43,11 @@ ULTRAEP = {
 ULTRAEP_POLICIES = ("none", "eplb", "eplb+", "quota", "adaptive")
 
 
-def ultraep_rows(steps: int, layers: int, seed: int) -> list[dict]:
+def ultraep_rows(steps: int, layers: int, seed: int, drift: float = 0.05) -> list[dict]:
     out = []
     for model, (E, H, F, imb, tflops, ideal) in ULTRAEP.items():
         tr = synthetic_trace(SyntheticSpec(num_ranks=64, num_experts=E, num_layers=layers, num_steps=steps, top_k=8,
-                                           tokens_per_rank=8192, imbalance=(imb, imb), drift=0.05, seed=seed))
+                                           tokens_per_rank=8192, imbalance=(imb, imb), drift=drift, seed=seed))
         cm = build_cost_model("gb200-nvl72", 64, E, 2, params=sim_params(dedup_top_k=8, **FIG13),
                               overrides={"expert": {"hidden_size": H, "ffn_size": F}})
         res = simulate(tr, cm, ULTRAEP_POLICIES, workers=2, max_plans=None)
@@ -64,7 +64,7 @@ def ultraep_rows(steps: int, layers: int, seed: int) -> list[dict]:
             "imbalance": f"{s['none']['imbalance_before']:.2f} -> " + " / ".join(
                 f"{s[p]['imbalance_after']:.2f}" for p in ("eplb", "eplb+", "quota")),
             "command": f"python -m benchmarks.reproduce_papers --only ultraep  # {model}: E={E}, H={H}, F={F}, "
-                       f"imbalance {imb}, top-8, 8192 tokens/rank, {layers} layers x {steps} steps, drift 0.05",
+                       f"imbalance {imb}, top-8, 8192 tokens/rank, {layers} layers x {steps} steps, drift {drift:g}",
         })
     return out
 
@@ -192,11 +192,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="steps per UltraEP/FEPLB trace (default 60)")
     ap.add_argument("--layers", type=int, default=4, help="layers per UltraEP trace (default 4)")
     ap.add_argument("--feplb-imbalance", type=float, default=1.5, help="initial imbalance of the FEPLB traces")
+    ap.add_argument("--drift", type=float, default=0.05, help="ranks per step the UltraEP traces' hot experts move")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     rows = []
     if args.only in (None, "ultraep"):
-        rows += ultraep_rows(args.steps, args.layers, args.seed)
+        rows += ultraep_rows(args.steps, args.layers, args.seed, args.drift)
     if args.only in (None, "feplb"):
         rows += feplb_rows(args.steps, args.seed, args.feplb_imbalance)
     if args.only in (None, "hybridep"):
