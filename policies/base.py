@@ -40,13 +40,15 @@ class Policy(Protocol):
 
 def plan_resident(policy, load_RE: np.ndarray, topology: Topology, resident_RE: np.ndarray | None) -> Plan:
     """``policy``'s plan when ``resident_RE[r, e]`` (bool ``[R, E]``) says which ranks already hold valid
-    weights of which experts: a policy that declares ``uses_residency = True`` plans with it (it may prefer
-    resident replicas), and the plan's transfers become exactly the non-resident replicas
-    (:func:`~ultraep.transfers.transfers_for`). ``resident_RE=None``: the policy's own plan."""
+    weights of which experts, with transfers for exactly the non-resident replicas
+    (:func:`~ultraep.transfers.transfers_for`). A policy that declares ``uses_residency = True`` plans with
+    it (it may prefer resident replicas) and returns such transfers itself (the plan object it returns is
+    the one it will see in ``commit``); any other policy's transfers are recomputed here.
+    ``resident_RE=None``: the policy's own plan."""
     if resident_RE is None:
         return policy.plan(load_RE, topology)
     if getattr(policy, "uses_residency", False):
-        return transfers_for(policy.plan(load_RE, topology, resident_RE=resident_RE), resident_RE)
+        return policy.plan(load_RE, topology, resident_RE=resident_RE)
     return transfers_for(policy.plan(load_RE, topology), resident_RE)
 
 

@@ -58,7 +58,7 @@ from ultraep.topology import Topology
 
 
 from .base import _assemble_arrays, identity_plan
-from ultraep.transfers import RELAY_MODES, schedule_transfers
+from ultraep.transfers import RELAY_MODES, schedule_transfers, transfers_for
 
 
 @njit(cache=True)
@@ -375,7 +375,7 @@ class QuotaPolicy:
                 if (tau - other[-1]).max() > self.cache_tolerance * ell_R.mean():
                     out = other
         phy2log, quota, ptr, reps, trans, tau = out
-        return Plan(
+        plan = Plan(
             policy=self.name,
             topology=t,
             load_RE=load_RE,
@@ -386,6 +386,7 @@ class QuotaPolicy:
             solve_time_s=time.perf_counter() - t0,
             info={"tau": tau},
         )
+        return plan if resident_RE is None else transfers_for(plan, resident_RE, self.relay)
 
     def commit(self, plan: Plan) -> None:
         return None
