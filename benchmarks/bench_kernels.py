@@ -67,7 +67,7 @@ def timer(device: torch.device):
 def workload(size: dict, device: torch.device, seed: int = 0):
     """Top-k ids of one source rank, its plan, and the tensors every kernel needs."""
     from ultraep import plan_layer
-    from ultraep.workload import synthetic_load
+    from ultraep.sim.workload import synthetic_load
 
     R, E, N, K, T, H, I = (size[k] for k in ("R", "E", "N", "K", "T", "H", "I"))
     g = torch.Generator().manual_seed(seed)

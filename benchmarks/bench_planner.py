@@ -5,7 +5,7 @@ redundant slots used), the busiest sender's transfer bytes, and planner latency 
 (the whole ``plan_layer`` call: search, quota split into routes, transfer schedule, Plan object), for
 ``quota`` and for ``eplb`` fed the same exact load (the UltraEP paper's "EPLB+").
 
-Workloads are UltraEP-style synthetic loads (``ultraep.workload.synthetic_load``): power-law expert
+Workloads are UltraEP-style synthetic loads (``ultraep.sim.workload.synthetic_load``): power-law expert
 popularity, top-k without replacement per token, skew searched to hit the target initial imbalance.
 
     .venv/bin/python benchmarks/bench_planner.py            # full table (about 2 minutes)
@@ -29,7 +29,7 @@ from rich.table import Table  # noqa: E402
 from benchmarks.common import row, time_calls, write_rows  # noqa: E402
 from ultraep import plan_layer  # noqa: E402
 from ultraep.topology import Topology  # noqa: E402
-from ultraep.workload import synthetic_load  # noqa: E402
+from ultraep.sim.workload import synthetic_load  # noqa: E402
 
 # DeepSeek-V3-like expert: 3 matrices of 7168 x 2048 in bf16.
 EXPERT_BYTES = 3 * 7168 * 2048 * 2

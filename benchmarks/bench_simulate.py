@@ -36,7 +36,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from benchmarks.common import row, write_rows  # noqa: E402
-from ultraep.simulate import build_cost_model, sim_params, simulate  # noqa: E402
+from ultraep.sim import build_cost_model, sim_params, simulate  # noqa: E402
 from ultraep.traces.synthetic import SyntheticSpec, synthetic_trace  # noqa: E402
 
 R, E, SLOTS, TOPK, TOKENS = 64, 128, 2, 8, 8192

@@ -45,7 +45,7 @@ from ultraep import plan_layer  # noqa: E402
 from ultraep.telemetry import NullRecorder, Recorder, open_run  # noqa: E402
 from ultraep.telemetry.sinks import ParquetSink  # noqa: E402
 from ultraep.topology import Topology  # noqa: E402
-from ultraep.workload import power_law_popularity  # noqa: E402
+from ultraep.sim.workload import power_law_popularity  # noqa: E402
 
 EXPERT_BYTES = 3 * 7168 * 2048 * 2  # DeepSeek-V3-like expert in bf16
 SHAPES = [("EP8/64e/2s", 8, 64, 2, 2048), ("EP64/256e/2s", 64, 256, 2, 8192)]

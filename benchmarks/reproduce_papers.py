@@ -25,7 +25,7 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 from benchmarks.common import row, write_rows  # noqa: E402
-from ultraep.simulate import build_cost_model, sim_params, simulate  # noqa: E402
+from ultraep.sim import build_cost_model, sim_params, simulate  # noqa: E402
 from ultraep.traces.synthetic import SyntheticSpec, synthetic_trace  # noqa: E402
 
 #: UltraEP Fig. 13 (Qwen3-235B per-layer breakdown): non-MoE time and backward / forward factors

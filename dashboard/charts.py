@@ -2,7 +2,7 @@
 
 Conventions: before balancing is always :data:`BEFORE` (red), after is :data:`AFTER` (green); each policy
 has one colour everywhere (:func:`policy_color`); every axis names its quantity in the words of
-ARCHITECTURE.md and its unit (tokens, MiB, ms, ratio).
+docs/design.md (Vocabulary) and its unit (tokens, MiB, ms, ratio).
 """
 
 from __future__ import annotations

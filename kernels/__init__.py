@@ -1,4 +1,4 @@
-"""ultraep.kernels: Triton kernels for the real-time path, each a triple (ARCHITECTURE.md §5.7):
+"""ultraep.kernels: Triton kernels for the real-time path, each a triple (docs/design.md, Conventions; docs/kernels.md):
 a ``@triton.jit`` kernel (``*_triton`` modules), a torch wrapper and a pure-torch reference.
 
     reroute        logical top-k ids -> physical instances by the plan's per-source split   (rerouting.py)

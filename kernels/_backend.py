@@ -1,4 +1,4 @@
-"""Backend choice for the kernel triples (ARCHITECTURE.md §5.7) and the lazy Triton import.
+"""Backend choice for the kernel triples (docs/kernels.md) and the lazy Triton import.
 
 Every public kernel function takes ``backend="auto" | "triton" | "torch"`` and resolves it once, at the
 top of the call, from the device of its main input:

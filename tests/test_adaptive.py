@@ -8,7 +8,7 @@ from ultraep.cost import CostModel, CostParams
 from ultraep.engine import Engine
 from ultraep.policies import AdaptivePolicy, make_policy
 from ultraep.presets import get_preset
-from ultraep.workload import power_law_popularity
+from ultraep.sim.workload import power_law_popularity
 
 
 def _cm(params=None):

@@ -202,7 +202,7 @@ def test_token_dedup_per_destination_rank_and_domain():
 def test_scale_out_link_shared_per_domain():
     """A datacenter's WAN link is one link for its 8 GPUs (HybridEP's setting): the scale-out leg then carries the
     whole domain's bytes, 8x what a per-GPU NIC of the same bandwidth would."""
-    from ultraep.simulate import build_cost_model
+    from ultraep.sim import build_cost_model
 
     cm = build_cost_model("cross-dc", 16, 64, 0)
     assert cm.params.scale_out_shared and not build_cost_model("h100-8x-ib", 16, 64, 0).params.scale_out_shared

@@ -479,7 +479,7 @@ def test_dashboard_never_imports_torch_or_the_runtime(runs):
                 at.switch_page(f"pages/{{page}}.py").run()
             assert not at.exception, [e.value for e in at.exception]
         bad = [m for m in sys.modules if m == "torch" or m.startswith(("torch.", "numba", "triton",
-               "ultraep.planning", "ultraep.policies", "ultraep.kernels", "ultraep.simulate", "ultraep.cost",
+               "ultraep.planning", "ultraep.policies", "ultraep.kernels", "ultraep.sim.replay", "ultraep.cost",
                "ultraep.telemetry.recorder", "ultraep.telemetry.otel", "opentelemetry"))]
         print(bad)
         assert not bad, bad

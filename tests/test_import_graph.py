@@ -1,4 +1,4 @@
-"""Import direction (issue 19, ARCHITECTURE §7): the vocabulary never imports upward, not even inside a
+"""Import direction (issue 19; docs/design.md, Dependency direction): the vocabulary never imports upward, not even inside a
 function, and no import cycle appears between the project's modules.
 
 The graph comes from ``tests/import_graph.py`` (``ast`` only; function-level imports count like module-level
@@ -18,7 +18,7 @@ import pytest
 
 import import_graph as ig
 
-# The vocabulary (ARCHITECTURE §7: plan, load, topology, config, cost, and the small modules they are made
+# The vocabulary (docs/design.md: plan, load, topology, config, cost, and the small modules they are made
 # of). A vocabulary module imports only vocabulary modules.
 VOCABULARY = {
     "ultraep.plan", "ultraep.load", "ultraep.topology", "ultraep.config", "ultraep.cost", "ultraep.metrics",

@@ -77,7 +77,7 @@ def test_issue_rows_refused_fast_in_one_line_with_little_memory(tmp_path, argv, 
 
 def test_large_token_counts_cost_what_small_ones_do():
     """Item 2: loads are sampled as counts, so 10^12 tokens per rank take no longer than 10^4."""
-    from ultraep.workload import synthetic_load
+    from ultraep.sim.workload import synthetic_load
 
     def timed(tokens):
         t = time.perf_counter()
@@ -94,7 +94,7 @@ def test_large_token_counts_cost_what_small_ones_do():
 
 
 def test_synthetic_load_is_deterministic_and_matches_its_inclusion_probabilities():
-    from ultraep.workload import fit_popularity, quantise_inclusion, solve_inclusion, synthetic_load, systematic_counts
+    from ultraep.sim.workload import fit_popularity, quantise_inclusion, solve_inclusion, synthetic_load, systematic_counts
 
     a = synthetic_load(8, 32, top_k=3, tokens_per_rank=1000, target_imbalance=1.7, seed=5)
     b = synthetic_load(8, 32, top_k=3, tokens_per_rank=1000, target_imbalance=1.7, seed=5)
@@ -113,7 +113,7 @@ def test_synthetic_load_is_deterministic_and_matches_its_inclusion_probabilities
 
 def test_api_refusals_are_config_errors():
     from ultraep.planning import plan_layer
-    from ultraep.workload import synthetic_load
+    from ultraep.sim.workload import synthetic_load
 
     with pytest.raises(ConfigError, match=r"synthetic_load\.num_experts: \(1,000,000,000\) must be in"):
         synthetic_load(4, 1_000_000_000)
@@ -162,7 +162,7 @@ def test_imported_trace_with_a_huge_expert_id_is_refused(tmp_path):
     assert res["maxrss_mb"] < 200, res
     assert not (tmp_path / "out.parquet").exists()
 
-    from ultraep.simulate import build_cost_model, simulate
+    from ultraep.sim import build_cost_model, simulate
     from ultraep.traces import Trace, TraceMeta
 
     E = limits.MAX_EXPERTS * 2

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ultraep.cli import main
-from ultraep.simulate import build_cost_model, plan_stride, simulate
+from ultraep.sim import build_cost_model, plan_stride, simulate
 from ultraep.traces.synthetic import SyntheticSpec, synthetic_trace
 
 
@@ -143,7 +143,7 @@ def test_replay_decides_and_commits_through_the_engine(trace, monkeypatch):
 
 
 def test_recorded_runs_use_the_engine_term_names(trace, tmp_path):
-    from ultraep.simulate import record
+    from ultraep.sim import record
     from ultraep.telemetry import open_run
 
     cm = build_cost_model("h100-8x-ib", 16, 32, 2)
@@ -184,7 +184,7 @@ def test_replicas_are_charged_as_the_runtime_cache_moves_them():
     training the masters change every step, so the first microbatch of a step sends every replica, historical
     eplb included, and a later microbatch of the same step sends only what is not resident; in prefill an
     unchanged placement moves nothing; ``resend_all_replicas`` charges every replica every time."""
-    from ultraep.simulate import sim_params
+    from ultraep.sim import sim_params
 
     tr = synthetic_trace(SyntheticSpec(num_ranks=16, num_experts=32, num_layers=1, num_steps=12, microbatches=2,
                                        imbalance=(2.0, 2.5), seed=3))

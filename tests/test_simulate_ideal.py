@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ultraep.presets import PRESETS
-from ultraep.simulate import SIM_POLICIES, build_cost_model, sim_params, simulate
+from ultraep.sim import SIM_POLICIES, build_cost_model, sim_params, simulate
 from ultraep.traces.synthetic import SyntheticSpec, synthetic_trace
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ultraep.metrics import imbalance
-from ultraep.workload import sample_topk_counts, synthetic_load
+from ultraep.sim.workload import sample_topk_counts, synthetic_load
 
 
 @pytest.mark.parametrize("target", [1.5, 3.0])

@@ -21,7 +21,7 @@ PolicyName = Literal["none", "quota", "eplb", "feplb", "hybridep", "adaptive"]
 CandidateName = Literal["none", "quota", "eplb", "feplb", "hybridep"]
 RelayMode = Literal["auto", "direct", "always"]
 #: the policies the simulator replays, in its table order, and its default budget of replayed layer-steps
-#: (here, not in ``ultraep.simulate``, so that building the CLI imports neither numba nor the cost model)
+#: (here, not in ``ultraep.sim.replay``, so that building the CLI imports neither numba nor the cost model)
 ALL_POLICIES = ("none", "eplb", "quota", "feplb", "hybridep", "adaptive")
 DEFAULT_MAX_PLANS = 30_000
 

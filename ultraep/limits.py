@@ -221,7 +221,7 @@ def check_plan(R: int, E: int, N: int, *, policies: int = 1, names: Mapping[str,
 
 
 def check_synthetic_load(R: int, E: int, top_k: int, tokens: int, *, names: Mapping[str, str] | None = None) -> None:
-    """Bounds and memory of :func:`ultraep.workload.synthetic_load` (no planning)."""
+    """Bounds and memory of :func:`ultraep.sim.workload.synthetic_load` (no planning)."""
     nr, ne, nk, nt = (_name(names, k, "synthetic_load") for k in ("num_ranks", "num_experts", "top_k",
                                                                    "tokens_per_rank"))
     check_bound(nr, R, 1, "MAX_RANKS", "EP group size")

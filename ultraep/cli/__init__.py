@@ -19,7 +19,7 @@ COMMANDS = [
     "ultraep.cli.plan",
     "ultraep.telemetry.cli",
     "ultraep.dashboard.cli",
-    "ultraep.cli_simulate",
+    "ultraep.cli.simulate",
     "ultraep.cli.trace",
     "ultraep.cli.demo",
 ]

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--ranks", f"must be >= 1, got {args.ranks}", args.ranks)
     policies = list(POLICIES) if args.compare else [args.policy]
     if args.synthetic:
-        from ultraep.workload import synthetic_load
+        from ultraep.sim.workload import synthetic_load
 
         if args.experts is None:
             raise ConfigError("--experts", "is required with --synthetic")

@@ -25,7 +25,7 @@ def _range(text: str) -> tuple[float, float]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ultraep.cli_simulate import add_trace_args
+    from ultraep.cli.simulate import add_trace_args
 
     p = sub.add_parser("trace", help="generate, import or describe routing traces",
                        description="Routing traces in ultraep's canonical Parquet table "
@@ -111,7 +111,7 @@ def run_synth(args: argparse.Namespace) -> int:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from ultraep.cli_simulate import parse_kv
+    from ultraep.cli.simulate import parse_kv
     from ultraep.traces import load_trace
 
     if args.out.suffix != ".parquet":
@@ -125,7 +125,7 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    from ultraep.cli_simulate import parse_kv
+    from ultraep.cli.simulate import parse_kv
     from ultraep.traces import load_trace
 
     trace = load_trace(args.src, args.format, **parse_kv(args.trace_opt, "--trace-opt"))

@@ -6,7 +6,7 @@ weights of all E experts as 3-D parameters with a leading expert dimension. That
 transformers v5's *experts interface* (``@use_experts_implementation``), so the router, shared experts,
 group-limited routing and DeepSeek's ``e_score_correction_bias`` all stay in the MoE block, untouched.
 
-Exact or refused (ARCHITECTURE.md §6): for an experts-interface container, :func:`adapter_for` reads
+Exact or refused (docs/design.md, Conventions): for an experts-interface container, :func:`adapter_for` reads
 
 * the flags the class declared to the interface (``is_transposed``, ``has_bias``, ``is_concatenated``,
   ``has_gate``, ``has_post_expert_norm``; a flag it does not know is refused),

@@ -3,7 +3,7 @@
 Legend: T tokens of this rank, K top-k, H hidden, E experts, R ranks, M masters per rank, N redundant slots,
 S = M + N slots, J tensors per expert, Nr rows this rank receives, P tiles per expert.
 
-Forward, per MoE layer and microbatch (ARCHITECTURE.md §4):
+Forward, per MoE layer and microbatch (docs/design.md, How data flows):
 
     Step 1: local per-expert counts → all-gather → exact load λ[R, E] on every rank.
     Step 2: the layer's policy plans from λ (deterministic: every rank computes the same plan; with

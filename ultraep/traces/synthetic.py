@@ -1,6 +1,6 @@
 """Synthetic routing traces: target initial imbalance, drift, bursts and domain shifts, vectorised.
 
-Popularity follows :func:`ultraep.workload.power_law_popularity` (UltraEP's recipe: a power law over a
+Popularity follows :func:`ultraep.sim.workload.power_law_popularity` (UltraEP's recipe: a power law over a
 random order of home ranks and over each rank's local experts). Each token includes expert ``e`` with
 probability ``π_e = 1 − exp(−c·w_e)``, with ``c`` solved so that ``Σ_e π_e = k`` (top-k without
 replacement, the inclusion approximation of the UltraEP generator); counts are binomial draws, so a
@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validat
 
 from ultraep.errors import ConfigError
 from ultraep.limits import check_bound, check_synthetic_trace, limit
-from ultraep.workload import fit_popularity, solve_inclusion
+from ultraep.sim.workload import fit_popularity, solve_inclusion
 
 from .trace import Trace, TraceMeta
 

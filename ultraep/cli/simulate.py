@@ -95,7 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _policy_options(items) -> dict:
-    from ultraep.simulate import SIM_POLICIES as ALL_POLICIES
+    from ultraep.sim import SIM_POLICIES as ALL_POLICIES
 
     out: dict = {}
     for key, value in parse_kv(items, "--policy-opt").items():
@@ -135,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ultraep.presets import parse_overrides
-    from ultraep.simulate import SIM_POLICIES as ALL_POLICIES
-    from ultraep.simulate import build_cost_model, check_new_runs, record, sim_params, simulate
+    from ultraep.sim import SIM_POLICIES as ALL_POLICIES
+    from ultraep.sim import build_cost_model, check_new_runs, record, sim_params, simulate
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     unknown = [x for x in policies if x not in ALL_POLICIES]
     if unknown:
