@@ -49,6 +49,12 @@ SCREENABLE = ("quota",)
 #: again only when due for a probe: its planner is then charged once per ``probe_every`` decisions
 LOSING_STREAK = 8
 DEFAULT_CANDIDATES = ("none", "quota", "eplb", "feplb", "hybridep")
+#: a candidate measured fewer times than this has an uncertain outcome (one early call can be a warm-up outlier):
+#: it is re-probed every probe_every / 8 decisions until it has this many measurements
+FEW_RUNS = 3
+#: the first measured calls of a layer are slower whatever runs (first allocations, caches): they do not feed
+#: the outcome corrections (a candidate probed then would look worse than it is until its next probe)
+OUTCOME_WARMUP = 2
 
 
 class AdaptivePolicy:
@@ -102,12 +108,21 @@ class AdaptivePolicy:
         self.deadline_s = deadline_s
         self.screen = bool(screen)
         self.cost_model = cost_model
+        # the model as handed over, before any calibration: measured outcomes are kept relative to it, so a
+        # candidate's correction does not drift when calibration (learned from other candidates' runs) moves
+        self._anchor = cost_model
+        self._anchor_s: dict[str, float] = {}  # this decision's anchor-model predictions of the candidates
+        self._observing: tuple[str, float] | None = None  # the committed choice and its anchor prediction
+        self._anchor_plans: dict | None = None  # the candidate plans _anchor_s belongs to
+        self._observed = 0  # measured outcomes offered so far (the first OUTCOME_WARMUP are skipped)
         self.owns_candidates = bool(owns_candidates)
         self.probe_every = int(probe_every)
         self.probe_max_loss = float(probe_max_loss)
         self.outcome_alpha = float(outcome_alpha)
-        #: per candidate: EWMA of log(measured / predicted layer time) when it ran, and how often it ran
+        #: per candidate: EWMA of log(measured / predicted layer time) when it ran, and how often it ran, against
+        #: the calibrated model of the time (``_outcome``) and against the anchor model (``_outcome_anchor``)
         self._outcome: dict[str, tuple[float, int]] = {}
+        self._outcome_anchor: dict[str, tuple[float, int]] = {}
         self._since: dict[str, int] = {}  # decisions since each candidate last ran
         self._unplanned: dict[str, int] = {}  # decisions since each candidate was last planned
         self._ran: set[str] = set()  # candidates that ran at least once
@@ -125,23 +140,59 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------------ measured outcomes
     def observe_outcome(self, name: str, predicted_s: float, measured_s: float) -> None:
-        """Fold one measured layer time of candidate ``name`` into its outcome correction (log-ratio EWMA;
-        the first observations weigh 1/n)."""
-        if predicted_s <= 0 or measured_s <= 0 or name not in self.policies:
+        """Fold one measured layer time of candidate ``name`` into its outcome corrections (log-ratio EWMAs; the
+        first observations weigh 1/n): against ``predicted_s`` (the calibrated model's prediction) and against
+        the anchor model's prediction of the decision being observed (the last committed one)."""
+        if measured_s <= 0 or name not in self.policies:
             return
-        x = float(np.log(measured_s / predicted_s))
-        old, n = self._outcome.get(name, (0.0, 0))
-        a = max(self.outcome_alpha, 1.0 / (n + 1))
-        self._outcome[name] = ((1 - a) * old + a * x, n + 1)
+        self._observed += 1
+        if self._observed <= OUTCOME_WARMUP:
+            return
+        refs = [(self._outcome, predicted_s)]
+        if self._observing is not None and self._observing[0] == name:
+            refs.append((self._outcome_anchor, self._observing[1]))
+        for table, pred in refs:
+            if pred > 0:
+                old, n = table.get(name, (0.0, 0))
+                a = max(self.outcome_alpha, 1.0 / (n + 1))
+                table[name] = ((1 - a) * old + a * float(np.log(measured_s / pred)), n + 1)
 
     def correction(self, name: str) -> float:
-        """Multiplier of ``name``'s model prediction: its own measured/predicted ratio when it has run, else
+        """Multiplier of ``name``'s calibrated prediction: its own measured/predicted ratio when it has run, else
         the mean of the others' (the model's error is largely shared), else 1."""
         if name in self._outcome:
             return float(np.exp(self._outcome[name][0]))
         if self._outcome:
             return float(np.exp(np.mean([v for v, _ in self._outcome.values()])))
         return 1.0
+
+    def estimate(self, name: str, calibrated_s: float) -> float:
+        """Step 3's number for a candidate (``calibrated_s``: the calibrated model's prediction of its plan):
+
+        * the policy in force: ``calibrated_s`` times its measured/predicted ratio — it ran last call, so
+          calibration is fresh for it and a change the calibrator sees (a slower link) reaches it at once;
+        * another candidate that has run: the anchor model's prediction times its measured/anchor ratio — its
+          measured layer time carried to this load by a model that does not move. Calibration learned from the
+          other candidates' runs can drift its calibrated prediction far from what it measured (on tiny
+          layers fixed per-call costs are mistaken for compute: ``none`` looked 1.9x slower than it ran);
+        * a candidate that never ran: ``calibrated_s`` times the others' mean ratio, until its probe.
+        """
+        if name == self._current and name in self._outcome:
+            return calibrated_s * self.correction(name)
+        if name in self._outcome_anchor and name in self._anchor_s:
+            return self._anchor_s[name] * float(np.exp(self._outcome_anchor[name][0]))
+        return calibrated_s * self.correction(name)
+
+    def _anchor_predictions(self, topology: Topology, plans: dict, resident: bool, names=None) -> None:
+        """Anchor-model predictions for :meth:`estimate` of ``names`` (default: the candidates that have run),
+        added to this decision's (a new decision starts with ``names=None``)."""
+        am = model_for(self._anchor, topology)
+        todo = ([n for n in plans if n in self._outcome_anchor and n != self._current] if names is None
+                else [n for n in names if n not in self._anchor_s])
+        got = {n: self._predict(am, n, plans[n], resident).total_s for n in todo}
+        self._anchor_s = got if names is None else {**self._anchor_s, **got}
+        if names is None:
+            self._anchor_plans = plans
 
     def exposed_planner_s(self, cm, name: str) -> float:
         """Planner latency on the critical path (0 for a candidate whose policy says its planner is not on it,
@@ -187,7 +238,7 @@ class AdaptivePolicy:
     def references(self, breakdowns: dict) -> dict[str, float]:
         """Corrected predictions of the always-planned candidates in ``breakdowns`` that bound the screen (a
         historical placement only when resident: the plain prediction omits its switching cost)."""
-        return {n: bd.total_s * self.correction(n) for n, bd in breakdowns.items()
+        return {n: self.estimate(n, bd.total_s) for n, bd in breakdowns.items()
                 if n in self.policies and n not in SCREENABLE and (n != "eplb" or self._current == "eplb")}
 
     def _predict(self, cm, name: str, plan: Plan, resident: bool = False):
@@ -214,6 +265,7 @@ class AdaptivePolicy:
         plans = {n: plan_resident(p, load_RE, topology, resident_RE) for n, p in self.policies.items()
                  if n not in SCREENABLE}
         bds = {n: self._predict(cm, n, pl, has) for n, pl in plans.items()}
+        self._anchor_predictions(topology, plans, has)
         skip = set(self.screened(load_RE, topology, none_s=bds["none"].total_s if "none" in bds else None,
                                  others_s=self.references(bds)))
         plans.update({n: plan_resident(p, load_RE, topology, resident_RE) for n, p in self.policies.items()
@@ -233,6 +285,11 @@ class AdaptivePolicy:
         predictions: dict[str, float] = {}
         known = breakdowns or {}
         breakdowns = {}
+        if self._anchor_plans is plans:  # plan() started them; add candidates planned since
+            self._anchor_predictions(topology, plans, resident, names=[n for n in plans if n in self._outcome_anchor
+                                                                       and n != self._current])
+        else:  # decide() called directly (the simulator's shared candidates)
+            self._anchor_predictions(topology, plans, resident)
         for name, pl in plans.items():  # Step 3
             switch = name == "eplb" and self._current != "eplb"
             if name in known and (resident or not switch):
@@ -240,7 +297,7 @@ class AdaptivePolicy:
             else:
                 bd = self._predict(cm, name, pl, resident)
             breakdowns[name] = bd
-            predictions[name] = bd.total_s * self.correction(name)
+            predictions[name] = self.estimate(name, bd.total_s)
         # Step 4: late plans.
         late = []
         if self.deadline_s is not None:
@@ -285,13 +342,19 @@ class AdaptivePolicy:
             def since(n):
                 return self.probe_every if n not in self._ran else self._since.get(n, 0)
 
-            due = [n for n in sorted(feasible) if n != chosen and since(n) >= self.probe_every
+            def period(n):  # a candidate measured fewer than FEW_RUNS times is uncertain: re-probed sooner
+                # (only where outcomes are measured at all: a simulation measures nothing)
+                runs = self._outcome_anchor.get(n, (0.0, 0))[1]
+                return max(1, self.probe_every // 8) if self._observed and runs < FEW_RUNS else self.probe_every
+
+            due = [n for n in sorted(feasible) if n != chosen and since(n) >= period(n)
                    and feasible[n] <= (1 + self.probe_max_loss) * feasible[best]]
             if due:
                 probe_of = max(due, key=lambda n: (n not in self._ran, since(n), n))
                 chosen, reason, probe = probe_of, (f"probe: {probe_of} " + (
                     "has not run yet" if probe_of not in self._ran else f"last ran {since(probe_of)} decisions ago")
                     + f" (kept {cur})"), True
+        self._anchor_predictions(topology, plans, resident, names=[chosen])  # what its outcome is measured against
         # Step 6: the engine's exposed overhead.
         planned_max = max((self.exposed_planner_s(cm, n) for n in plans), default=0.0)
         engine_s = cm.params.engine_overhead_s + max(0.0, planned_max - self.exposed_planner_s(cm, chosen))
@@ -309,6 +372,7 @@ class AdaptivePolicy:
             "previous": cur,
             "pending": list(pending) if pending else None,
             "probe": probe,
+            "anchor_s": float(self._anchor_s.get(chosen, 0.0)),
             "none_clear": bool(best == "none" and len(feasible) > 1 and min(
                 (v for n, v in feasible.items() if n != "none"), default=float("inf"))
                 > feasible["none"] * (1 + self.switch_now)),
@@ -325,6 +389,7 @@ class AdaptivePolicy:
             self._current = a["chosen"]
             self._pending = tuple(a["pending"]) if a.get("pending") else None
         preds, chosen = a["predictions"], a["chosen"]
+        self._observing = (chosen, float(a.get("anchor_s", 0.0)))  # what observe_outcome will measure
         self._ran.add(chosen)
         for n in self.policies:
             self._since[n] = 0 if n == chosen else self._since.get(n, 0) + 1

@@ -148,3 +148,47 @@ def test_engine_fixed_policy_and_prefill_mode():
     assert d.chosen == "feplb" and d.reason == "configured policy feplb" and d.predicted.bwd_s == 0
     d.plan.check()
     assert isinstance(make_policy("adaptive"), AdaptivePolicy)
+
+
+def _run(pol, cm, load, measured):
+    """One decision, committed, and its measured layer time ``measured(chosen)`` fed back as the engine does."""
+    plan = pol.plan(load, cm.topology)
+    pol.commit(plan)
+    a = plan.info["adaptive"]
+    pol.observe_outcome(a["chosen"], pol.cost_model.predict(plan).total_s, measured(a["chosen"]))  # as the engine
+    return a
+
+
+def test_a_candidate_that_ran_keeps_its_measured_time_when_calibration_drifts():
+    from ultraep.policies.adaptive import OUTCOME_WARMUP
+
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=8, probe_max_loss=10.0)
+    load = _load(1.0)
+    truth = {"none": 2e-3, "quota": 1e-3}  # what each really takes on this machine
+    for _ in range(OUTCOME_WARMUP + 12):
+        _run(pol, cm, load, truth.get)
+    assert pol._outcome_anchor.keys() == {"none", "quota"} and pol._current == "quota"
+    # calibration learned from quota's runs now says compute is 5x slower: the calibrated model would put none
+    # (never run since) at 5x what it measured; its estimate stays at its measured time
+    pol.cost_model = cm.with_params(cm.params.model_copy(update={"compute_scale": 5.0}))
+    a = pol.plan(load, cm.topology).info["adaptive"]
+    assert a["predictions"]["none"] == pytest.approx(truth["none"], rel=0.05)
+    calibrated_none = pol.cost_model.predict(pol._memo[1]["none"]).total_s * pol.correction("none")
+    assert calibrated_none > 3 * truth["none"]
+
+
+def test_a_candidate_measured_only_once_or_twice_is_probed_again_sooner():
+    from ultraep.policies.adaptive import FEW_RUNS, OUTCOME_WARMUP
+
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=32, probe_max_loss=10.0)
+    load = _load(1.0)
+    runs = []
+    for _ in range(OUTCOME_WARMUP + 40):
+        runs.append(_run(pol, cm, load, {"none": 2e-3, "quota": 1e-3}.get)["chosen"])
+    # none is measured FEW_RUNS times within the first probe_every decisions (every probe_every / 8), then
+    # once per probe_every
+    first = runs[:32]
+    assert first.count("none") >= FEW_RUNS
+    assert runs[32:].count("none") <= 2
