@@ -11,7 +11,8 @@ expert compute dominates. Routing is skewed so that the rank-level imbalance wit
   * ``force-balanced``  the router forced uniform (the ideal: every rank gets the mean load, no overhead).
 
 Layer time = max over ranks of (forward + backward) wall time per iteration (the all-to-alls make every
-rank wait for the slowest). Goals (issue "Balancing must pay"): quota >= 1.20x over none and >= 90 % of
+rank wait for the slowest). All runs of a shape share one pair of processes and are interleaved, iteration
+by iteration in a rotating order, so launch-to-launch noise does not enter the ratios. Goals (issue "Balancing must pay"): quota >= 1.20x over none and >= 90 % of
 force-balanced at the default shape. A second table gives quota's per-phase time on each rank, exposed
 (on the rank's critical path) and hidden (weight transfer in flight behind compute).
 
@@ -99,7 +100,8 @@ def _experts(shape: Shape):
     return tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(cfg)
 
 
-def _body(rank, world, shape: Shape, args, policy, skew):
+def _setup(rank, shape: Shape, args, policy, skew):
+    """One wrapped layer (the same expert weights for every policy) and this rank's batch."""
     import ultraep
 
     torch.manual_seed(0)
@@ -110,41 +112,52 @@ def _body(rank, world, shape: Shape, args, policy, skew):
     holder = torch.nn.Module()
     holder.experts = experts
     ultraep.wrap(holder, {"policy": policy, "num_redundant_slots": shape.slots or args.slots})
-    layer = holder.experts
-    rt = ultraep.runtime_of(holder)
     g = torch.Generator().manual_seed(7 + rank)
     x = torch.randn(shape.tokens, shape.hidden, generator=g).requires_grad_(True)
     idx = _routing(rank, shape.tokens, shape.top_k, shape.experts, skew, args.seed)
     w = torch.softmax(torch.randn(shape.tokens, shape.top_k, generator=g), -1)
-    times, phases, chosen = [], [], []
     # an optimizer step after every iteration (untimed): training changes the masters every step, so every
     # replica is streamed again, as in a real run (without it the replica cache would reuse them)
-    opt = torch.optim.SGD(layer.parameters(), lr=1e-6)
+    opt = torch.optim.SGD(holder.experts.parameters(), lr=1e-6)
+    return holder.experts, ultraep.runtime_of(holder), (x, idx, w), opt
+
+
+def _body(rank, world, shape: Shape, args, policies):
+    """Every run of ``policies`` in one pair of processes, interleaved: iteration i runs each policy once, in
+    an order rotated every iteration, so process-level noise (memory layout, frequency) hits all of them alike
+    and the ratios come from one run."""
+    runs = [(name, *_setup(rank, shape, args, policy, skew)) for name, policy, skew in policies]
+    out = {name: {"times": [], "phases": [], "chosen": []} for name, *_ in runs}
     for it in range(args.warmup + args.iters):
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        y = layer(x, idx, w)
-        y.pow(2).mean().backward()
-        t = time.perf_counter() - t0
-        opt.step()
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        rt.next_step()  # records the call (with its backward phases) into layer.last_timings
-        if it >= args.warmup:
-            times.append(t)
-            phases.append(dict(layer.last_timings))
-            chosen.append(rt.history[-1][2])
-    plan = layer.last_plan
-    return {"times": times, "phases": phases, "chosen": chosen, "imb_before": plan.imbalance_before,
-            "imb_after": plan.imbalance_after, "replicas": plan.num_replicas}
+        for k in range(len(runs)):
+            name, layer, rt, (x, idx, w), opt = runs[(it + k) % len(runs)]
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            layer(x, idx, w).pow(2).mean().backward()
+            t = time.perf_counter() - t0
+            opt.step()
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            rt.next_step()  # records the call (with its backward phases) into layer.last_timings
+            if it >= args.warmup:
+                o = out[name]
+                o["times"].append(t)
+                o["phases"].append(dict(layer.last_timings))
+                o["chosen"].append(rt.history[-1][2])
+    for name, layer, *_ in runs:
+        plan = layer.last_plan
+        out[name].update(imb_before=plan.imbalance_before, imb_after=plan.imbalance_after,
+                         replicas=plan.num_replicas)
+    return out
 
 
 def _run_shape(shape: Shape, args, policies) -> dict:
+    out = launch(_body, 2, shape, args, policies, backend="gloo", threads_per_rank=1)
     res = {}
-    for name, policy, skew in policies:
-        out = launch(_body, 2, shape, args, policy, skew, backend="gloo", threads_per_rank=1)
-        per_iter = np.max(np.array([o["times"] for o in out]), axis=0)  # the slowest rank sets the pace
-        res[name] = (per_iter, out)
+    for name, _, _ in policies:
+        per_rank = [o[name] for o in out]
+        per_iter = np.max(np.array([o["times"] for o in per_rank]), axis=0)  # the slowest rank sets the pace
+        res[name] = (per_iter, per_rank)
     return res
 
 
