@@ -42,6 +42,7 @@ from ultraep.plan import Plan
 from ultraep.topology import Topology
 
 from .base import identity_plan, plan_resident
+from .registry import get_policy_class, make_policy
 
 #: candidates that keep no history, so skipping their plan for a step is harmless
 SCREENABLE = ("quota",)
@@ -89,7 +90,6 @@ class AdaptivePolicy:
         if "adaptive" in names:
             raise ConfigError("adaptive.candidates", "cannot include 'adaptive' itself", names)
         if policies is None:
-            from . import get_policy_class, make_policy
 
             opts = candidate_options or {}
             unknown = sorted(set(opts) - set(names))

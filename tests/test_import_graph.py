@@ -33,8 +33,6 @@ KNOWN_UPWARD = {
 KNOWN_CYCLE_EDGES = {
     # the cost model asks HybridEP for its traffic; HybridEP plans with the cost model
     ("ultraep.cost", "ultraep.policies.hybridep"), ("ultraep.policies.hybridep", "ultraep.cost"),
-    # the adaptive policy builds its candidates through the registry that registers it
-    ("ultraep.policies", "ultraep.policies.adaptive"), ("ultraep.policies.adaptive", "ultraep.policies"),
     # wrap() rewrites blocks with adapters_rewrite, which registers its containers with adapters
     ("ultraep.models.adapters", "ultraep.models.rewrite"), ("ultraep.models.rewrite", "ultraep.models.adapters"),
 }
