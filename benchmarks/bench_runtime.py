@@ -100,8 +100,9 @@ def _experts(shape: Shape):
     return tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(cfg)
 
 
-def _setup(rank, shape: Shape, args, policy, skew):
-    """One wrapped layer (the same expert weights for every policy) and this rank's batch."""
+def wrapped_layer(shape, config: dict):
+    """``shape``'s experts container (seeded weights, the same for every run) wrapped with ``config``:
+    ``(balanced layer, its runtime)``."""
     import ultraep
 
     torch.manual_seed(0)
@@ -111,15 +112,21 @@ def _setup(rank, shape: Shape, args, policy, skew):
             p.normal_(0, 0.02)
     holder = torch.nn.Module()
     holder.experts = experts
-    ultraep.wrap(holder, {"policy": policy, "num_redundant_slots": shape.slots or args.slots})
+    ultraep.wrap(holder, config)
+    return holder.experts, ultraep.runtime_of(holder)
+
+
+def _setup(rank, shape: Shape, args, policy, skew):
+    """One wrapped layer (the same expert weights for every policy) and this rank's batch."""
+    layer, rt = wrapped_layer(shape, {"policy": policy, "num_redundant_slots": shape.slots or args.slots})
     g = torch.Generator().manual_seed(7 + rank)
     x = torch.randn(shape.tokens, shape.hidden, generator=g).requires_grad_(True)
     idx = _routing(rank, shape.tokens, shape.top_k, shape.experts, skew, args.seed)
     w = torch.softmax(torch.randn(shape.tokens, shape.top_k, generator=g), -1)
     # an optimizer step after every iteration (untimed): training changes the masters every step, so every
     # replica is streamed again, as in a real run (without it the replica cache would reuse them)
-    opt = torch.optim.SGD(holder.experts.parameters(), lr=1e-6)
-    return holder.experts, ultraep.runtime_of(holder), (x, idx, w), opt
+    opt = torch.optim.SGD(layer.parameters(), lr=1e-6)
+    return layer, rt, (x, idx, w), opt
 
 
 def _body(rank, world, shape: Shape, args, policies):

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.bench_runtime import _experts  # noqa: E402 - the same transformers containers
+from benchmarks.bench_runtime import wrapped_layer  # noqa: E402 - the same containers and weights
 from benchmarks.common import row, write_rows  # noqa: E402
 from ultraep.launch import launch  # noqa: E402
 
@@ -80,17 +80,7 @@ def _batch(rank: int, shape: Shape, skew: bool, batch: int):
 
 
 def _wrapped(shape: Shape, policy: str, cache: bool):
-    import ultraep
-
-    torch.manual_seed(0)
-    experts = _experts(shape)
-    with torch.no_grad():
-        for p in experts.parameters():
-            p.normal_(0, 0.02)
-    holder = torch.nn.Module()
-    holder.experts = experts
-    ultraep.wrap(holder, {"policy": policy, "num_redundant_slots": shape.slots, "replica_cache": cache})
-    return holder.experts, ultraep.runtime_of(holder)
+    return wrapped_layer(shape, {"policy": policy, "num_redundant_slots": shape.slots, "replica_cache": cache})
 
 
 def _serve(rank, world, shape: Shape, args, policy, cache, skew):

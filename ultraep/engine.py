@@ -25,6 +25,7 @@ from ultraep.config import BalancerConfig
 from ultraep.cost import Calibrator, CostBreakdown, CostModel
 from ultraep.load import validate_load
 from ultraep.plan import Plan
+from ultraep.policies import get_policy_class, make_policy, plan_resident
 from ultraep.topology import Topology
 
 
@@ -111,8 +112,6 @@ class Engine:
         if pol is None and self._factory is not None:
             pol = self._policies[layer] = self._factory(layer)
         if pol is None:
-            from ultraep.policies import get_policy_class, make_policy
-
             opts = self.config.layer_options(layer)
             kwargs = opts.policy_options()
             if getattr(get_policy_class(opts.kind), "needs_cost_model", False):  # the policy says what it needs
@@ -132,8 +131,6 @@ class Engine:
         (the runtime's replica cache). The plan's transfers are then exactly the replicas that are not
         resident, and policies that can prefer resident replicas see it
         (:func:`~ultraep.policies.plan_resident`); without it a plan lists the transfers its policy chose."""
-        from ultraep.policies import plan_resident
-
         topo = self.topology_for(layer)
         load = validate_load(load_RE, topo.num_ranks, topo.num_experts, path=f"layers.{layer}.load")
         pol = self.policy_for(layer)

@@ -119,13 +119,17 @@ def transfers_for(plan, resident_RE: np.ndarray | None = None, relay: str = "aut
     """
     t = plan.topology
     ptr, rank = plan.replicas.ptr, plan.replicas.rank
+    everything = True  # every replica needs its weights
     if resident_RE is not None and len(rank):
         expert_P = np.repeat(np.arange(t.num_experts), np.diff(ptr))
         need = ~np.asarray(resident_RE, dtype=bool)[rank, expert_P]
-        if not need.all():
+        everything = bool(need.all())
+        if not everything:
             ptr = np.zeros(t.num_experts + 1, dtype=np.int64)
             np.cumsum(np.bincount(expert_P[need], minlength=t.num_experts), out=ptr[1:])
             rank = np.ascontiguousarray(rank[need])
+    if everything and expert_bytes is None and len(plan.transfers) == len(rank):
+        return plan  # the policy already scheduled one transfer per replica: nothing to drop or add
     cols = schedule_transfers(t.home_E, np.ascontiguousarray(ptr, dtype=np.int64), np.ascontiguousarray(
         rank, dtype=np.int64), t.expert_bytes if expert_bytes is None else int(expert_bytes), t.num_ranks, t.D,
         RELAY_MODES[relay])

@@ -73,9 +73,12 @@ class ReplicaCache:
         needed: dict[int, list[int]] = {}
         for e, r in zip(expert_P.tolist(), replicas.rank.tolist()):
             needed.setdefault(r, []).append(e)
+        by_rank: dict[int, dict[int, list[int]]] = {}  # one pass over the table, not one per rank
+        for (rr, e), v in self.entries.items():
+            by_rank.setdefault(rr, {})[e] = v
         hits = 0
         for r, experts in needed.items():
-            held = {e: v for (rr, e), v in self.entries.items() if rr == r}
+            held = by_rank.get(r, {})
             new = [e for e in experts if e not in held]
             want = set(experts)
             spare = sorted((v[1], e) for e, v in held.items() if e not in want)  # least recently used first
