@@ -14,7 +14,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import numpy as np
 from numba import njit
 
-from ultraep.plan import Plan, Replicas, Transfers
+from ultraep.plan import ExpertDomains, Plan, Replicas, Transfers
 from ultraep.topology import Topology
 
 from .split import even_split
@@ -116,6 +116,8 @@ def assemble_plan(
     relay: str = "auto",
     solve_time_s: float = 0.0,
     info: dict | None = None,
+    expert_domains: ExpertDomains | None = None,
+    static_overlap: bool = False,
 ) -> Plan:
     """Build a :class:`Plan` from replica rows ``(expert, rank, slot[, quota])``, each ``[P]``.
 
@@ -123,6 +125,7 @@ def assemble_plan(
     ``plan.routes_RRS`` is first read; without it tokens are split evenly over instances (historical
     balancing) right away and quotas follow from the split.
     ``transfer_mask[P]`` (row order) selects the replicas whose weights must be sent (default: all).
+    ``expert_domains`` and ``static_overlap`` are the plan's typed facts for the cost model (see :class:`Plan`).
     """
     t = topology
     has_quota = rep_quota is not None
@@ -155,12 +158,16 @@ def assemble_plan(
         solve_time_s=solve_time_s,
         info=info if info is not None else {},
         routes=None if has_quota else routes,
+        expert_domains=expert_domains,
+        static_overlap=static_overlap,
     )
 
 
 
-def identity_plan(policy: str, topology: Topology, load_RE: np.ndarray, solve_time_s: float = 0.0, info=None) -> Plan:
+def identity_plan(policy: str, topology: Topology, load_RE: np.ndarray, solve_time_s: float = 0.0, info=None,
+                  **typed) -> Plan:
     """Masters only: every expert's tokens go to its home rank. (Passed as a quota plan with no replicas, so
-    its routes are derived on first use instead of being split eagerly.)"""
+    its routes are derived on first use instead of being split eagerly.) ``typed``: the plan's typed facts
+    (``expert_domains``, ``static_overlap``), as for :func:`assemble_plan`."""
     return assemble_plan(policy, topology, load_RE, _EMPTY, _EMPTY, _EMPTY, _EMPTY, solve_time_s=solve_time_s,
-                         info=info)
+                         info=info, **typed)

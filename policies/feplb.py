@@ -11,8 +11,8 @@ moves.
 expert ``e`` from rank ``h`` to rank ``t`` is represented as a replica of ``e`` in a redundant slot of
 ``t`` that receives **all** of ``e``'s tokens (quota λ_e) while the master keeps quota 0. The weights
 travel as an ordinary transfer (direct, no relay); the slot is a per-microbatch buffer, exactly FEPLB's
-``max_num_dyn`` buffers. ``plan.info["overlap"] = "static_compute"`` tells the cost model that planning
-and copies overlap the static-expert compute.
+``max_num_dyn`` buffers. ``plan.static_overlap = True`` tells the cost model that planning and copies
+overlap the static-expert compute.
 
 Legend: R ranks, E experts, M masters per rank, N redundant slots (dynamic buffers per rank), D ranks per
 domain.
@@ -161,10 +161,10 @@ class FeplbPolicy:
         t = topology
         lam_E = load_RE.sum(axis=0)
         ell_R = np.bincount(t.home_E, weights=lam_E, minlength=t.num_ranks).astype(np.int64)
-        info = {"overlap": "static_compute", "token_straggler_before": _straggler(ell_R)}
+        info = {"token_straggler_before": _straggler(ell_R)}
         if t.num_redundant_slots == 0 or t.D == 1 or self.num_dynamic == 0:
             info.update(token_straggler_after=info["token_straggler_before"], moves=[], num_dynamic_experts=0)
-            return identity_plan(self.name, t, load_RE, time.perf_counter() - t0, info)
+            return identity_plan(self.name, t, load_RE, time.perf_counter() - t0, info, static_overlap=True)
         dyn = self.dynamic_experts(lam_E, t)
         e, r, s, q, after = feplb_greedy(ell_R, lam_E, t.masters_RM, dyn, t.D, t.num_redundant_slots, self.min_tokens)
         info.update(
@@ -173,7 +173,7 @@ class FeplbPolicy:
             moves=[{"expert": int(a), "src": int(t.home_E[a]), "dst": int(b), "tokens": int(c)}
                    for a, b, c in zip(e, r, q)],
         )
-        plan = assemble_plan(self.name, t, load_RE, e, r, s, q, relay="direct", info=info)
+        plan = assemble_plan(self.name, t, load_RE, e, r, s, q, relay="direct", info=info, static_overlap=True)
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
         return plan
 

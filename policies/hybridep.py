@@ -17,10 +17,13 @@ on ties, so it reduces to plain EP wherever bandwidth is plentiful.
 
 **Mapping onto ultraep's Plan.** Replicas never leave their master's scale-up domain in a Plan, so a
 HybridEP decision is an *overlay*: the Plan is the plain-EP identity plan (``phy2log``, ``routes`` as
-logical destinations), and ``plan.info["hybridep"]`` carries ``expert_domain_size`` (S), ``p``, the number
-of scale-out domains and the predicted time of every candidate. The cost model reads the overlay and
-computes the traffic with :func:`hybrid_traffic` (tokens served by fetched copies in the source's own
-DC) plus the weight all-gather (:func:`allgather_bytes_per_rank`), hidden behind the pre-expert window.
+logical destinations) with a typed overlay ``plan.expert_domains`` (:class:`~ultraep.plan.ExpertDomains`: S, the
+masters fetched per peer, the compression); ``plan.info["hybridep"]`` holds the diagnostics (``p``, the number
+of scale-out domains, the predicted time of every candidate). The cost model reads the overlay and computes
+the traffic with :meth:`~ultraep.cost.CostModel.hybrid_traffic` (tokens served by fetched copies in the
+source's own DC; the routing itself is :func:`ultraep.traffic.hybrid_destinations`) plus the weight
+all-gather (:meth:`~ultraep.cost.CostModel.allgather_bytes_R`), hidden behind the pre-expert window. The
+policy only chooses the overlay, so the cost model never imports it.
 
 Legend: R ranks, E experts, M masters per rank, D ranks per scale-up domain (one DC), G = R / D scale-out
 domains, S expert-domain size in scale-out domains (S divides G).
@@ -44,10 +47,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from numba import njit
 
-from ultraep.cost import Traffic, model_for
-from ultraep.plan import Plan
+from ultraep.cost import model_for
+from ultraep.plan import ExpertDomains, Plan
 from ultraep.topology import Topology
 
 from .base import assemble_plan
@@ -72,79 +74,6 @@ def stream_p_star(D_bytes: float, P_E: float, G: int, B: float, lat_pe: float) -
         return 1.0
     bound = min(1.0, max(0.0, 1.0 - B * lat_pe / (P_E * (G - 1))))
     return 0.0 if 2.0 * D_bytes - G * P_E >= 0 else bound
-
-
-def hybrid_destinations(topology: Topology, S: int, fetched: int | None = None) -> np.ndarray:
-    """Step 2: ``[G, E]`` rank that computes DC ``a``'s tokens for expert ``e`` with expert-domain size S, when
-    every rank fetches the first ``fetched`` masters of each peer (default: all ``M``)."""
-    t = topology
-    D, G = t.D, t.num_domains
-    home = t.home_E
-    hdc, hoff = home // D, home % D
-    a = np.arange(G)[:, None]
-    same = (a // S) == (hdc // S)[None, :]
-    if fetched is not None and fetched < t.num_masters:
-        same &= (t.master_slot_E < fetched)[None, :]
-    return np.where(same, a * D + hoff[None, :], home[None, :])
-
-
-@njit(cache=True)
-def _hybrid_flows(load_RE, dst_AE, domain_R):
-    """Step 2 as flows: ``(send [R, 2], recv [R, 2], tokens [R], instances [R])`` per link level."""
-    R, E = load_RE.shape
-    send = np.zeros((R, 2))
-    recv = np.zeros((R, 2))
-    tokens = np.zeros(R)
-    active = np.zeros((R, E), np.bool_)
-    for r in range(R):
-        a = domain_R[r]
-        for e in range(E):
-            x = load_RE[r, e]
-            if x == 0:
-                continue
-            d = dst_AE[a, e]
-            tokens[d] += x
-            active[d, e] = True
-            if d != r:
-                lvl = 0 if domain_R[d] == a else 1
-                send[r, lvl] += x
-                recv[d, lvl] += x
-    instances = np.zeros(R)
-    for d in range(R):
-        for e in range(E):
-            if active[d, e]:
-                instances[d] += 1
-    return send, recv, tokens, instances
-
-
-def hybrid_traffic(cost_model, load_RE: np.ndarray, S: int, fetched: int | None = None):
-    """The cost model's :class:`~ultraep.cost.Traffic` of the HybridEP overlay with expert-domain size S (each
-    rank fetching ``fetched`` masters of each peer; default all)."""
-    t = cost_model.topology
-    dst_AE = hybrid_destinations(t, S, fetched)
-    send, recv, tokens, inst = _hybrid_flows(load_RE, dst_AE, t.domain_R)
-    if cost_model.params.dedup_top_k is not None:  # a token once per destination rank / domain
-        send, recv = cost_model.dest_flows(load_RE, np.ascontiguousarray(dst_AE[t.domain_R]))
-    return Traffic(tokens, inst, send, recv)
-
-
-def allgather_bytes_per_rank(cost_model, S: int, compression: float = 1.0, fetched: int | None = None) -> np.ndarray:
-    """``[R]`` weight bytes every rank fetches over the scale-out link: ``fetched`` (default all) masters of each
-    of its S − 1 peers (same offset, other DCs of its expert domain), divided by the compression ratio."""
-    t = cost_model.topology
-    f = t.num_masters if fetched is None else min(int(fetched), t.num_masters)
-    nbytes = (S - 1) * f * cost_model.expert_bytes / max(compression, 1e-9)
-    return np.full(t.num_ranks, float(nbytes))
-
-
-def scheme_ideal(cost_model, load_RE: np.ndarray, S: int, compression: float = 1.0, fetched: int | None = None):
-    """The force-balanced ideal of HybridEP's own transmission scheme with expert-domain size ``S``: every source
-    keeps its token count, spread uniformly over all experts (``[R, E]`` float load), routed and fetched as HybridEP
-    routes them. Every rank then computes the mean; what is left is the scheme's own traffic and all-gather.
-    (``CostModel.ideal`` is the plain-EP scheme's, which HybridEP can beat on slow links by moving weights.)"""
-    T_R = np.asarray(load_RE, dtype=np.float64).sum(axis=1)
-    E = load_RE.shape[1]
-    return cost_model.predict_hybrid(np.repeat((T_R / E)[:, None], E, axis=1), S, compression, fetched=fetched)
 
 
 class HybridEPPolicy:
@@ -249,7 +178,9 @@ class HybridEPPolicy:
                 "mode": "plain-ep" if S == 1 else ("expert-transmission" if f == M else "mixed"),
             }
         }
-        plan = assemble_plan(self.name, t, load_RE, _EMPTY, _EMPTY, _EMPTY, _EMPTY, info=info)  # masters only
+        domains = ExpertDomains(S, f, self.compression) if S > 1 else None  # S = 1: plain EP, no overlay
+        plan = assemble_plan(self.name, t, load_RE, _EMPTY, _EMPTY, _EMPTY, _EMPTY, info=info,  # masters only
+                             expert_domains=domains)
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
         return plan
 

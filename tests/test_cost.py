@@ -113,7 +113,7 @@ def test_feplb_copies_hide_behind_static_compute():
     load = _uniform(8, 32, 32768)
     load[:, 0] *= 4
     plan = make_policy("feplb").plan(load, cm.topology)
-    assert plan.info["overlap"] == "static_compute" and plan.num_replicas > 0
+    assert plan.static_overlap and plan.num_replicas > 0
     bd = cm.predict(plan)
     assert bd.weight_sync_s > 0
     assert bd.sync_exposed_s < bd.weight_sync_s  # the static experts' compute covers most of the copy

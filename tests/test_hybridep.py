@@ -7,9 +7,11 @@ from hypothesis import strategies as st
 
 from ultraep.cost import CostModel
 from ultraep.policies import HybridEPPolicy
-from ultraep.policies.hybridep import hybrid_destinations, hybrid_traffic, paper_p, stream_p_star
+from ultraep.plan import ExpertDomains
+from ultraep.policies.hybridep import paper_p, stream_p_star
 from ultraep.presets import get_preset
 from ultraep.topology import Topology
+from ultraep.traffic import hybrid_destinations
 
 
 def _setup(preset, R, E, overrides=None):
@@ -29,6 +31,7 @@ def test_plain_ep_where_bandwidth_is_plentiful():
     plan = HybridEPPolicy(cost_model=cm).plan(load, cm.topology)
     h = plan.info["hybridep"]
     assert h["expert_domain_size"] == 1 and h["mode"] == "plain-ep"
+    assert plan.expert_domains is None  # plain EP: no overlay for the cost model to price
     assert cm.predict(plan).total_s == pytest.approx(h["predicted_s"]["1"])
     plan.check()
 
@@ -39,6 +42,8 @@ def test_expert_transmission_on_10gbps_with_small_experts():
     plan = HybridEPPolicy(cost_model=cm).plan(load, cm.topology)
     h = plan.info["hybridep"]
     assert h["expert_domain_size"] == 2 and h["mode"] == "expert-transmission" and h["p"] == 0.0
+    # the cost model reads the typed overlay, not the diagnostics in info
+    assert plan.expert_domains == ExpertDomains(2, cm.topology.num_masters, 1.0)
     assert h["predicted_s"]["2"] < 0.5 * h["predicted_s"]["1"]
     bd = cm.predict(plan)
     assert bd.total_s == pytest.approx(h["predicted_s"]["2"])
@@ -56,7 +61,7 @@ def test_destinations_worked_example():
 def test_whole_group_expert_domain_sends_no_tokens_over_scale_out():
     cm, load = _setup("cross-dc", 32, 64)
     G = cm.topology.num_domains
-    tr = hybrid_traffic(cm, load, G)
+    tr = cm.hybrid_traffic(load, G)
     assert tr.send_RL[:, 1].sum() == 0 and tr.recv_RL[:, 1].sum() == 0
     assert tr.tokens_R.sum() == load.sum()
 

@@ -5,9 +5,10 @@ The graph comes from ``tests/import_graph.py`` (``ast`` only; function-level imp
 ones; imports under ``if TYPE_CHECKING:`` never run and are left out). ``python tests/import_graph.py``
 prints every remaining cycle with the statements that close it.
 
-Cycles that existed when this test was written and run through other work in progress are listed in
-:data:`KNOWN_CYCLE_EDGES`: the test fails on any cycle that uses another edge, so the list can only shrink
-(delete an entry when its cycle is gone; the last test says which entries are stale).
+Cycles that existed when this test was written were listed in :data:`KNOWN_CYCLE_EDGES` (and upward imports
+in :data:`KNOWN_UPWARD`) while they were being removed; both are empty now, so any cycle or upward import
+fails. The mechanism stays (the test fails on any cycle that uses an unlisted edge; the stale-entry test
+makes the lists shrink only).
 """
 
 from __future__ import annotations
@@ -24,18 +25,12 @@ VOCABULARY = {
     "ultraep.plan", "ultraep.load", "ultraep.topology", "ultraep.config", "ultraep.cost", "ultraep.metrics",
     "ultraep.errors", "ultraep.routes", "ultraep.transfers", "ultraep.presets", "ultraep.limits", "ultraep.traffic",
 }
-# Upward imports of the vocabulary still in the code (issue 19 item 1; the cost model's HybridEP traffic and
-# transfer helpers belong in the vocabulary or in the policy). Only entries may be removed.
-KNOWN_UPWARD = {
-    ("ultraep.cost", "ultraep.policies.hybridep"),
-}
-# Edges of the cycles that remain (module pairs, either direction of the cycle listed).
-KNOWN_CYCLE_EDGES = {
-    # the cost model asks HybridEP for its traffic; HybridEP plans with the cost model
-    ("ultraep.cost", "ultraep.policies.hybridep"), ("ultraep.policies.hybridep", "ultraep.cost"),
-    # wrap() rewrites blocks with adapters_rewrite, which registers its containers with adapters
-    ("ultraep.models.adapters", "ultraep.models.rewrite"), ("ultraep.models.rewrite", "ultraep.models.adapters"),
-}
+# Upward imports of the vocabulary, and edges of import cycles, tolerated while other work is in progress
+# (``(src, dst)`` module pairs; a cycle's edges listed in both directions). Empty since issue 19 removed the
+# last ones (the cost model prices HybridEP's typed overlay itself; the models' shared types sit in
+# ``ultraep.models.experts``): any upward import or cycle fails. Only entries may be removed.
+KNOWN_UPWARD: set[tuple[str, str]] = set()
+KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 
 @pytest.fixture(scope="module")

@@ -44,11 +44,11 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ultraep.plan import Plan, Transfers
+from ultraep.plan import ExpertDomains, Plan, Transfers
 from ultraep.presets import PRESETS, ExpertSpec, HardwareSpec
 from ultraep.topology import Topology
-from ultraep.traffic import (Traffic, dedup_levels, dest_logmiss, home_flows, level_flows, route_flows,  # noqa: F401
-                             route_logmiss)
+from ultraep.traffic import (Traffic, dedup_levels, dest_logmiss, home_flows, hybrid_destinations,  # noqa: F401
+                             hybrid_flows, level_flows, route_flows, route_logmiss)
 from ultraep.transfers import transfers_for
 
 #: Planner latency on the critical path per policy, seconds. quota: UltraEP GPU planner 0.07 ms + reroute
@@ -234,12 +234,11 @@ class CostModel:
         return level_flows(flows, t.domain_R)
 
     def traffic(self, plan: Plan) -> Traffic:
-        """Traffic of a plan; a HybridEP plan (``plan.info["hybridep"]``) uses its expert-domain routing."""
-        hyb = plan.info.get("hybridep")
-        if hyb and hyb.get("expert_domain_size", 1) > 1:
-            from ultraep.policies.hybridep import hybrid_traffic
-
-            return hybrid_traffic(self, plan.load_RE, int(hyb["expert_domain_size"]), hyb.get("fetched_masters"))
+        """Traffic of a plan; a plan with an expert-domain overlay (``plan.expert_domains``, HybridEP) uses its
+        expert-domain routing."""
+        dom = plan.expert_domains
+        if dom is not None:
+            return self.hybrid_traffic(plan.load_RE, dom.size, dom.fetched)
         q = plan.quota_RS
         t = self.topology
         tok = self.tokens_of(plan.load_RE)
@@ -255,7 +254,7 @@ class CostModel:
         else:
             send, recv = route_flows(plan.routes_RRS, t.domain_R)
         static_t = static_i = None
-        if plan.info.get("overlap") == "static_compute":
+        if plan.static_overlap:
             M = self.topology.num_masters
             static_t = q[:, :M].sum(axis=1)
             static_i = (q[:, :M] > 0).sum(axis=1)
@@ -331,17 +330,11 @@ class CostModel:
     def predict(self, plan: Plan, *, sync_s: float | None = None) -> CostBreakdown:
         """Predicted time of ``plan``. ``sync_s`` overrides the weight-sync term (e.g. a switch to a
         placement whose replicas are not resident, see :meth:`full_sync_time`)."""
-        hyb = plan.info.get("hybridep") or {}
-        if hyb.get("expert_domain_size", 1) > 1 and "engine_s" not in plan.info:
-            return self.predict_hybrid(plan.load_RE, int(hyb["expert_domain_size"]), float(hyb.get("compression", 1.0)),
-                                       fetched=hyb.get("fetched_masters"))
+        dom = plan.expert_domains
+        if dom is not None and "engine_s" not in plan.info:  # the overlay alone: no planner, no replicas
+            return self.predict_hybrid(plan.load_RE, dom.size, dom.compression, fetched=dom.fetched)
         tr = self.traffic(plan)
-        ag_bytes_R = None
-        if hyb.get("expert_domain_size", 1) > 1:
-            from ultraep.policies.hybridep import allgather_bytes_per_rank
-
-            ag_bytes_R = allgather_bytes_per_rank(self, int(hyb["expert_domain_size"]), float(hyb.get("compression", 1.0)),
-                                                  hyb.get("fetched_masters"))
+        ag_bytes_R = None if dom is None else self.allgather_bytes_R(dom.size, dom.compression, dom.fetched)
         if sync_s is None:
             sync_s = plan.info.get("sync_s")
         wsync = self.weight_sync_time(plan) if sync_s is None else float(sync_s)
@@ -353,7 +346,7 @@ class CostModel:
         return self._assemble(
             tr, plan_s=self.planner_time(plan), wsync=wsync,
             grad_s=self.grad_reduce_time(plan) if self.params.mode == "training" else 0.0,
-            overlap_static=plan.info.get("overlap") == "static_compute", ag_bytes=ag_bytes_R,
+            overlap_static=plan.static_overlap, ag_bytes=ag_bytes_R,
             engine_s=float(plan.info.get("engine_s", 0.0)), master_s=master_s, copy_s=self.copy_time(plan),
         )
 
@@ -375,12 +368,40 @@ class CostModel:
                        fetched: int | None = None) -> CostBreakdown:
         """Predicted time of a HybridEP overlay (no replicas, no planner on the critical path); ``fetched``: masters
         of each peer a rank fetches (default all)."""
-        from ultraep.policies.hybridep import allgather_bytes_per_rank, hybrid_traffic
-
         S = int(expert_domain_size)
-        tr = hybrid_traffic(self, load_RE, S, fetched)
-        ag = allgather_bytes_per_rank(self, S, compression, fetched) if S > 1 else None
+        tr = self.hybrid_traffic(load_RE, S, fetched)
+        ag = self.allgather_bytes_R(S, compression, fetched) if S > 1 else None
         return self._assemble(tr, plan_s=0.0, wsync=0.0, grad_s=0.0, overlap_static=False, ag_bytes=ag)
+
+    def hybrid_traffic(self, load_RE: np.ndarray, S: int, fetched: int | None = None) -> Traffic:
+        """:class:`Traffic` of the expert-domain overlay with size S (each rank fetching ``fetched`` masters of each
+        peer; default all): tokens served by fetched copies in the source's own domain, the rest at home."""
+        t = self.topology
+        dst_AE = hybrid_destinations(t, S, fetched)
+        send, recv, tokens, inst = hybrid_flows(load_RE, dst_AE, t.domain_R)
+        if self.params.dedup_top_k is not None:  # a token once per destination rank / domain
+            send, recv = self.dest_flows(load_RE, np.ascontiguousarray(dst_AE[t.domain_R]))
+        return Traffic(tokens, inst, send, recv)
+
+    def allgather_bytes_R(self, S: int, compression: float = 1.0, fetched: int | None = None) -> np.ndarray:
+        """``[R]`` weight bytes every rank fetches over the scale-out link: ``fetched`` (default all) masters of each
+        of its S − 1 peers (same offset, other domains of its expert domain), divided by the compression ratio."""
+        t = self.topology
+        f = t.num_masters if fetched is None else min(int(fetched), t.num_masters)
+        nbytes = (S - 1) * f * self.expert_bytes / max(compression, 1e-9)
+        return np.full(t.num_ranks, float(nbytes))
+
+    def scheme_ideal(self, load_RE: np.ndarray, domains: ExpertDomains | None) -> CostBreakdown:
+        """The force-balanced ideal of a plan's own transmission scheme: :meth:`ideal` for plain EP; with an
+        expert-domain overlay, every source keeps its token count spread uniformly over all experts (``[R, E]``
+        float load), routed and fetched as the overlay routes them, so every rank computes the mean and what is left
+        is the scheme's own traffic and all-gather (plain EP's ideal is beaten on slow links by moving weights)."""
+        if domains is None:
+            return self.ideal(load_RE)
+        T_R = np.asarray(load_RE, dtype=np.float64).sum(axis=1)
+        E = load_RE.shape[1]
+        return self.predict_hybrid(np.repeat((T_R / E)[:, None], E, axis=1), domains.size, domains.compression,
+                                   fetched=domains.fetched)
 
     def ideal(self, load_RE: np.ndarray) -> CostBreakdown:
         """The force-balanced ideal of the same step: every source keeps its token count, tokens spread

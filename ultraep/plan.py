@@ -108,8 +108,28 @@ class Choice:
 
 
 @dataclass(frozen=True)
+class ExpertDomains:
+    """A transmission overlay on a masters-only plan (HybridEP, ``policies/hybridep.py``), read by the cost model.
+
+    Scale-out domains are grouped into expert domains of ``size`` consecutive domains (``size`` ≥ 2; plain EP has
+    no overlay). Every rank fetches the first ``fetched`` masters of each same-offset peer in its expert domain
+    (weights compressed ``compression``×) and computes its own domain's tokens for them; every other token goes
+    to its expert's home rank (:func:`ultraep.traffic.hybrid_destinations`).
+    """
+
+    size: int
+    fetched: int
+    compression: float = 1.0
+
+
+@dataclass(frozen=True)
 class Plan:
-    """One layer's balancing decision. Immutable; derived figures are computed on first access."""
+    """One layer's balancing decision. Immutable; derived figures are computed on first access.
+
+    Besides the placement, two typed facts tell the cost model how the plan runs (set by the policy that made it,
+    kept by a policy that passes another's plan on): ``expert_domains`` (HybridEP's weight-fetching overlay) and
+    ``static_overlap`` (FEPLB: planning and replica copies run while the static masters compute, only the excess
+    is exposed). ``info`` holds the policy's own diagnostics (recorded by telemetry, read by its tests)."""
 
     policy: str
     topology: Topology
@@ -122,6 +142,8 @@ class Plan:
     info: dict[str, Any] = field(default_factory=dict)
     routes: np.ndarray | None = field(default=None, repr=False)
     """Precomputed ``routes_RRS`` (even split); ``None`` = derive the locality-aware split on first use."""
+    expert_domains: ExpertDomains | None = None
+    static_overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("load_RE", "phy2log_RS", "quota_RS"):

@@ -7,14 +7,22 @@ per domain (domains are contiguous blocks of D ranks).
 Counts are token–expert assignments, or distinct tokens when de-duplicated (:func:`dedup_levels`: a token
 is sent once per destination rank inside a domain and once per destination domain across domains, as
 DeepEP does; estimated from counts with independent choices).
+
+HybridEP's expert-domain routing (:func:`hybrid_destinations`, :func:`hybrid_flows`) sits here too: it is a
+plan's traffic (a :class:`~ultraep.plan.ExpertDomains` overlay), which the cost model prices for any policy
+that returns one; the policy (``policies/hybridep.py``) only chooses the overlay.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
+
+if TYPE_CHECKING:
+    from ultraep.topology import Topology
 
 
 @njit(cache=True)
@@ -159,3 +167,49 @@ class Traffic:
     recv_RL: np.ndarray
     static_tokens_R: np.ndarray | None = None
     static_instances_R: np.ndarray | None = None
+
+
+def hybrid_destinations(topology: "Topology", S: int, fetched: int | None = None) -> np.ndarray:
+    """``[G, E]`` rank that computes scale-out domain ``a``'s tokens for expert ``e`` with expert-domain size S
+    (HybridEP, arXiv 2510.19470 §III), when every rank fetches the first ``fetched`` masters of each peer
+    (default: all ``M``): a fetched copy on the rank of domain ``a`` with ``e``'s home offset when ``e``'s home
+    domain is in ``a``'s expert domain, else ``e``'s home rank."""
+    t = topology
+    D, G = t.D, t.num_domains
+    home = t.home_E
+    hdc, hoff = home // D, home % D
+    a = np.arange(G)[:, None]
+    same = (a // S) == (hdc // S)[None, :]
+    if fetched is not None and fetched < t.num_masters:
+        same &= (t.master_slot_E < fetched)[None, :]
+    return np.where(same, a * D + hoff[None, :], home[None, :])
+
+
+@njit(cache=True)
+def hybrid_flows(load_RE, dst_AE, domain_R):
+    """Tokens routed by ``dst_AE`` (:func:`hybrid_destinations`) as flows: ``(send [R, 2], recv [R, 2],
+    tokens [R], instances [R])`` per link level."""
+    R, E = load_RE.shape
+    send = np.zeros((R, 2))
+    recv = np.zeros((R, 2))
+    tokens = np.zeros(R)
+    active = np.zeros((R, E), np.bool_)
+    for r in range(R):
+        a = domain_R[r]
+        for e in range(E):
+            x = load_RE[r, e]
+            if x == 0:
+                continue
+            d = dst_AE[a, e]
+            tokens[d] += x
+            active[d, e] = True
+            if d != r:
+                lvl = 0 if domain_R[d] == a else 1
+                send[r, lvl] += x
+                recv[d, lvl] += x
+    instances = np.zeros(R)
+    for d in range(R):
+        for e in range(E):
+            if active[d, e]:
+                instances[d] += 1
+    return send, recv, tokens, instances

@@ -36,49 +36,17 @@ Legend: E experts, H hidden size, I expert intermediate size, T rows of one expe
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ultraep.errors import UltraEPError
-
-
-class UnsupportedModelError(UltraEPError):
-    """The model has no experts container ultraep knows how to balance, or one it must refuse."""
-
-
-ExpertForward = Callable[[nn.Module, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ExpertsAdapter:
-    """How to run one expert of a container.
-
-    param_names     the container's 3-D parameters, leading dimension E, in the order ``forward`` takes them
-    forward         ``forward(container, x [T, H], tensors) -> [T, H]``: one expert applied to its rows,
-                    ``tensors[j] = getattr(container, param_names[j])[e]``, *without* the routing weight
-    name            for reports
-    shared          submodules of the container whose parameters every expert uses (a post-expert norm): the
-                    balanced layer keeps them whole on every rank and gives each rank's copy the gradient of the
-                    rows that rank computed (docs/design.md, § experts adapters)
-    """
-
-    name: str
-    param_names: tuple[str, ...]
-    forward: ExpertForward
-    shared: tuple[str, ...] = ()
-
-    def num_experts(self, container: nn.Module) -> int:
-        return int(getattr(container, self.param_names[0]).shape[0])
-
+from ultraep.models.experts import FLAGS, ExpertForward, ExpertsAdapter, UnsupportedModelError, hf_expert_forward
+from ultraep.models.rewrite import adapter_of
+from ultraep.models.rewrite import prepare as _prepare
 
 # --------------------------------------------------------------------------------------------- HF flags
-#: experts-interface flags this adapter implements, with the interface's defaults
-FLAGS = {"is_transposed": False, "has_bias": False, "is_concatenated": True, "has_gate": True,
-         "has_post_expert_norm": False}
 
 #: containers that speak the (hidden, top_k_index, top_k_weights) protocol without declaring the interface:
 #: class name -> the flags their eager forward implements (read from transformers' source)
@@ -119,37 +87,6 @@ def _declared_flags(mod: nn.Module) -> dict[str, object] | None:
 
 def _refuse(mod: nn.Module, why: str) -> UnsupportedModelError:
     return UnsupportedModelError(type(mod).__name__, f"refused: {why}")
-
-
-def _gate(mod: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """Gated activation of ``h [T, 2I] -> [T, I]``: the class's own ``_apply_gate`` (what every transformers
-    experts implementation calls; it encodes is_concatenated) or, without one, chunk [gate; up]."""
-    apply = getattr(mod, "_apply_gate", None)
-    if apply is not None:
-        return apply(h)
-    gate, up = h.chunk(2, dim=-1)
-    return mod.act_fn(gate) * up
-
-
-def _make_hf_forward(flags: dict[str, object]) -> ExpertForward:
-    transposed, bias = bool(flags["is_transposed"]), bool(flags["has_bias"])
-    gated, post_norm = bool(flags["has_gate"]), bool(flags["has_post_expert_norm"])
-
-    def forward(mod: nn.Module, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """One expert: x [T, H] -> [T, H] (up or gate_up, activation, down, optional bias and post norm)."""
-        w_in, w_out = tensors[0], tensors[1]
-        h = x @ w_in if transposed else F.linear(x, w_in)
-        if bias:
-            h = h + tensors[2]
-        h = _gate(mod, h) if gated else mod.act_fn(h)
-        y = h @ w_out if transposed else F.linear(h, w_out)
-        if bias:
-            y = y + tensors[3]
-        if post_norm:
-            y = mod.post_expert_norm(y)
-        return y
-
-    return forward
 
 
 def _check_accounted(mod: nn.Module, names: tuple[str, ...], flags: dict[str, object]) -> None:
@@ -205,7 +142,7 @@ def _hf_adapter(mod: nn.Module, flags: dict[str, object], label: str) -> Experts
     if flags["has_gate"] and not flags["is_concatenated"] and "_apply_gate" not in _own_attrs(mod):
         raise _refuse(mod, "is_concatenated=False (interleaved gate/up) but the class has no _apply_gate of its own")
     # the post-expert norm is shared by all experts: trained data-parallel style (ExpertsAdapter.shared)
-    adapter = ExpertsAdapter(label, names, _make_hf_forward(flags),
+    adapter = ExpertsAdapter(label, names, hf_expert_forward(flags),
                              ("post_expert_norm",) if flags["has_post_expert_norm"] else ())
     # down_proj is [E, H, I], or [E, I, H] when transposed
     _probe(mod, adapter, int(params[1].shape[2] if flags["is_transposed"] else params[1].shape[1]))
@@ -322,8 +259,6 @@ def adapter_for(mod: nn.Module) -> ExpertsAdapter | None:
 
 
 def _adapter_uncached(mod: nn.Module) -> ExpertsAdapter | None:
-    from ultraep.models.rewrite import adapter_of
-
     decided, adapter = adapter_of(mod)  # a container prepare() built or marked
     if decided:
         return adapter
@@ -355,6 +290,4 @@ def prepare(model: nn.Module) -> list[str]:
     """Rewrite, in place and exactly, MoE blocks whose experts are not an experts container (Llama4, DBRX,
     JetMoE, Longcat-Flash) into one, before :func:`~ultraep.runtime.wrap` looks for containers; returns the rewritten blocks'
     names. See :mod:`ultraep.models.rewrite` (and its ``restore`` to undo it after ``unwrap``)."""
-    from ultraep.models.rewrite import prepare as _prepare
-
     return _prepare(model)

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ultraep.models.adapters import FLAGS, ExpertsAdapter, UnsupportedModelError, _make_hf_forward
+from ultraep.models.experts import FLAGS, ExpertsAdapter, UnsupportedModelError, hf_expert_forward
 
 #: block class name -> the container class name it holds (the conformance test builds the block instead)
 BLOCKS = {"Llama4TextMoe": "Llama4TextExperts", "DbrxFFN": "DbrxExperts", "JetMoeMoE": "JetMoeParallelExperts",
@@ -109,7 +109,7 @@ class StackedExperts(nn.Module):
 
 
 _LLAMA4 = ExpertsAdapter("rewrite:Llama4TextExperts", ("gate_up_proj", "down_proj"),
-                         _make_hf_forward({**FLAGS, "is_transposed": True}))
+                         hf_expert_forward({**FLAGS, "is_transposed": True}))
 
 
 def adapter_of(mod: nn.Module) -> tuple[bool, ExpertsAdapter | None]:
@@ -369,7 +369,7 @@ def _prepare_jetmoe(block: nn.Module) -> None:
     params = {"gate_up_proj": w_in, "down_proj": w_out}
     origin = {"module": (lin_in, lin_out), "order": list(block._modules), "keys": {"experts.gate_up_proj": ("input_linear.weight", tuple(w_in.shape)),
                                                     "experts.down_proj": ("output_linear.weight", tuple(w_out.shape))}}
-    container = StackedExperts("rewrite:JetMoeParallelExperts", params, block.activation, _make_hf_forward(FLAGS),
+    container = StackedExperts("rewrite:JetMoeParallelExperts", params, block.activation, hf_expert_forward(FLAGS),
                                origin)
     _probe_block(block, _jetmoe_protocol, container, _probe_input(w_in, (1, 4, int(w_in.shape[2]))))
     del block._modules["input_linear"], block._modules["output_linear"]
@@ -398,7 +398,7 @@ def _prepare_longcat(block: nn.Module) -> None:
         head.grad = gu.grad[:E]
     params = {"gate_up_proj": head, "down_proj": down}
     origin = {"module": old, "keys": {"experts.gate_up_proj": ("experts.gate_up_proj", tuple(gu.shape))}}
-    container = StackedExperts("rewrite:LongcatFlashExperts", params, old.act_fn, _make_hf_forward(FLAGS), origin)
+    container = StackedExperts("rewrite:LongcatFlashExperts", params, old.act_fn, hf_expert_forward(FLAGS), origin)
     _probe_block(block, _longcat_protocol, container, _probe_input(head, (1, 4, int(gu.shape[2]))))
     # a copy of the Z dead rows: a view would keep the whole [E + Z] storage alive once wrap frees the masters
     block.register_buffer(_TAIL, gu.detach()[E:].clone(), persistent=False)
@@ -413,7 +413,7 @@ _PREPARE = {"Llama4TextMoe": _prepare_llama4, "DbrxFFN": _prepare_dbrx, "JetMoeM
 def prepare(model: nn.Module) -> list[str]:
     """Rewrite, in place and exactly, every Llama4 / DBRX / JetMoE / Longcat-Flash MoE block of ``model`` into the
     experts-container form (see the module docstring); returns the rewritten blocks' names. Idempotent.
-    Raises :class:`~ultraep.models.adapters.UnsupportedModelError` (one line) for a block it cannot rewrite exactly."""
+    Raises :class:`~ultraep.models.experts.UnsupportedModelError` (one line) for a block it cannot rewrite exactly."""
     done = []
     for name, block in list(model.named_modules()):
         cls = type(block)

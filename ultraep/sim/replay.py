@@ -309,25 +309,18 @@ def _row(plan: Plan, bd: CostBreakdown, ideal: CostBreakdown, scheme: CostBreakd
 
 
 def _scheme_ideal(plan: Plan, cm: "_PointCostModel", load: np.ndarray, ideal: CostBreakdown) -> CostBreakdown:
-    """The force-balanced ideal of the plan's transmission scheme: plain EP's, or HybridEP's expert-domain
-    routing (:func:`~ultraep.policies.hybridep.scheme_ideal`) when the plan moves expert weights across domains."""
-    hyb = plan.info.get("hybridep") or {}
-    S = int(hyb.get("expert_domain_size", 1))
-    if S <= 1:
+    """The force-balanced ideal of the plan's transmission scheme: plain EP's, or that of its expert-domain overlay
+    (:meth:`~ultraep.cost.CostModel.scheme_ideal`) when the plan moves expert weights across domains."""
+    dom = plan.expert_domains
+    if dom is None:
         return ideal
-    from ultraep.policies.hybridep import scheme_ideal
-
-    c, f = float(hyb.get("compression", 1.0)), hyb.get("fetched_masters")
-    return cm._once(("scheme", id(load), S, c, f), load, lambda: scheme_ideal(cm, load, S, c, f))
+    return cm._once(("scheme", id(load), dom), load, lambda: cm.scheme_ideal(load, dom))
 
 
 def _transfer_bytes(plan: Plan, cm: CostModel) -> float:
-    hyb = plan.info.get("hybridep") or {}
-    S = int(hyb.get("expert_domain_size", 1))
-    if S > 1:
-        from ultraep.policies.hybridep import allgather_bytes_per_rank
-
-        return float(allgather_bytes_per_rank(cm, S, float(hyb.get("compression", 1.0)), hyb.get("fetched_masters")).sum())
+    dom = plan.expert_domains
+    if dom is not None:
+        return float(cm.allgather_bytes_R(dom.size, dom.compression, dom.fetched).sum())
     if "sync_s" in plan.info or (cm.params.resend_all_replicas and plan.num_replicas):  # every replica moves
         return float(cm.replica_tree(plan).bytes.sum())
     return float(plan.transfers.bytes.sum()) if len(plan.transfers) else 0.0
