@@ -15,7 +15,9 @@ timed calls, i.e. steady state after the warm-up). Goals (issue "Prefill serving
 per rank quota >= 1.25x over none and >= 90 % of force-balanced, weight bytes <= 10 % of quota (no cache).
 
 ``--mode accumulate`` (training, 4 microbatches per optimizer step): forward + backward of every microbatch,
-then an SGD step; weight and gradient bytes per step and step time, with and without the cache.
+then an SGD step; weight and gradient bytes per step and step time, with and without the cache, and with the
+first 3 microbatches under ``runtime.no_sync()`` (replica gradients reduced once per step). Gradient bytes are
+the bytes the ranks measured sending. Goal: bytes per step >= 3x fewer than quota (no cache).
 
     .venv/bin/python benchmarks/bench_serving.py --mode serve
     .venv/bin/python benchmarks/bench_serving.py --mode serve --shapes qwen3-t3072 --iters 3
@@ -63,6 +65,9 @@ ACCUM_SHAPES = {"qwen3-t1024": Shape("qwen3-t1024", 1024, hidden=512, ffn=1024, 
 #: (run, policy, replica cache, skewed routing)
 RUNS = [("none", "none", True, True), ("quota (no cache)", "quota", False, True), ("quota", "quota", True, True),
         ("adaptive", "adaptive", True, True), ("force-balanced", "none", True, False)]
+#: (run, policy, replica cache, skewed routing, microbatches but the last under no_sync)
+ACCUM_RUNS = [("none", "none", True, True, False), ("quota (no cache)", "quota", False, True, False),
+              ("quota", "quota", True, True, False), ("quota + no_sync", "quota", True, True, True)]
 
 
 def _batch(rank: int, shape: Shape, skew: bool, batch: int):
@@ -105,7 +110,9 @@ def _serve(rank, world, shape: Shape, args, policy, cache, skew):
             "imb_after": plan.imbalance_after, "replicas": plan.num_replicas}
 
 
-def _accumulate(rank, world, shape: Shape, args, policy, cache, skew):
+def _accumulate(rank, world, shape: Shape, args, policy, cache, skew, no_sync):
+    import contextlib
+
     layer, rt = _wrapped(shape, policy, cache)
     opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
     times, wbytes, gbytes = [], [], []
@@ -115,13 +122,12 @@ def _accumulate(rank, world, shape: Shape, args, policy, cache, skew):
         w_b = g_b = 0.0
         for mb in range(args.microbatches):
             x, idx, w = _batch(rank, shape, skew, step * args.microbatches + mb)
-            layer(x.requires_grad_(True), idx, w).pow(2).mean().backward()
+            with rt.no_sync() if no_sync and mb < args.microbatches - 1 else contextlib.nullcontext():
+                layer(x.requires_grad_(True), idx, w).pow(2).mean().backward()
             rt.flush_records()
             lt = layer.last_timings
             w_b += lt.get("transfer_bytes", 0.0)
-            plan = layer.last_plan  # every replica's fp32 gradient goes back to its master once per microbatch
-            mine = int((plan.replicas.rank == rank).sum())
-            g_b += mine * sum(p[0].numel() * 4 for p in layer.master_params())
+            g_b += lt.get("grad_bytes", 0.0)  # replica gradients this rank sent (fp32; 0 when deferred)
         opt.step()
         opt.zero_grad(set_to_none=True)
         t = time.perf_counter() - t0
@@ -135,8 +141,8 @@ def _accumulate(rank, world, shape: Shape, args, policy, cache, skew):
 
 def _launch(body, shape, args, runs):
     res = {}
-    for name, policy, cache, skew in runs:
-        out = launch(body, 2, shape, args, policy, cache, skew, backend="gloo", threads_per_rank=1)
+    for name, *opts in runs:
+        out = launch(body, 2, shape, args, *opts, backend="gloo", threads_per_rank=1)
         res[name] = (np.max(np.array([o["times"] for o in out]), axis=0), out)  # the slowest rank sets the pace
     return res
 
@@ -192,7 +198,7 @@ def accumulate(args, console) -> list[dict]:
               "no cache", "all bytes vs no cache"]:
         tab.add_column(c, justify="right")
     rows = []
-    runs = [r for r in RUNS if r[0] in ("none", "quota (no cache)", "quota")]
+    runs = ACCUM_RUNS
     for name in args.shapes.split(","):
         if name not in ACCUM_SHAPES:
             sys.exit(f"--shapes: unknown accumulate shape {name!r}; choose from {', '.join(ACCUM_SHAPES)}")

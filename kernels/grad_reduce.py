@@ -129,7 +129,8 @@ class GradReduceSchedule:
     sends          messages of this rank's replica grads, one per master rank (ascending), experts ascending
     recvs          messages this rank receives as a master, by replica rank ascending, back to back in an
                    arena of ``arena_tiles`` tiles
-    slot_E         ``{expert: replica slot on this rank}``
+    slot_E         ``{expert: key of its gradients in pack_grad_sends' replica_grads}``: the replica slot on this
+                   rank (:meth:`from_plan`) or the expert itself (:meth:`from_replicas`)
     contributions  ``{expert mastered here: first arena tiles of its replicas, replica rank ascending}``
     """
 
@@ -143,33 +144,43 @@ class GradReduceSchedule:
 
     @staticmethod
     def from_plan(plan, rank: int, layout: ExpertLayout | int) -> "GradReduceSchedule":
-        P = layout.tiles_per_expert if isinstance(layout, ExpertLayout) else int(layout)
+        """The reduction of ``plan``'s replicas; ``slot_E`` maps each of this rank's replicas to its slot."""
         t = plan.topology
         if not 0 <= rank < t.num_ranks:
             raise KernelInputError("rank", f"({rank}) is outside 0..{t.num_ranks - 1}", rank)
         M, S, R = t.num_masters, t.num_slots, t.num_ranks
         p = plan.phy2log_RS
-        home = t.home_E
         # Step 1: replicas as (rank, slot, expert), in rank order.
         reps = [(r, s, int(p[r, s])) for r in range(R) for s in range(M, S) if p[r, s] >= 0]
+        out = GradReduceSchedule.from_replicas([(r, e) for r, _, e in reps], t.home_E, rank, layout)
+        return GradReduceSchedule(out.rank, out.tiles_per_expert, out.sends, out.recvs, out.arena_tiles,
+                                  {e: s for r, s, e in reps if r == rank}, out.contributions)
+
+    @staticmethod
+    def from_replicas(replicas, home_E, rank: int, layout: ExpertLayout | int) -> "GradReduceSchedule":
+        """The reduction of the replicas ``[(replica rank, expert)]`` (at most one per rank and expert), e.g. the
+        union of several plans' replicas whose gradients were accumulated on their ranks; ``slot_E`` maps each
+        of this rank's replicas to its expert (the key of its gradients in :func:`pack_grad_sends`)."""
+        P = layout.tiles_per_expert if isinstance(layout, ExpertLayout) else int(layout)
+        home = np.asarray(home_E)
+        reps = sorted({(int(r), int(e)) for r, e in replicas})
         # Step 2: this rank's sends: its replicas grouped by their master's rank.
-        mine = sorted((int(home[e]), e) for r, s, e in reps if r == rank)
+        mine = sorted((int(home[e]), e) for r, e in reps if r == rank)
         sends = []
         for h in sorted({h for h, _ in mine}):
             sends.append(Message(h, 0, tuple(e for hh, e in mine if hh == h)))
         # Step 3: this rank's receives, by replica rank ascending; contributions in the same order.
         recvs, at = [], 0
         contrib: dict[int, list[int]] = {}
-        for r in range(R):
-            exps = tuple(sorted(e for rr, s, e in reps if rr == r and home[e] == rank))
+        for r in sorted({r for r, _ in reps}):
+            exps = tuple(e for rr, e in reps if rr == r and home[e] == rank)
             if not exps:
                 continue
             recvs.append(Message(r, 0, exps, at))
             for i, e in enumerate(exps):
                 contrib.setdefault(e, []).append(at + i * P)
             at += len(exps) * P
-        slot_E = {e: s for r, s, e in reps if r == rank}
-        return GradReduceSchedule(rank, P, tuple(sends), tuple(recvs), at, slot_E,
+        return GradReduceSchedule(rank, P, tuple(sends), tuple(recvs), at, {e: e for r, e in reps if r == rank},
                                   {e: tuple(v) for e, v in sorted(contrib.items())})
 
 

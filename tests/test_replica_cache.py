@@ -90,26 +90,32 @@ def test_serving_without_cache_streams_every_call():
 
 
 # ---------------------------------------------------------------------------------------------- training
-def _accumulate(rank, world, cache: bool, microbatches: int):
+def _accumulate(rank, world, cache: bool, microbatches: int, no_sync: bool = False, transport: str = "auto"):
+    import contextlib
+
     import ultraep
 
     model = build_model("qwen3-moe")
     ref = copy.deepcopy(model)
-    ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 2, "replica_cache": cache})
+    ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 2, "replica_cache": cache,
+                         "replica_transport": transport})
     rt = ultraep.runtime_of(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    weight_bytes, grad_errs, logit_errs = [], [], []
+    weight_bytes, grad_bytes, grad_errs, logit_errs = [], [], [], []
     for step in range(2):
-        sent = 0.0
+        sent = gsent = 0.0
         for mb in range(microbatches):
             ids = _ids(rank, 10 * step + mb, persistent=False)
-            out, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
-            logit_errs.append(float((out - want).detach().abs().max()))
-            out.float().pow(2).mean().backward()
+            # like DDP: every microbatch but the step's last keeps its replica gradients on their ranks
+            with rt.no_sync() if no_sync and mb < microbatches - 1 else contextlib.nullcontext():
+                out, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
+                logit_errs.append(float((out - want).detach().abs().max()))
+                out.float().pow(2).mean().backward()
             want.float().pow(2).mean().backward()
             rt.flush_records()
             sent += sum(lay.last_timings.get("transfer_bytes", 0.0) for lay in rt.layers)
+            gsent += sum(lay.last_timings.get("grad_bytes", 0.0) for lay in rt.layers)
         grad_errs.append(master_grad_error(rt, ref, rank, relative=True))
         # data parallelism over the EP ranks: the reference sums every gradient over ranks, the wrapped model
         # every gradient but its masters' (they already hold every rank's tokens), so both take the same step
@@ -123,18 +129,57 @@ def _accumulate(rank, world, cache: bool, microbatches: int):
         ref_opt.zero_grad()
         rt.next_step()
         weight_bytes.append(sent)
-    return weight_bytes, max(grad_errs), max(logit_errs)
+        grad_bytes.append(gsent)
+    return weight_bytes, max(grad_errs), max(logit_errs), grad_bytes
 
 
 def test_gradient_accumulation_reuses_replicas_and_stays_exact():
     with_cache = run_ranks(_accumulate, 2, True, 4)
     without = run_ranks(_accumulate, 2, False, 4)
-    for wb, grad, logits in with_cache + without:
+    for wb, grad, logits, _ in with_cache + without:
         assert grad < 1e-4 and logits < 1e-5, (grad, logits)
     # the optimizer step invalidates: each step streams again, but only what its microbatches newly need
-    total_with = sum(sum(wb) for wb, _, _ in with_cache)
-    total_without = sum(sum(wb) for wb, _, _ in without)
+    total_with = sum(sum(wb) for wb, _, _, _ in with_cache)
+    total_without = sum(sum(wb) for wb, _, _, _ in without)
     assert total_without > 0 and total_with * 2 <= total_without, (total_with, total_without)
+
+
+@pytest.mark.parametrize("transport", ["direct", "tiles"])
+def test_no_sync_defers_replica_gradients_to_the_last_microbatch_exactly(transport):
+    """Under ``no_sync`` the replica gradients of 3 microbatches wait on their ranks, summed, and the 4th
+    reduces them with its own: the masters' gradients equal the unbalanced model's, in fewer bytes."""
+    deferred = run_ranks(_accumulate, 2, True, 4, True, transport)
+    every = run_ranks(_accumulate, 2, True, 4, False, transport)
+    for _, grad, logits, _ in deferred + every:
+        assert grad < 1e-4 and logits < 1e-5, (grad, logits)
+    g_deferred = sum(sum(gb) for *_, gb in deferred)
+    g_every = sum(sum(gb) for *_, gb in every)
+    # each microbatch sends one fp32 gradient per replica; deferred, a replica used by several microbatches
+    # of a step sends once (the union of the step's replicas, at most 2N per rank)
+    assert g_every > 0 and 0 < g_deferred * 1.5 <= g_every, (g_deferred, g_every)
+
+
+def _step_inside_no_sync(rank, world):
+    import ultraep
+    from ultraep.errors import PendingGradientsError
+
+    model = build_model("qwen3-moe")
+    ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 2})
+    rt = ultraep.runtime_of(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with rt.no_sync():
+        model(input_ids=_ids(rank)).logits.float().pow(2).mean().backward()
+    opt.step()  # the pending replica gradients never reached their masters
+    try:
+        model(input_ids=_ids(rank, 1))
+    except PendingGradientsError as exc:
+        return str(exc)
+    return None
+
+
+def test_an_optimizer_step_inside_no_sync_is_refused_not_lost():
+    for msg in run_ranks(_step_inside_no_sync, 2):
+        assert msg is not None and "no_sync()" in msg and "never reduced" in msg, msg
 
 
 # ---------------------------------------------------------------------------------------------- invalidation

@@ -37,6 +37,11 @@ class TraceError(UltraEPError):
     """An unreadable or malformed routing trace file."""
 
 
+class PendingGradientsError(UltraEPError):
+    """Replica gradients accumulated under ``no_sync()`` would be lost: the masters changed (an optimizer step,
+    a weight load) before a backward outside ``no_sync()`` reduced them."""
+
+
 class DistributedError(UltraEPError):
     """A distributed run failed — a peer, a collective, ranks that disagree — not the user's input: the CLI
     prints it in one line and exits with code 1 (not 2)."""

@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from ultraep.runtime.comm import AllToAll, all_gather_bytes, gather_load
-from ultraep.errors import CollectiveFailedError, PlanDivergenceError
+from ultraep.errors import CollectiveFailedError, PendingGradientsError, PlanDivergenceError
 from ultraep.runtime.replica_cache import MasterEpoch, ReplicaCache
-from ultraep.runtime.replicas import GradSink, ReplicaExperts, ReplicaJob
+from ultraep.runtime.replicas import DeferredGrads, GradSink, ReplicaExperts, ReplicaJob
 
 if TYPE_CHECKING:  # pragma: no cover
     from ultraep.models.adapters import ExpertsAdapter
@@ -143,6 +143,8 @@ class BalancedExperts(nn.Module):
         #: replicas kept across calls while their masters are unchanged (a "kept" layer with the cache on)
         self.cache: ReplicaCache | None = None
         self.epoch = MasterEpoch()
+        #: replica gradients of calls under ``runtime.no_sync()``, reduced by the next backward outside it
+        self.deferred = DeferredGrads()
         self._record = None
         self._observation: tuple[int, int, np.ndarray] | None = None  # last complete call: (step, mb, phases)
         #: this rank's measured phases of the last recorded call (the ``timings`` keys, seconds)
@@ -254,6 +256,14 @@ class BalancedExperts(nn.Module):
             rt.safe(eng.observe, obs[0], obs[1], self.layer, measured, total)
         # Step 2: plan (identical on every rank: the residency table is too) and commit.
         epoch_R = extra[:, 2]
+        if self.deferred and not np.array_equal(epoch_R, self.deferred.epoch_R):
+            ranks = [r for r in range(R) if epoch_R[r] != self.deferred.epoch_R[r]]
+            pairs, _ = self.deferred.take()  # every rank refuses together (the epochs are all-gathered)
+            raise PendingGradientsError(
+                self.name, f"the gradients of {len(pairs)} replica(s) accumulated under no_sync() were never "
+                f"reduced to their masters: the masters of rank(s) {ranks} changed (an optimizer step or a weight "
+                "load) first. Run the last microbatch of each step, forward and backward, outside no_sync() "
+                "(as with DDP).", ranks)
         cached = self.cache is not None and bool(extra[:, 3].all())
         if cached:
             resident = self.cache.resident(epoch_R, R)
@@ -282,13 +292,23 @@ class BalancedExperts(nn.Module):
                                                       or any(p.requires_grad for p in params + self.shared_params()))
         job = None
         hits = 0
-        if plan.num_replicas:
+        # Replica gradients: reduced now, deferred (under no_sync, while every rank's pending experts fit in
+        # 2N sums), or reduced together with the deferred ones — decided from the plans alone: the same everywhere
+        grads = "reduce"
+        if needs_backward and not rt.grad_sync:
+            if plan.num_replicas:
+                grads = "defer" if self.deferred.fits(plan, 2 * t.num_redundant_slots) else "flush"
+        elif needs_backward and self.deferred:
+            grads = "flush"  # (a call without replicas still runs a job: it only reduces the pending gradients)
+        if plan.num_replicas or grads == "flush":
             like = [p[0].detach() for p in params]
             if cached:
                 kept, hits = self._cached_slots(plan, epoch_R, like)
             else:
                 kept = rt.buffers.private(self.layer, like, t.num_redundant_slots)
-            job = ReplicaJob(self, plan, kept)
+            job = ReplicaJob(self, plan, kept, grads, self.deferred)
+            if grads == "defer":
+                self.deferred.add_plan(plan, epoch_R)
             job.needs_backward = needs_backward
             if job.kept and needs_backward:
                 rt.buffers.set_busy(self.layer, job)
@@ -407,6 +427,7 @@ class BalancedExperts(nn.Module):
                       "grad_reduce_s"):
                 if k in ph:
                     t[k] = ph[k]
+            t["grad_bytes"] = float(call.job.grad_bytes_sent)  # replica gradients this rank sent (0: deferred)
             t["backward_reduce_s"] = sum(ph.get(k, 0.0) for k in ("restore_s", "grad_post_s", "grad_wait_s",
                                                                      "grad_reduce_s"))
         if "bwd_start" in m and "bwd_end" in m:

@@ -105,6 +105,62 @@ class ReplicaBuffers:
         return have[:num_slots]
 
 
+class DeferredGrads:
+    """Replica gradients of the calls run under :meth:`EPRuntime.no_sync`: kept on the replica's rank, summed per
+    expert in fp32, and reduced to the masters once, by the next backward outside it — as DDP defers its
+    all-reduce over gradient accumulation, so a step of k microbatches sends each replica's gradient once, not k
+    times (issue 23).
+
+    ``pairs``: ``(replica rank, expert)`` of every replica of every deferred call — the same set on every rank
+    (plans are identical), so each master knows what it will receive. ``sums[e]``: ``[J]`` fp32, this rank's sum
+    of expert ``e``'s replica gradients over those calls (missing = zero: a deferred forward whose backward never
+    ran). ``epoch_R``: every rank's master epoch when deferring began — an optimizer step before the reduction
+    would drop the pending gradients, so the layer refuses it.
+    """
+
+    def __init__(self) -> None:
+        self.pairs: set[tuple[int, int]] = set()
+        self.sums: dict[int, list[torch.Tensor]] = {}
+        self.epoch_R: np.ndarray | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.pairs)
+
+    def fits(self, plan, limit: int) -> bool:
+        """Whether adding ``plan``'s replicas keeps every rank at ``limit`` pending experts or fewer (the same
+        answer on every rank: it reads only the plans)."""
+        pairs = self.pairs | _replica_pairs(plan)
+        per_rank = np.bincount([r for r, _ in pairs], minlength=plan.topology.num_ranks) if pairs else [0]
+        return int(np.max(per_rank)) <= limit
+
+    def add_plan(self, plan, epoch_R: np.ndarray) -> None:
+        """A deferred call's replicas (at its forward; ``epoch_R``: every rank's master epoch now)."""
+        if not self.pairs:
+            self.epoch_R = np.array(epoch_R, copy=True)
+        self.pairs |= _replica_pairs(plan)
+
+    def add(self, expert: int, grads: list[torch.Tensor]) -> None:
+        have = self.sums.get(expert)
+        if have is None:
+            self.sums[expert] = [g.float().clone() for g in grads]
+        else:
+            for a, g in zip(have, grads):
+                a.add_(g)
+
+    def take(self) -> tuple[set[tuple[int, int]], dict[int, list[torch.Tensor]]]:
+        """The pending pairs and this rank's sums; afterwards nothing is pending."""
+        out = (self.pairs, self.sums)
+        self.pairs, self.sums, self.epoch_R = set(), {}, None
+        return out
+
+
+def _replica_pairs(plan) -> set[tuple[int, int]]:
+    """``{(rank, expert)}`` of ``plan``'s replicas."""
+    M = plan.topology.num_masters
+    r, s = np.nonzero(plan.phy2log_RS[:, M:] >= 0)
+    return {(int(a), int(plan.phy2log_RS[a, M + b])) for a, b in zip(r, s)}
+
+
 class ReplicaJob:
     """One layer's replicas for one plan, forward and backward (see the module docstring for the steps).
 
@@ -112,9 +168,14 @@ class ReplicaJob:
     runtime traces) the order of the steps.
     """
 
-    def __init__(self, layer: "BalancedExperts", plan, kept_slots: list[list[torch.Tensor]] | None) -> None:
+    def __init__(self, layer: "BalancedExperts", plan, kept_slots: list[list[torch.Tensor]] | None,
+                 grads: str = "reduce", deferred: DeferredGrads | None = None) -> None:
         """``kept_slots``: this layer's own ``[N][J]`` buffers for replica slots ``M..S-1`` (mode ``kept``; slot
-        ``M + i`` computes with ``kept_slots[i]``, which may already hold its weights), or None (shared buffers)."""
+        ``M + i`` computes with ``kept_slots[i]``, which may already hold its weights), or None (shared buffers).
+
+        ``grads``: what the backward does with the replicas' weight gradients — ``"reduce"`` them to the masters
+        (the default), ``"defer"`` them into ``deferred`` (under ``no_sync``), or ``"flush"``: reduce them
+        together with everything ``deferred`` holds."""
         from ultraep.kernels import ExpertLayout, GradReduceSchedule, StreamSchedule
 
         self.layer = layer
@@ -129,7 +190,17 @@ class ReplicaJob:
         self.layout = ExpertLayout.of(like)
         self.grad_layout = self.layout.with_dtype(torch.float32)
         self.schedule = StreamSchedule.from_plan(plan, self.me, self.layout)
-        self.grad_schedule = GradReduceSchedule.from_plan(plan, self.me, self.grad_layout)
+        # this rank's replicas of the plan: {expert: slot}
+        row = plan.phy2log_RS[self.me]
+        self.slot_of = {int(row[s]): s for s in range(self.M, self.S) if row[s] >= 0}
+        self.grads_mode, self.deferred = grads, deferred
+        pairs = _replica_pairs(plan)
+        if grads == "defer":  # nothing moves in this backward; the pairs wait in ``deferred``
+            pairs = set()
+        elif grads == "flush":
+            pairs |= deferred.pairs
+        self.grad_schedule = GradReduceSchedule.from_replicas(pairs, t.home_E, self.me, self.grad_layout)
+        self.grad_bytes_sent = 0
         self.kept = kept_slots is not None
         # Transport. On CPU (gloo) every expert tensor travels as its own message, straight from the master's
         # parameter into the replica slot (weights) and from the replica's gradient into a receive buffer
@@ -353,12 +424,28 @@ class ReplicaJob:
                                for gw, w in zip(g[1 + i * J:1 + (i + 1) * J], ws[i])] for i in range(len(ws))}
         self._event("replica_backward")
         t2 = time.perf_counter()
+        eg = {e: wgrads[s] for e, s in self.slot_of.items()}  # this call's gradient of each replica here
+        if self.grads_mode == "defer":
+            for e, gw in eg.items():
+                self.deferred.add(e, gw)
+            eg = {}
+        elif self.grads_mode == "flush":
+            _, pending = self.deferred.take()
+            for e, gw in eg.items():
+                if e in pending:
+                    for a, g in zip(pending[e], gw):
+                        a.add_(g)
+                else:
+                    pending[e] = gw
+            eg = pending
         gs = self.grad_schedule
+        zero = [torch.zeros(s.shape, dtype=torch.float32, device=grad.device) for s in self.grad_layout.specs]
         if self.direct:  # each gradient tensor as its own fp32 message, experts ascending per master rank
-            sends = [(m.peer, g.float()) for m in gs.sends for e in m.experts for g in wgrads[gs.slot_E[e]]]
+            sends = [(m.peer, g.float()) for m in gs.sends for e in m.experts for g in eg.get(e, zero)]
         else:
             sends = [(m.peer, buf) for m, buf in pack_grad_sends(
-                gs, {s: w for s, w in wgrads.items() if s in gs.slot_E.values()}, self.grad_layout)]
+                gs, {e: eg.get(e, zero) for m in gs.sends for e in m.experts}, self.grad_layout)]
+        self.grad_bytes_sent = sum(int(b.numel() * b.element_size()) for _, b in sends)
         with self.layer._collective("replica gradient reduction (send)", _peers(sends)):
             self._grads_out = post(sends, [], self.rt.transfer_group, tag=TAG_GRADS)
         self._event("grad_sent")

@@ -9,6 +9,7 @@ with no recognised experts raises with the list of supported ones (never a silen
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -56,6 +57,8 @@ class EPRuntime:
         self.step = 0
         self.microbatch = -1
         self.recording_errors = 0
+        #: False inside :meth:`no_sync`: replica gradients wait on their ranks for the next backward outside it
+        self.grad_sync = True
         #: (step, layer, policy, imbalance before, after, replicas, plan s, transfer s, layer fwd s) per call
         self.history: list[tuple] = []
         #: when a list: (event, layer) in the order the balanced layers' steps ran (tests pin the order)
@@ -87,6 +90,23 @@ class EPRuntime:
                 if more > 0:
                     self.buffers.reserve(layer.layer, more * t.expert_bytes)
                 layer.cache = ReplicaCache(t.home_E, N + max(0, more))
+
+    @contextmanager
+    def no_sync(self):
+        """Gradient accumulation without reducing replica gradients every microbatch (like DDP's ``no_sync``):
+        the layers' forwards inside the block (and their backwards) keep each replica's weight gradient on its
+        rank, summed; the next forward + backward outside the block reduces them to the masters with its own.
+        The masters' ``.grad`` is complete — equal to the unbalanced model's — only after that backward, so run
+        the last microbatch of every step outside the block; an optimizer step before it raises
+        :class:`~ultraep.errors.PendingGradientsError` at the next forward rather than lose gradients. With the
+        replica cache, the replicas' weights too move once per step instead of once per microbatch.
+
+        A layer reduces early (and correctly) when the replicas it would hold pending exceed ``2 N`` on a rank."""
+        before, self.grad_sync = self.grad_sync, False
+        try:
+            yield self
+        finally:
+            self.grad_sync = before
 
     def invalidate_replicas(self) -> None:
         """Drop every cached replica at the next call: needed only after writing master weights through
