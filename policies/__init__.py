@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import get_args
 
-from ultraep.config import PolicyName
+from ultraep.config import ALL_POLICIES, CandidateName, PolicyName
 
 from .base import Policy, assemble_plan, identity_plan, plan_resident
 from .eplb import EplbPolicy, rebalance_experts
@@ -18,7 +18,8 @@ from .quota import QuotaPolicy
 from .feplb import FeplbPolicy
 from .hybridep import HybridEPPolicy
 from .adaptive import AdaptivePolicy
-from .registry import ENTRY_POINT_GROUP, POLICIES, available_policies, get_policy_class, make_policy
+from .registry import (BASELINE, ENTRY_POINT_GROUP, POLICIES, available_policies, get_policy_class, is_chooser,
+                       make_policy, option_default)
 
 POLICIES.update({
     "none": NonePolicy,
@@ -29,9 +30,16 @@ POLICIES.update({
     "adaptive": AdaptivePolicy,
 })
 
-if set(POLICIES) != set(get_args(PolicyName)):  # pragma: no cover - import-time consistency check
+# The config spells the names as Literals (its union of options models is what a config file is validated
+# against); they must be exactly the registry's, the candidates exactly the policies that are not choosers, and
+# the simulator's default list every policy (import-time checks: configurable iff registered).
+_CHOOSERS = {n for n in POLICIES if is_chooser(n)}
+if (set(POLICIES) != set(get_args(PolicyName)) or set(get_args(CandidateName)) != set(POLICIES) - _CHOOSERS
+        or set(ALL_POLICIES) != set(POLICIES) or BASELINE not in POLICIES):  # pragma: no cover
     raise ImportError(
-        f"policy registry {sorted(POLICIES)} disagrees with config PolicyName {sorted(get_args(PolicyName))}"
+        f"policy registry {sorted(POLICIES)} (choosers {sorted(_CHOOSERS)}, baseline {BASELINE!r}) disagrees with "
+        f"config PolicyName {sorted(get_args(PolicyName))} / CandidateName {sorted(get_args(CandidateName))} / "
+        f"ALL_POLICIES {sorted(ALL_POLICIES)}"
     )
 
 __all__ = [
@@ -45,6 +53,9 @@ __all__ = [
     "AdaptivePolicy",
     "rebalance_experts",
     "available_policies",
+    "BASELINE",
+    "is_chooser",
+    "option_default",
     "get_policy_class",
     "make_policy",
     "assemble_plan",

@@ -302,6 +302,9 @@ class EplbPolicy:
     name = "eplb"
     #: defaults of a one-shot plan (``plan_layer``): with no history, plan from the load given (EPLB+)
     one_shot_options = {"use_current_load": True}
+    #: options counted in committed plans of the layer: a replay of every k-th point divides them by k, so that
+    #: they keep their stretch in steps (the simulator's stride)
+    step_count_options = ("interval", "window")
 
     def __init__(self, interval: int = 50, window: int = 50, ewma: float | None = None,
                  use_current_load: bool = False, relay: str = "auto") -> None:

@@ -3,6 +3,11 @@ third-party ones from the entry-point group ``ultraep.policies`` (``name = "pkg.
 
 A module of its own so that a policy which builds others by name (``adaptive``) imports the registry, not the
 package that imports it.
+
+It also answers, for code outside ``policies/`` (the simulator, the demo), what a policy *is* without comparing
+its name: :data:`BASELINE` (the unbalanced policy every speed-up is measured against), :func:`is_chooser`
+(a policy that decides by choosing among other policies' plans) and :func:`option_default`. Those callers never
+branch on a policy name themselves (``tests/test_policy_names.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ POLICIES: dict[str, type] = {}
 
 ENTRY_POINT_GROUP = "ultraep.policies"
 
+#: the policy every speed-up is measured against and every chooser falls back to: plain EP, no balancing
+#: (checked to be registered by the package)
+BASELINE = "none"
+
 
 def available_policies() -> list[str]:
     """Built-in names plus those registered by installed packages."""
@@ -34,6 +43,19 @@ def get_policy_class(name: str) -> type:
         if ep.name == name:
             return ep.load()
     raise ConfigError("policy", f"unknown policy {name!r}; available: {', '.join(available_policies())}", name)
+
+
+def is_chooser(name: str) -> bool:
+    """True for a policy that decides by choosing among other policies' plans: it takes ready candidate
+    instances (``policies=``) and the candidates' names (``candidates=``). The simulator builds such a policy
+    last, over the candidate instances it shares with the fixed policies, and keeps its decisions."""
+    params = inspect.signature(get_policy_class(name).__init__).parameters
+    return "policies" in params and "candidates" in params
+
+
+def option_default(name: str, option: str):
+    """The default value of ``option`` in policy ``name``'s constructor (its options' single source)."""
+    return inspect.signature(get_policy_class(name).__init__).parameters[option].default
 
 
 def make_policy(name: str, **options) -> Policy:

@@ -34,13 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ultraep.cli.demo_job import DemoSettings, run_demo
-    from ultraep.policies import available_policies
-
     from ultraep.errors import ConfigError
+    from ultraep.policies import BASELINE, available_policies
 
-    if args.policy not in available_policies() or args.policy == "none":
+    if args.policy not in available_policies() or args.policy == BASELINE:  # the baseline runs anyway
         raise ConfigError("--policy", f"unknown or trivial policy {args.policy!r}; choose from "
-                          + ", ".join(p for p in available_policies() if p != "none"), args.policy)
+                          + ", ".join(p for p in available_policies() if p != BASELINE), args.policy)
     steps = args.steps if args.steps is not None else (16 if args.quick else 30)
     compare = tuple(p.strip() for p in args.compare.split(",") if p.strip()) if args.compare else ()
     return run_demo(DemoSettings(model=args.model, policy=args.policy, mode=args.mode, ranks=args.ranks, steps=steps,

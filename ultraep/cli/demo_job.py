@@ -26,6 +26,10 @@ import numpy as np
 import torch
 
 from ultraep.errors import ConfigError
+from ultraep.policies.registry import BASELINE
+
+#: the baseline run fed each batch's sequences in reverse order (see :func:`_rank_main`)
+REORDERED = f"{BASELINE}-reordered"
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class DemoSettings:
     @property
     def runs(self) -> tuple[str, ...]:
         pols = self.compare or (self.policy,)
-        return ("none",) + tuple(p for p in pols if p != "none")
+        return (BASELINE,) + tuple(p for p in pols if p != BASELINE)
 
     @property
     def shape(self) -> dict:
@@ -109,8 +113,8 @@ def _rank_main(rank: int, world: int, settings: DemoSettings, policy: str, run_n
     model = build_model(settings.model, num_experts=sh["num_experts"], hidden=sh["hidden"],
                         expert_hidden=sh["expert_hidden"], layers=sh["layers"], vocab=sh["vocab"], seed=settings.seed)
     _structure(model, settings.model, world, sh["vocab"], strength=2.0, seed=settings.seed)
-    reordered = policy == "none-reordered"
-    config = BalancerConfig(policy="none" if reordered else policy, num_redundant_slots=settings.slots)
+    reordered = policy == REORDERED
+    config = BalancerConfig(policy=BASELINE if reordered else policy, num_redundant_slots=settings.slots)
     recorder = NullRecorder()
     if run_name is not None:
         try:
@@ -221,12 +225,12 @@ def run_demo(settings: DemoSettings) -> int:
               f"steps, policies {', '.join(runs)}{' (+ none reordered, for the fp32 band)' if band else ''}; "
               f"runs in {settings.out}/", soft_wrap=True)
     results = {}
-    for policy in runs + (["none-reordered"] if band else []):
-        name = f"demo-{stamp}-{policy}" if policy != "none-reordered" else None
+    for policy in runs + ([REORDERED] if band else []):
+        name = f"demo-{stamp}-{policy}" if policy != REORDERED else None
         t0 = time.perf_counter()
         out = launch(_rank_main, settings.ranks, settings, policy, name, threads_per_rank=1)
         results[policy] = (name, out, time.perf_counter() - t0)
-    paid = _summary(con, settings, {k: v for k, v in results.items() if k != "none-reordered"})
+    paid = _summary(con, settings, {k: v for k, v in results.items() if k != REORDERED})
     ok = _equality(con, settings, results)
     con.print(paid, soft_wrap=True)
     con.print(f"open the dashboard on these runs:  [bold]ultraep dashboard {settings.out}[/bold]"
@@ -244,13 +248,13 @@ def _equality(con, settings: DemoSettings, results: dict) -> bool:
     a rounding difference — gives the same loss and the same gradients (relative <= 1e-6, fp32 summation
     order). Later steps are compared with the band two equivalent unbalanced runs (``none`` and ``none``
     with its gradient average rounded in another order) drift apart by in the same run."""
-    base = results["none"][1][0]
+    base = results[BASELINE][1][0]
     ok = True
     band = None
-    if "none-reordered" in results:
-        band = _rel(base["losses"], results["none-reordered"][1][0]["losses"])
+    if REORDERED in results:
+        band = _rel(base["losses"], results[REORDERED][1][0]["losses"])
     for policy, (_, out, _) in results.items():
-        if policy in ("none", "none-reordered"):
+        if policy in (BASELINE, REORDERED):
             continue
         r = out[0]
         step0 = max(float(_rel(base["losses"][:1], r["losses"][:1]).max()),
@@ -294,7 +298,7 @@ def _summary(con, settings: DemoSettings, results: dict) -> str:
     from rich.table import Table
 
     warm = min(10, settings.steps // 3)
-    none_calls = _per_call(results["none"][1], warm)
+    none_calls = _per_call(results[BASELINE][1], warm)
     train = settings.mode == "train"
 
     def expert_s(ts):  # the busiest rank's expert compute of one layer call (forward and backward)
@@ -332,10 +336,10 @@ def _summary(con, settings: DemoSettings, results: dict) -> str:
         table.add_section()
         per_step = np.max(np.array([o["times"] for o in out]), axis=0)[warm:]
         p50 = float(np.median(per_step))
-        t_none = p50 if policy == "none" else t_none
+        t_none = p50 if policy == BASELINE else t_none
         steps.add_row(policy, name, f"{p50:.3f}", f"{t_none / p50:.2f}x", f"{wall:.0f}",
                       str(sum(o["recording_errors"] for o in out)))
-        if policy != "none":
+        if policy != BASELINE:
             saved = 1e3 * (none_expert - np.mean([expert_s(ts) for ts in calls.values()])) if calls else 0.0
             cost = sum(1e3 * np.mean([max(sum(t.get(k, 0.0) for k in keys) for t in ts) for ts in calls.values()])
                        for _, keys in _PHASES) if calls else 0.0

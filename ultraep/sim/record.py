@@ -49,7 +49,7 @@ def record(result: SimulationResult, runs_dir, *, run_name: str | None = None, t
                     "imbalance_after": float(r["imbalance_after"][i]),
                     **{f"predicted.{f}": float(r[f][i]) for f in TERM_FIELDS if f.endswith("_s")},
                 })
-                if pol != "adaptive":
+                if pol not in result.decisions:  # a fixed policy: its one decision per row (a chooser's are below)
                     rec.record_decision(s, mb, layer, policy=pol, reason="fixed policy (simulation)",
                                         predictions={pol: float(r["time_s"][i])},
                                         chosen_predicted_s=float(r["time_s"][i]))

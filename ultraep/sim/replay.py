@@ -26,6 +26,7 @@ Legend: R ranks, E experts, S slots per rank, P replayed points per layer.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import operator
 import time
@@ -39,6 +40,7 @@ from ultraep.cost import CostBreakdown, CostModel, CostParams
 from ultraep.engine import Engine
 from ultraep.errors import ConfigError
 from ultraep.plan import Plan
+from ultraep.policies import BASELINE, get_policy_class, is_chooser, make_policy, option_default
 from ultraep.presets import get_preset
 from ultraep.traces import Trace
 
@@ -49,9 +51,13 @@ TERM_FIELDS = tuple(f.name for f in dataclasses.fields(CostBreakdown)
 ROW_FIELDS = ("step", "microbatch", "layer", "imbalance_before", "imbalance_after", "replicas", "transfer_bytes",
               "time_s", "ideal_s", "scheme_ideal_s", *TERM_FIELDS)
 #: simulator-only names of a policy with fixed options, replayed as their own run next to the base policy:
-#: ``eplb+`` is the UltraEP paper's EPLB+ baseline (DeepSeek EPLB fed the exact current load)
-VARIANTS: dict[str, tuple[str, dict]] = {"eplb+": ("eplb", {"use_current_load": True})}
-SIM_POLICIES = ("none", "eplb", "eplb+", "quota", "feplb", "hybridep", "adaptive")
+#: ``<name>+`` is the policy with its one-shot options (``one_shot_options``: what it plans with when it has no
+#: history); ``eplb+`` is the UltraEP paper's EPLB+ baseline (DeepSeek EPLB fed the exact current load)
+VARIANTS: dict[str, tuple[str, dict]] = {
+    f"{n}+": (n, dict(get_policy_class(n).one_shot_options)) for n in ALL_POLICIES
+    if getattr(get_policy_class(n), "one_shot_options", None)}
+#: every policy the simulator replays, each variant right after its base policy
+SIM_POLICIES = tuple(x for n in ALL_POLICIES for x in (n, *(v for v, (b, _) in VARIANTS.items() if b == n)))
 
 
 def sim_params(**fields) -> CostParams:
@@ -106,8 +112,8 @@ def summarise(rows: dict[str, dict[str, np.ndarray]], policies, step_fixed_s: fl
     time and the ideals of ``pct_of_ideal``, ``pct_of_scheme_ideal`` and ``speedup_vs_none``, so that a gain in the
     replayed layers is weighed against the whole iteration."""
     fixed = {p: step_fixed_s * np.unique(rows[p]["step"]).size for p in policies} if step_fixed_s else {}
-    base = rows.get("none")
-    base_t = float(base["time_s"].sum()) + fixed.get("none", 0.0) if base is not None else 0.0
+    base = rows.get(BASELINE)
+    base_t = float(base["time_s"].sum()) + fixed.get(BASELINE, 0.0) if base is not None else 0.0
     out = []
     for pol in policies:
         r = rows[pol]
@@ -254,46 +260,54 @@ class _Sink:
             self.decisions.append((step, microbatch, layer, policy, reason, predictions, chosen_predicted_s))
 
 
+def _kind(name: str) -> str:
+    """The registered policy a simulated name runs (a variant's base policy)."""
+    return VARIANTS.get(name, (name, {}))[0]
+
+
 def _engines(names, cm: CostModel, layer: int, stride: int, policy_options: dict | None, keep_every: int):
-    """One :class:`~ultraep.engine.Engine` per simulated policy for ``layer`` (``adaptive`` last), over shared
-    policy instances (:class:`_Shared`), each recording into its own :class:`_Sink`."""
+    """One :class:`~ultraep.engine.Engine` per simulated policy for ``layer`` (choosers last: a policy that
+    chooses among others, :func:`~ultraep.policies.is_chooser`), over shared policy instances (:class:`_Shared`),
+    each recording into its own :class:`_Sink`."""
     from ultraep.config import _DEFAULTS
-    from ultraep.policies import get_policy_class, make_policy
-    from ultraep.policies.adaptive import DEFAULT_CANDIDATES
 
     t = cm.topology
     opts = {k: dict(v) for k, v in (policy_options or {}).items()}
-    a_opts = opts.pop("adaptive", {})
-    candidates = tuple(a_opts.pop("candidates", DEFAULT_CANDIDATES)) if "adaptive" in names else ()
+    choosers = [n for n in names if is_chooser(_kind(n))]
+    chooser_opts = {n: opts.pop(n, {}) for n in choosers}
+    candidates = {n: tuple(o.pop("candidates", option_default(_kind(n), "candidates"))) for n, o in chooser_opts.items()}
     shared: dict[str, _Shared] = {}
-    for n in dict.fromkeys([*names, *candidates]):
-        if n == "adaptive":
+    for n in dict.fromkeys([*names, *(c for cs in candidates.values() for c in cs)]):
+        if n in choosers:
             continue
         kind, fixed = VARIANTS.get(n, (n, {}))
         o = {**fixed, **opts.get(n, {})}
-        if kind == "eplb" and stride > 1:  # interval and window count replayed points: keep their stretch
-            o["interval"] = max(1, round(o.get("interval", 50) / stride))
-            o["window"] = max(1, round(o.get("window", 50) / stride))
-        if getattr(get_policy_class(kind), "needs_cost_model", False):
+        cls = get_policy_class(kind)
+        if stride > 1:  # options counted in replayed points: keep their stretch in steps
+            for k in getattr(cls, "step_count_options", ()):
+                o[k] = max(1, round(o.get(k, option_default(kind, k)) / stride))
+        if getattr(cls, "needs_cost_model", False):
             o.setdefault("cost_model", cm)
         shared[n] = _Shared(make_policy(kind, **o))
     M = t.num_masters
     engines, sinks = {}, {}
-    for n in sorted(names, key=lambda x: x == "adaptive"):
-        if n == "adaptive":
+    for n in sorted(names, key=lambda x: x in choosers):
+        kind = _kind(n)
+        if n in choosers:
+            c_opts = chooser_opts[n]
             # replayed layers are predicted, not measured: a probe could only lose (the model is the outcome
             # here); screened candidates are still re-planned every probe_every decisions
-            a_opts.setdefault("probe_max_loss", 0.0)
-            pol = make_policy("adaptive", policies={c: shared[c] for c in candidates}, cost_model=cm, **a_opts)
+            if "probe_max_loss" in inspect.signature(get_policy_class(kind).__init__).parameters:
+                c_opts.setdefault("probe_max_loss", 0.0)
+            pol = make_policy(kind, policies={c: shared[c] for c in candidates[n]}, cost_model=cm, **c_opts)
         else:
             pol = shared[n]
         # the config gives the engine its configured name and is validated against the group; the replayed
         # topology itself is handed over as is (slots beyond what a config allows still replay, as planned)
-        kind = VARIANTS.get(n, (n, {}))[0]
         # (the layer's options given explicitly: the engine then looks them up instead of building defaults)
         cfg = BalancerConfig(policy=kind, num_redundant_slots=min(t.num_redundant_slots, (t.D - 1) * M),
                              domain_size=t.D, layers={layer: _DEFAULTS[kind]()})
-        sinks[n] = _Sink(keep_every, decisions=n == "adaptive")
+        sinks[n] = _Sink(keep_every, decisions=n in choosers)
         engines[n] = Engine(cfg, t, cost_model=cm, recorder=sinks[n], record_timings=False,
                             layer_topologies={layer: t}, policy_factory=lambda _layer, p=pol: p)
     return engines, sinks
@@ -368,7 +382,8 @@ def replay_layer(trace: Trace, layer: int, cm: CostModel, names, *, stride: int 
         out_rows[n] = {f: arr[:, j] for j, f in enumerate(ROW_FIELDS)}
         for f in ("step", "microbatch", "layer", "replicas"):
             out_rows[n][f] = out_rows[n][f].astype(np.int64)
-    decisions = {"adaptive": sinks["adaptive"].decisions} if "adaptive" in sinks else {}
+    decisions = {n: sink.decisions for n, sink in sinks.items() if sink.keep_decisions}  # the choosers'
+
     return {"layer": layer, "rows": out_rows, "decisions": decisions, "plans": {n: sinks[n].plans for n in names},
             "count": count}
 
@@ -410,9 +425,9 @@ def simulate(trace: Trace, cm: CostModel, policies=ALL_POLICIES, *, layers=None,
     unknown = [n for n in names if n not in SIM_POLICIES]
     if unknown:
         raise ConfigError("policies", f"unknown policy {unknown[0]!r}; available: {', '.join(SIM_POLICIES)}", unknown[0])
-    if "none" not in names:
-        names = ["none", *names]  # the baseline of speed-up figures
-        report = [n for n in names if n != "none"]
+    if BASELINE not in names:
+        names = [BASELINE, *names]  # the baseline of speed-up figures
+        report = [n for n in names if n != BASELINE]
     else:
         report = names
     t = cm.topology
@@ -461,7 +476,8 @@ def simulate(trace: Trace, cm: CostModel, policies=ALL_POLICIES, *, layers=None,
             bar.stop()
     results.sort(key=lambda r: r["layer"])
     rows = {n: {f: np.concatenate([r["rows"][n][f] for r in results]) for f in ROW_FIELDS} for n in names}
-    decisions = {k: [d for r in results for d in r["decisions"].get(k, [])] for k in ("adaptive",) if "adaptive" in names}
+    decisions = {k: [d for r in results for d in r["decisions"][k]] for k in dict.fromkeys(
+        k for r in results for k in r["decisions"])}  # the choosers' (every layer's result lists each)
     plans = {n: [p for r in results for p in r["plans"][n]] for n in names}
     settings = {
         "topology": t.name, "num_ranks": t.num_ranks, "num_experts": t.num_experts,
