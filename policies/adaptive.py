@@ -79,7 +79,7 @@ class AdaptivePolicy:
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, margin: float = 0.005, patience: int = 2,
                  switch_now: float = 0.02, deadline_s: float | None = None, screen: bool = True,
-                 probe_every: int = 32, probe_max_loss: float = 0.25, outcome_alpha: float = 0.3,
+                 probe_every: int = 32, probe_max_loss: float = 0.25, outcome_window: int = 5,
                  candidate_options: dict | None = None, cost_model=None, policies: dict | None = None,
                  owns_candidates: bool = True) -> None:
         from ultraep.errors import ConfigError
@@ -118,11 +118,12 @@ class AdaptivePolicy:
         self.owns_candidates = bool(owns_candidates)
         self.probe_every = int(probe_every)
         self.probe_max_loss = float(probe_max_loss)
-        self.outcome_alpha = float(outcome_alpha)
-        #: per candidate: EWMA of log(measured / predicted layer time) when it ran, and how often it ran, against
-        #: the calibrated model of the time (``_outcome``) and against the anchor model (``_outcome_anchor``)
+        self.outcome_window = max(1, int(outcome_window))
+        #: per candidate: median of log(measured / predicted layer time) over its last runs, and how often it ran,
+        #: against the calibrated model of the time (``_outcome``) and against the anchor model (``_outcome_anchor``)
         self._outcome: dict[str, tuple[float, int]] = {}
         self._outcome_anchor: dict[str, tuple[float, int]] = {}
+        self._outcome_hist: dict[tuple[str, str], list[float]] = {}  # (table, candidate) -> last log-ratios
         self._since: dict[str, int] = {}  # decisions since each candidate last ran
         self._unplanned: dict[str, int] = {}  # decisions since each candidate was last planned
         self._ran: set[str] = set()  # candidates that ran at least once
@@ -140,22 +141,27 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------------ measured outcomes
     def observe_outcome(self, name: str, predicted_s: float, measured_s: float) -> None:
-        """Fold one measured layer time of candidate ``name`` into its outcome corrections (log-ratio EWMAs; the
-        first observations weigh 1/n): against ``predicted_s`` (the calibrated model's prediction) and against
-        the anchor model's prediction of the decision being observed (the last committed one)."""
+        """Fold one measured layer time of candidate ``name`` into its outcome corrections: the median log-ratio
+        of its last ``outcome_window`` measurements against ``predicted_s`` (the calibrated model's prediction),
+        and against the anchor model's prediction of the decision being observed (the last committed one).
+
+        A median, not a running mean: one call slowed 2x by something else on the machine (a scheduler hiccup,
+        a neighbour's burst) must not make a candidate look 2x worse until its next probe — with a mean it was
+        screened out and never re-measured. A real change (a slower link) moves the median after half a window."""
         if measured_s <= 0 or name not in self.policies:
             return
         self._observed += 1
         if self._observed <= OUTCOME_WARMUP:
             return
-        refs = [(self._outcome, predicted_s)]
+        refs = [(self._outcome, "calibrated", predicted_s)]
         if self._observing is not None and self._observing[0] == name:
-            refs.append((self._outcome_anchor, self._observing[1]))
-        for table, pred in refs:
+            refs.append((self._outcome_anchor, "anchor", self._observing[1]))
+        for table, kind, pred in refs:
             if pred > 0:
-                old, n = table.get(name, (0.0, 0))
-                a = max(self.outcome_alpha, 1.0 / (n + 1))
-                table[name] = ((1 - a) * old + a * float(np.log(measured_s / pred)), n + 1)
+                hist = self._outcome_hist.setdefault((kind, name), [])
+                hist.append(float(np.log(measured_s / pred)))
+                del hist[:-self.outcome_window]
+                table[name] = (float(np.median(hist)), table.get(name, (0.0, 0))[1] + 1)
 
     def correction(self, name: str) -> float:
         """Multiplier of ``name``'s calibrated prediction: its own measured/predicted ratio when it has run, else
@@ -194,6 +200,17 @@ class AdaptivePolicy:
         if names is None:
             self._anchor_plans = plans
 
+    def _since_run(self, name: str) -> int:
+        return self.probe_every if name not in self._ran else self._since.get(name, 0)
+
+    def _due(self, name: str) -> bool:
+        """Whether ``name`` is due for a probe: it has not run for ``probe_every`` decisions, or — measured fewer
+        than FEW_RUNS times, so its outcome is uncertain — for ``probe_every / 8`` (only where outcomes are
+        measured at all: a simulation measures nothing)."""
+        runs = self._outcome_anchor.get(name, (0.0, 0))[1]
+        period = max(1, self.probe_every // 8) if self._observed and runs < FEW_RUNS else self.probe_every
+        return self.probe_every > 0 and self._since_run(name) >= period
+
     def exposed_planner_s(self, cm, name: str) -> float:
         """Planner latency on the critical path (0 for a candidate whose policy says its planner is not on it,
         like FEPLB, which plans on a CPU thread under static compute)."""
@@ -211,8 +228,11 @@ class AdaptivePolicy:
             return []
         cm = self._cost(topology)
         todo = [n for n in self.policies if n in SCREENABLE and n != self._current]  # hysteresis needs it
-        if self.probe_every > 0:  # a candidate not planned for probe_every decisions is re-evaluated
-            todo = [n for n in todo if self._unplanned.get(n, 0) < self.probe_every]
+        if self.probe_every > 0:  # a candidate not planned for probe_every decisions is re-evaluated, and one
+            # that ran and is due for a probe is planned: screening must not starve a candidate for its measured
+            # outcome (it could be screened *because* of that outcome, and one slow run kept quota out for good)
+            todo = [n for n in todo if self._unplanned.get(n, 0) < self.probe_every
+                    and not (n in self._ran and self._due(n))]
         if not todo:
             return []
         if self.probe_every > 0 and self._current == "none" and self._none_streak >= self.probe_every:
@@ -339,21 +359,13 @@ class AdaptivePolicy:
         # measured/predicted ratio, which says nothing about its own overheads.
         probe = False
         if self.probe_every > 0 and cur is not None:
-            def since(n):
-                return self.probe_every if n not in self._ran else self._since.get(n, 0)
-
-            def period(n):  # a candidate measured fewer than FEW_RUNS times is uncertain: re-probed sooner
-                # (only where outcomes are measured at all: a simulation measures nothing)
-                runs = self._outcome_anchor.get(n, (0.0, 0))[1]
-                return max(1, self.probe_every // 8) if self._observed and runs < FEW_RUNS else self.probe_every
-
-            due = [n for n in sorted(feasible) if n != chosen and since(n) >= period(n)
+            due = [n for n in sorted(feasible) if n != chosen and self._due(n)
                    and feasible[n] <= (1 + self.probe_max_loss) * feasible[best]]
             if due:
-                probe_of = max(due, key=lambda n: (n not in self._ran, since(n), n))
+                probe_of = max(due, key=lambda n: (n not in self._ran, self._since_run(n), n))
                 chosen, reason, probe = probe_of, (f"probe: {probe_of} " + (
-                    "has not run yet" if probe_of not in self._ran else f"last ran {since(probe_of)} decisions ago")
-                    + f" (kept {cur})"), True
+                    "has not run yet" if probe_of not in self._ran
+                    else f"last ran {self._since_run(probe_of)} decisions ago") + f" (kept {cur})"), True
         self._anchor_predictions(topology, plans, resident, names=[chosen])  # what its outcome is measured against
         # Step 6: the engine's exposed overhead.
         planned_max = max((self.exposed_planner_s(cm, n) for n in plans), default=0.0)

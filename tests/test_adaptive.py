@@ -192,3 +192,35 @@ def test_a_candidate_measured_only_once_or_twice_is_probed_again_sooner():
     first = runs[:32]
     assert first.count("none") >= FEW_RUNS
     assert runs[32:].count("none") <= 2
+
+
+def test_a_candidate_due_for_a_probe_is_not_screened_for_its_measured_outcome():
+    """The runtime's FEPLB lock-in: quota's one measured call was slowed by something else, its outcome made it
+    look slow, the screen then skipped planning it — and an unplanned candidate is never probed. Once due for a
+    probe (measured fewer than FEW_RUNS times: every probe_every / 8 decisions) it is planned again."""
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota", "feplb"), probe_every=32)
+    load = _load(1.0)
+    pol._current, pol._ran, pol._observed = "feplb", {"none", "quota", "feplb"}, 10
+    pol._outcome["quota"] = pol._outcome_anchor["quota"] = (float(np.log(50.0)), 1)  # one run, looked 50x slow
+    ref = {"feplb": 1.01 * cm.ideal(load).total_s}
+    pol._since = {"none": 9, "feplb": 0, "quota": 3}
+    assert "quota" in pol.screened(load, cm.topology, others_s=ref)  # not due yet: the bound holds
+    pol._since["quota"] = 4
+    assert "quota" not in pol.screened(load, cm.topology, others_s=ref)
+    pol._outcome_anchor["quota"] = (float(np.log(50.0)), 3)  # measured enough: due only every probe_every
+    assert "quota" in pol.screened(load, cm.topology, others_s=ref)
+
+
+def test_outcome_is_the_median_of_the_last_runs():
+    from ultraep.policies.adaptive import OUTCOME_WARMUP
+
+    pol = AdaptivePolicy(cost_model=_cm(), outcome_window=5)
+    for _ in range(OUTCOME_WARMUP):
+        pol.observe_outcome("none", 1.0, 1.0)
+    for m in (1.0, 1.1, 3.0, 0.9, 1.0):  # one 3x outlier among ratios near 1
+        pol.observe_outcome("none", 1.0, m)
+    assert pol.correction("none") == pytest.approx(1.0)
+    for m in (2.0, 2.0, 2.0):  # a lasting change moves it within half a window
+        pol.observe_outcome("none", 1.0, m)
+    assert pol.correction("none") == pytest.approx(2.0)

@@ -166,9 +166,9 @@ class AdaptiveOptions(_Options):
         default=0.25, ge=0.0,
         description="Probe only candidates predicted at most this much slower than the best (bounds the regret).",
     )
-    outcome_alpha: StrictFloat = Field(
-        default=0.3, gt=0.0, le=1.0,
-        description="EWMA weight of a candidate's newest measured/predicted layer-time ratio.",
+    outcome_window: StrictInt = Field(
+        default=5, ge=1,
+        description="A candidate's measured/predicted layer-time ratio is the median of its last this many runs.",
     )
 
 
