@@ -18,7 +18,7 @@ from ultraep.plan import ExpertDomains, Plan, Replicas, Transfers
 from ultraep.topology import Topology
 
 from .split import even_split
-from ultraep.transfers import RELAY_MODES, schedule_transfers, transfers_for
+from ultraep.plan.transfers import RELAY_MODES, schedule_transfers, transfers_for
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -41,7 +41,7 @@ class Policy(Protocol):
 def plan_resident(policy, load_RE: np.ndarray, topology: Topology, resident_RE: np.ndarray | None) -> Plan:
     """``policy``'s plan when ``resident_RE[r, e]`` (bool ``[R, E]``) says which ranks already hold valid
     weights of which experts, with transfers for exactly the non-resident replicas
-    (:func:`~ultraep.transfers.transfers_for`). A policy that declares ``uses_residency = True`` plans with
+    (:func:`~ultraep.plan.transfers.transfers_for`). A policy that declares ``uses_residency = True`` plans with
     it (it may prefer resident replicas) and returns such transfers itself (the plan object it returns is
     the one it will see in ``commit``); any other policy's transfers are recomputed here.
     ``resident_RE=None``: the policy's own plan."""

@@ -21,7 +21,7 @@ logical destinations) with a typed overlay ``plan.expert_domains`` (:class:`~ult
 masters fetched per peer, the compression); ``plan.info["hybridep"]`` holds the diagnostics (``p``, the number
 of scale-out domains, the predicted time of every candidate). The cost model reads the overlay and computes
 the traffic with :meth:`~ultraep.cost.CostModel.hybrid_traffic` (tokens served by fetched copies in the
-source's own DC; the routing itself is :func:`ultraep.traffic.hybrid_destinations`) plus the weight
+source's own DC; the routing itself is :func:`ultraep.plan.traffic.hybrid_destinations`) plus the weight
 all-gather (:meth:`~ultraep.cost.CostModel.allgather_bytes_R`), hidden behind the pre-expert window. The
 policy only chooses the overlay, so the cost model never imports it.
 

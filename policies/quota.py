@@ -18,7 +18,7 @@ Steps (per scale-up domain; replicas never leave the master's domain):
     Step 3: if infeasible, binary search τ in (fast τ, max ℓ] with the same oracle (max ℓ is always
             feasible: nothing moves).
     Step 4: re-run the oracle at the final τ, recording the accepted transfers → replicas and quotas.
-    Step 5: locality-aware split of every expert's tokens into ``routes`` (``ultraep.routes.locality_split``).
+    Step 5: locality-aware split of every expert's tokens into ``routes`` (``ultraep.plan.routes.locality_split``).
     Step 6: weight-transfer schedule, direct or two-level relay (``transfers.schedule_transfers``).
 
 The oracle at threshold τ (the best-fit target choice is ours; UltraEP takes the most slack. On the
@@ -58,7 +58,7 @@ from ultraep.topology import Topology
 
 
 from .base import _assemble_arrays, identity_plan
-from ultraep.transfers import RELAY_MODES, schedule_transfers, transfers_for
+from ultraep.plan.transfers import RELAY_MODES, schedule_transfers, transfers_for
 
 
 @njit(cache=True)

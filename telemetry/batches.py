@@ -134,7 +134,7 @@ def _nested(arr: np.ndarray, typ) -> pa.Array:
 
 
 def _imbalance_rows(load_BR: np.ndarray) -> np.ndarray:
-    """``[B, R]`` → ``[B]`` max/mean per row, 1.0 where the row is empty (as ultraep.metrics.imbalance)."""
+    """``[B, R]`` → ``[B]`` max/mean per row, 1.0 where the row is empty (as ultraep.plan.metrics.imbalance)."""
     mean = load_BR.mean(axis=1)
     out = np.ones(load_BR.shape[0], dtype=np.float64)
     np.divide(load_BR.max(axis=1), mean, out=out, where=mean > 0)

@@ -11,7 +11,7 @@ from ultraep.plan import ExpertDomains
 from ultraep.policies.hybridep import paper_p, stream_p_star
 from ultraep.presets import get_preset
 from ultraep.topology import Topology
-from ultraep.traffic import hybrid_destinations
+from ultraep.plan.traffic import hybrid_destinations
 
 
 def _setup(preset, R, E, overrides=None):

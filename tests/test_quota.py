@@ -8,7 +8,7 @@ import pytest
 
 from ultraep import Topology, plan_layer
 from ultraep.policies.quota import solve_quota
-from ultraep.transfers import schedule_transfers
+from ultraep.plan.transfers import schedule_transfers
 
 
 def test_worked_example_from_the_module_docstring():

@@ -82,7 +82,7 @@ def test_every_table_fills_with_exact_values(tmp_path):
     assert routes is None and nrep == p.num_replicas  # routes only where asked (layer 0)
     routes0 = con.execute("SELECT routes FROM plans WHERE step = 1 AND microbatch = 1 AND layer = 0").fetchone()[0]
     assert np.array_equal(np.array(routes0), plans[1, 1, 0].routes_RRS)
-    # imbalance derived in SQL equals ultraep.metrics
+    # imbalance derived in SQL equals ultraep.plan.metrics
     ib, ia = con.execute("SELECT imbalance_before, imbalance_after FROM layer_balance "
                          "WHERE step = 1 AND microbatch = 1 AND layer = 2").fetchone()
     assert ib == pytest.approx(p.imbalance_before) and ia == pytest.approx(p.imbalance_after)

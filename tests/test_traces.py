@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ultraep.errors import TraceError
-from ultraep.metrics import imbalance
+from ultraep.plan.metrics import imbalance
 from ultraep.traces import Trace, TraceMeta, load_trace, remap_sources, spread_even
 from ultraep.traces.importers import read_safetensors, write_safetensors
 from ultraep.traces.synthetic import SyntheticSpec, synthetic_trace

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ultraep.metrics import imbalance
+from ultraep.plan.metrics import imbalance
 from ultraep.sim.workload import sample_topk_counts, synthetic_load
 
 

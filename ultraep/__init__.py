@@ -19,7 +19,7 @@ _LAZY = {
     "BalancerConfig": "ultraep.config",
     "plan_layer": "ultraep.planning",
     "validate_load": "ultraep.load",
-    "metrics": "ultraep.metrics",
+    "metrics": "ultraep.plan.metrics",
     "UltraEPError": "ultraep.errors",
     "ConfigError": "ultraep.errors",
     "LoadError": "ultraep.errors",
@@ -33,7 +33,7 @@ _LAZY = {
 _MODULES = {"metrics", "telemetry"}
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ultraep import metrics
+    from ultraep.plan import metrics
     from ultraep.config import BalancerConfig
     from ultraep.errors import ConfigError, LoadError, UltraEPError
     from ultraep.load import validate_load

@@ -47,9 +47,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from ultraep.plan import ExpertDomains, Plan, Transfers
 from ultraep.presets import PRESETS, ExpertSpec, HardwareSpec
 from ultraep.topology import Topology
-from ultraep.traffic import (Traffic, dedup_levels, dest_logmiss, home_flows, hybrid_destinations,  # noqa: F401
+from ultraep.plan.traffic import (Traffic, dedup_levels, dest_logmiss, home_flows, hybrid_destinations,  # noqa: F401
                              hybrid_flows, level_flows, route_flows, route_logmiss)
-from ultraep.transfers import transfers_for
+from ultraep.plan.transfers import transfers_for
 
 #: Planner latency on the critical path per policy, seconds. quota: UltraEP GPU planner 0.07 ms + reroute
 #: 0.04 ms at EP64 (README); eplb and hybridep decide off the critical path (history / closed form);

@@ -16,6 +16,13 @@ Invariants (checked by :meth:`Plan.check`, asserted by the property tests for ev
     * ``routes.sum(axis=0) == quota`` (instances receive their quota) and, for every source and expert,
       routes summed over that expert's instances equal ``load[src, e]`` (load is conserved);
     * empty slots receive nothing.
+
+The package holds the plan and the parts it is made of, all vocabulary (no import of ``policies/``, the
+runtime or the simulator): :mod:`.routes` (the exact integer token splits ``routes_RRS`` is derived with),
+:mod:`.transfers` (the weight-transfer schedule, and the transfers of exactly the non-resident replicas),
+:mod:`.traffic` (what a plan makes every rank send, receive and compute, which the cost model prices) and
+:mod:`.metrics` (imbalance and the other balance figures, from raw counts). The numba-compiled parts load on
+first use: ``import ultraep.plan`` stays numpy-only.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ultraep.metrics import imbalance
+from ultraep.plan.metrics import imbalance
 from ultraep.topology import Topology
 
 
@@ -114,7 +121,7 @@ class ExpertDomains:
     Scale-out domains are grouped into expert domains of ``size`` consecutive domains (``size`` ≥ 2; plain EP has
     no overlay). Every rank fetches the first ``fetched`` masters of each same-offset peer in its expert domain
     (weights compressed ``compression``×) and computes its own domain's tokens for them; every other token goes
-    to its expert's home rank (:func:`ultraep.traffic.hybrid_destinations`).
+    to its expert's home rank (:func:`ultraep.plan.traffic.hybrid_destinations`).
     """
 
     size: int
@@ -170,9 +177,9 @@ class Plan:
         if self.routes is not None:
             arr = self.routes
         else:
-            # Imported here, not at the top: ultraep.routes is numba-compiled and `import ultraep.plan`
+            # Imported here, not at the top: ultraep.plan.routes is numba-compiled and `import ultraep.plan`
             # stays numpy-only, as `import ultraep` promises (numba loads when a split is first needed).
-            from ultraep.routes import locality_split
+            from ultraep.plan.routes import locality_split
 
             t = self.topology
             arr = np.zeros((t.num_ranks, t.num_ranks, t.num_slots), dtype=np.int64)
