@@ -406,6 +406,18 @@ def plan_stride(num_points: int, num_layers: int, max_plans: int | None) -> int:
     return int(math.ceil(num_points * num_layers / max_plans))
 
 
+def _replayed_names(policies) -> tuple[list[str], list[str]]:
+    """``(replayed, reported)`` simulator names: the baseline is replayed first when not asked for (the speed-up
+    figures are measured against it) but reported only when asked for."""
+    names = list(dict.fromkeys(policies))
+    unknown = [n for n in names if n not in SIM_POLICIES]
+    if unknown:
+        raise ConfigError("policies", f"unknown policy {unknown[0]!r}; available: {', '.join(SIM_POLICIES)}", unknown[0])
+    if BASELINE in names:
+        return names, names
+    return [BASELINE, *names], names
+
+
 def simulate(trace: Trace, cm: CostModel, policies=ALL_POLICIES, *, layers=None, max_plans: int | None = DEFAULT_MAX_PLANS,
              stride: int | None = None, workers: int = 1, policy_options: dict | None = None,
              keep_plans: int = 0, progress: bool | Callable = False, step_fixed_s: float = 0.0) -> SimulationResult:
@@ -421,15 +433,7 @@ def simulate(trace: Trace, cm: CostModel, policies=ALL_POLICIES, *, layers=None,
         progress: ``True`` for a rich progress bar, or a callable ``f(done, total)``.
         step_fixed_s: fixed seconds per replayed step outside the replayed layers (see :func:`summarise`).
     """
-    names = list(dict.fromkeys(policies))
-    unknown = [n for n in names if n not in SIM_POLICIES]
-    if unknown:
-        raise ConfigError("policies", f"unknown policy {unknown[0]!r}; available: {', '.join(SIM_POLICIES)}", unknown[0])
-    if BASELINE not in names:
-        names = [BASELINE, *names]  # the baseline of speed-up figures
-        report = [n for n in names if n != BASELINE]
-    else:
-        report = names
+    names, report = _replayed_names(policies)
     t = cm.topology
     if trace.meta.num_experts != t.num_experts:
         raise ConfigError("experts", f"the trace has {trace.meta.num_experts} experts but the topology "
