@@ -224,3 +224,17 @@ def test_outcome_is_the_median_of_the_last_runs():
     for m in (2.0, 2.0, 2.0):  # a lasting change moves it within half a window
         pol.observe_outcome("none", 1.0, m)
     assert pol.correction("none") == pytest.approx(2.0)
+
+
+def test_a_candidate_that_does_what_none_does_is_not_chosen_over_none_for_noise():
+    """HybridEP choosing plain EP runs exactly none's layer: measured a few % faster by chance, it must not take
+    over (and flip back and forth) — none stands for it (the runtime at 64 tokens per rank)."""
+    from ultraep.policies.adaptive import OUTCOME_WARMUP
+
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "hybridep"), probe_every=4)
+    load = _load(0.3)
+    noise = {"none": 1.0, "hybridep": 0.9}  # the same work, measured 10 % apart
+    decisions = [_run(pol, cm, load, lambda n: noise[n] * 1e-3) for _ in range(OUTCOME_WARMUP + 20)]
+    assert all(a["same_as_none"] == ["hybridep"] for a in decisions[1:])
+    assert {a["chosen"] for a in decisions} == {"none"}
