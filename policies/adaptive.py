@@ -1,8 +1,8 @@
 """``adaptive``: per layer, predict every candidate policy's time with the cost model and take the cheapest.
 
 No peer decides per layer whether balancing pays off; this policy does, from measured-and-modelled
-overheads. Every decision carries the predictions of all candidates and a reason, in
-``plan.info["adaptive"]`` (the engine records it through telemetry).
+overheads. Every decision carries the predictions of all candidates and a reason: typed in ``plan.choice``
+(what the engine and telemetry read), with this policy's own bookkeeping in ``plan.info["adaptive"]``.
 
 Legend: R ranks, E experts.
 
@@ -22,7 +22,7 @@ Steps (one layer, one microbatch):
     Step 5: hysteresis: keep the current policy unless the cheapest is faster by more than ``margin``
             (relative) for ``patience`` consecutive decisions, or by more than ``switch_now`` at once.
     Step 6: the chosen plan is returned as policy ``adaptive`` with the engine's exposed overhead
-            (``info["engine_s"]``: decision time plus the planning of candidates slower than the chosen
+            (``plan.engine_s``: decision time plus the planning of candidates slower than the chosen
             one's own planner, since they ran before the choice).
 
 History (the current policy, the pending switch) advances only in :meth:`commit`; with
@@ -38,7 +38,7 @@ import time
 import numpy as np
 
 from ultraep.cost import model_for
-from ultraep.plan import Plan
+from ultraep.plan import Choice, Plan
 from ultraep.topology import Topology
 
 from .base import identity_plan, plan_resident
@@ -76,6 +76,7 @@ class AdaptivePolicy:
 
     name = "adaptive"
     needs_cost_model = True  # the engine hands it the calibrated model of its layer
+    chooses_among_policies = True  # (registry.is_chooser): built over shared candidates, its decisions kept
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, margin: float = 0.005, patience: int = 2,
                  switch_now: float = 0.02, deadline_s: float | None = None, screen: bool = True,
@@ -298,7 +299,10 @@ class AdaptivePolicy:
                breakdowns: dict | None = None, resident: bool = False) -> Plan:
         """Steps 3-6 on ready candidate plans ``{name: plan}`` (all of the same load and topology).
         ``breakdowns``: their cost-model predictions when the caller already has them; ``resident``: the plans'
-        transfers are exactly what moves (see :meth:`_predict`)."""
+        transfers are exactly what moves (see :meth:`_predict`).
+
+        (About 100 lines, one function on purpose: Steps 3-6 read and narrow the same candidate tables in order;
+        each step is marked.)"""
         any_plan = next(iter(plans.values()))
         topology = topology or any_plan.topology
         cm = self._cost(topology)
@@ -378,13 +382,12 @@ class AdaptivePolicy:
         engine_s = cm.params.engine_overhead_s + max(0.0, planned_max - self.exposed_planner_s(cm, chosen))
         src = plans[chosen]
         info = dict(src.info)
-        info["engine_s"] = engine_s
-        info["plan_s"] = float(src.info.get("plan_s", cm.params.planner_s.get(chosen, 0.0)))
-        info["adaptive"] = {
+        predicted_s = float(predictions[chosen] + engine_s)
+        info["adaptive"] = {  # this policy's own diagnostics (recorded with the plan; read back by commit)
             "chosen": chosen,
             "reason": reason,
             "predictions": {n: float(v) for n, v in predictions.items()},
-            "predicted_s": float(predictions[chosen] + engine_s),
+            "predicted_s": predicted_s,
             "late": late,
             "same_as_none": same,
             "screened": list(screened),
@@ -396,9 +399,13 @@ class AdaptivePolicy:
                 (v for n, v in feasible.items() if n != "none"), default=float("inf"))
                 > feasible["none"] * (1 + self.switch_now)),
         }
-        if chosen == "eplb" and cur != "eplb" and not resident:
-            info["sync_s"] = breakdowns["eplb"].weight_sync_s
-        plan = dataclasses.replace(src, policy=self.name, info=info)
+        switched = chosen == "eplb" and cur != "eplb" and not resident
+        plan = dataclasses.replace(
+            src, policy=self.name, info=info,
+            choice=Choice(chosen, reason, dict(info["adaptive"]["predictions"]), predicted_s, tuple(screened), probe),
+            engine_s=float(engine_s),
+            planner_s=float(src.planner_s if src.planner_s is not None else cm.params.planner_s.get(chosen, 0.0)),
+            sync_s=float(breakdowns["eplb"].weight_sync_s) if switched else None)
         self._memo = (plan, plans)
         return plan
 

@@ -118,6 +118,7 @@ def assemble_plan(
     info: dict | None = None,
     expert_domains: ExpertDomains | None = None,
     static_overlap: bool = False,
+    planner_s: float | None = None,
 ) -> Plan:
     """Build a :class:`Plan` from replica rows ``(expert, rank, slot[, quota])``, each ``[P]``.
 
@@ -125,7 +126,8 @@ def assemble_plan(
     ``plan.routes_RRS`` is first read; without it tokens are split evenly over instances (historical
     balancing) right away and quotas follow from the split.
     ``transfer_mask[P]`` (row order) selects the replicas whose weights must be sent (default: all).
-    ``expert_domains`` and ``static_overlap`` are the plan's typed facts for the cost model (see :class:`Plan`).
+    ``expert_domains``, ``static_overlap`` and ``planner_s`` are the plan's typed facts for the cost model (see
+    :class:`Plan`).
     """
     t = topology
     has_quota = rep_quota is not None
@@ -160,6 +162,7 @@ def assemble_plan(
         routes=None if has_quota else routes,
         expert_domains=expert_domains,
         static_overlap=static_overlap,
+        planner_s=planner_s,
     )
 
 

@@ -351,8 +351,8 @@ class EplbPolicy:
             # masters-only plan is not a placement: the next step places as soon as history exists
             # instead of waiting ``interval`` steps (issue 15, item 2).
             info={"refreshed": bool(refresh), "placed": bool(refresh and w is not None),
-                  "age": 0 if refresh else self._age, "replicas": reps,
-                  **({"plan_s": EPLB_PLUS_PLAN_S} if self.use_current_load else {})},
+                  "age": 0 if refresh else self._age, "replicas": reps},
+            planner_s=EPLB_PLUS_PLAN_S if self.use_current_load else None,
         )
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
         return plan

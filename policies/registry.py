@@ -46,11 +46,11 @@ def get_policy_class(name: str) -> type:
 
 
 def is_chooser(name: str) -> bool:
-    """True for a policy that decides by choosing among other policies' plans: it takes ready candidate
-    instances (``policies=``) and the candidates' names (``candidates=``). The simulator builds such a policy
-    last, over the candidate instances it shares with the fixed policies, and keeps its decisions."""
-    params = inspect.signature(get_policy_class(name).__init__).parameters
-    return "policies" in params and "candidates" in params
+    """True for a policy that decides by choosing among other policies' plans (its class says so:
+    ``chooses_among_policies``; it then takes ready candidate instances, ``policies=``, and the candidates'
+    names, ``candidates=``). The simulator builds such a policy last, over the candidate instances it shares
+    with the fixed policies, and keeps its decisions."""
+    return bool(getattr(get_policy_class(name), "chooses_among_policies", False))
 
 
 def option_default(name: str, option: str):

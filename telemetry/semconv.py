@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from ultraep.timings import TERMS
+
 # --------------------------------------------------------------------------- resource / scope
 SERVICE_NAME = "ultraep"
 INSTRUMENTATION_SCOPE = "ultraep.telemetry"
@@ -93,9 +95,9 @@ TIMING_KEYS = (
     "predicted_s",
 )
 
-#: cost-model terms the runtime records as ``predicted.<term>`` and ``measured.<term>`` timing keys (in ``other``)
-PREDICTED_TERMS = ("compute_fwd_s", "compute_bwd_s", "a2a_fwd_s", "a2a_bwd_s", "weight_sync_s", "copy_s", "plan_s",
-                   "total_s")
+#: cost-model terms the runtime records as ``predicted.<term>`` and ``measured.<term>`` timing keys (in ``other``):
+#: the one set of phase names (:mod:`ultraep.timings`)
+PREDICTED_TERMS = TERMS
 
 #: replica-cache counters the runtime records per call and rank (in ``other``): replicas of this rank found
 #: resident, replicas streamed, and the weight bytes the hits did not receive

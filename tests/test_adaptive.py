@@ -42,7 +42,7 @@ def test_large_skew_picks_quota_with_every_prediction_recorded():
     assert a["chosen"] == "quota" and plan.policy == "adaptive"
     assert set(a["predictions"]) == {"none", "quota", "eplb", "feplb", "hybridep"}
     assert a["predictions"]["quota"] == min(a["predictions"].values())
-    assert cm.predict(plan).total_s == pytest.approx(a["predictions"]["quota"] + plan.info["engine_s"])
+    assert cm.predict(plan).total_s == pytest.approx(a["predictions"]["quota"] + plan.engine_s)
 
 
 def test_constant_workload_does_not_flap():

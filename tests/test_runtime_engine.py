@@ -54,24 +54,24 @@ def _call(holder, rt, inputs):
 
 
 def _calibration_reaches_decisions(rank, world):
-    import ultraep.runtime.layer as ep
+    import ultraep.runtime.phases as ep
 
     cfg = {"policy": "adaptive", "num_redundant_slots": 2, "check_plan_hash": True,
            "layers": {0: {"kind": "adaptive", "candidates": ["none", "quota"], "probe_every": 0}}}
     holder, rt, inputs = _layer(rank, cfg)
     # Controlled measurements (this machine's own would make the test depend on its speed): phase A says
     # expert compute dominates (1 s forward, 2 s backward) and copies cost nothing: balancing pays.
-    # MEASURED: compute fwd, compute bwd, dispatch, combine, combine bwd, dispatch bwd, weight sync, copies,
+    # RANK_PHASES: compute fwd, compute bwd, dispatch, combine, combine bwd, dispatch bwd, weight sync, copies,
     # plan, total
     compute_bound = np.array([1.0, 2.0, 5e-4, 5e-4, 5e-4, 5e-4, 0.0, 0.0, 1e-4, 3.0])
-    ep._phases = lambda t: compute_bound.copy()
+    ep.rank_phases = lambda t: compute_bound.copy()
     for _ in range(3):
         _call(holder, rt, inputs)
     before = [h[2] for h in rt.history]
     # phase B: the replica weights take 50 s to arrive (and the layer time says so)
     slow = compute_bound.copy()
     slow[6], slow[9] = 50.0, 53.0
-    ep._phases = lambda t: slow.copy() if t.get("weight_sync_flight_s", 0.0) > 0 else compute_bound.copy()
+    ep.rank_phases = lambda t: slow.copy() if t.get("weight_sync_flight_s", 0.0) > 0 else compute_bound.copy()
     for _ in range(3):
         _call(holder, rt, inputs)
     after = [h[2] for h in rt.history[3:]]

@@ -15,7 +15,7 @@ arXiv 2604.19654 §2; the terms are listed in ``docs/simulator.md`` with the num
                    dispatch plus the smallest per-rank master compute (posted early, waited late)
     copy         = max_r replica bytes r packs/unpacks/reduces · copy_s_per_byte (host runtime; 0 on GPUs)
     plan         = planner time of the policy (model figures from the papers, or measured)
-    engine       = the adaptive engine's decision overhead (``plan.info["engine_s"]``), else 0
+    engine       = the adaptive engine's decision overhead (``plan.engine_s``), else 0
     fwd          = engine + plan + weight_sync + a2a_fwd + compute_fwd + non_moe_fwd   (UltraEP Eq. 1)
                    FEPLB: plan + copies overlap the static-expert compute; only the excess is exposed
                    HybridEP: expert all-gather is prefetched behind the pre-expert window; excess exposed
@@ -322,8 +322,8 @@ class CostModel:
         return self._tree_time(tree, self.grad_bytes / self.expert_bytes, self.grad_bw) * self.params.grad_reduce_scale
 
     def planner_time(self, plan: Plan) -> float:
-        if "plan_s" in plan.info:
-            return float(plan.info["plan_s"]) * self.params.plan_scale
+        if plan.planner_s is not None:
+            return float(plan.planner_s) * self.params.plan_scale
         return self.params.planner_s.get(plan.policy, 0.0) * self.params.plan_scale
 
     # ------------------------------------------------------------------ prediction
@@ -331,12 +331,12 @@ class CostModel:
         """Predicted time of ``plan``. ``sync_s`` overrides the weight-sync term (e.g. a switch to a
         placement whose replicas are not resident, see :meth:`full_sync_time`)."""
         dom = plan.expert_domains
-        if dom is not None and "engine_s" not in plan.info:  # the overlay alone: no planner, no replicas
+        if dom is not None and plan.choice is None:  # the overlay alone: no planner, no replicas
             return self.predict_hybrid(plan.load_RE, dom.size, dom.compression, fetched=dom.fetched)
         tr = self.traffic(plan)
         ag_bytes_R = None if dom is None else self.allgather_bytes_R(dom.size, dom.compression, dom.fetched)
         if sync_s is None:
-            sync_s = plan.info.get("sync_s")
+            sync_s = plan.sync_s
         wsync = self.weight_sync_time(plan) if sync_s is None else float(sync_s)
         master_s = None
         if self.params.weight_sync_overlap and wsync > 0:
@@ -347,7 +347,7 @@ class CostModel:
             tr, plan_s=self.planner_time(plan), wsync=wsync,
             grad_s=self.grad_reduce_time(plan) if self.params.mode == "training" else 0.0,
             overlap_static=plan.static_overlap, ag_bytes=ag_bytes_R,
-            engine_s=float(plan.info.get("engine_s", 0.0)), master_s=master_s, copy_s=self.copy_time(plan),
+            engine_s=float(plan.engine_s), master_s=master_s, copy_s=self.copy_time(plan),
         )
 
     def copy_time(self, plan: Plan) -> float:

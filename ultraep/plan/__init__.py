@@ -105,14 +105,6 @@ class Choice:
     screened: tuple[str, ...] = ()
     probe: bool = False
 
-    @staticmethod
-    def of(info: dict) -> "Choice | None":
-        a = info.get("adaptive")
-        if a is None:
-            return None
-        return Choice(a["chosen"], a["reason"], dict(a["predictions"]), float(a["predicted_s"]),
-                      tuple(a.get("screened", ())), bool(a.get("probe", False)))
-
 
 @dataclass(frozen=True)
 class ExpertDomains:
@@ -133,10 +125,14 @@ class ExpertDomains:
 class Plan:
     """One layer's balancing decision. Immutable; derived figures are computed on first access.
 
-    Besides the placement, two typed facts tell the cost model how the plan runs (set by the policy that made it,
+    Besides the placement, typed facts tell the cost model how the plan runs (set by the policy that made it,
     kept by a policy that passes another's plan on): ``expert_domains`` (HybridEP's weight-fetching overlay) and
     ``static_overlap`` (FEPLB: planning and replica copies run while the static masters compute, only the excess
-    is exposed). ``info`` holds the policy's own diagnostics (recorded by telemetry, read by its tests)."""
+    is exposed). A policy that chose among candidates (``adaptive``) adds its ``choice`` and what the choice
+    costs: ``engine_s`` (its exposed decision overhead), ``planner_s`` (the chosen candidate's planning seconds,
+    when not the preset's) and ``sync_s`` (a weight sync other than the transfers', e.g. a historical placement
+    switched to). ``info`` holds the policy's own diagnostics (recorded by telemetry, read by the policy and its
+    tests), never read across packages."""
 
     policy: str
     topology: Topology
@@ -151,6 +147,10 @@ class Plan:
     """Precomputed ``routes_RRS`` (even split); ``None`` = derive the locality-aware split on first use."""
     expert_domains: ExpertDomains | None = None
     static_overlap: bool = False
+    choice: Choice | None = None
+    engine_s: float = 0.0
+    planner_s: float | None = None
+    sync_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("load_RE", "phy2log_RS", "quota_RS"):
@@ -159,7 +159,7 @@ class Plan:
     @property
     def decision(self) -> Choice | None:
         """The typed choice of a policy that chose among candidates; None for a fixed policy."""
-        return Choice.of(self.info)
+        return self.choice
 
     @property
     def chosen_policy(self) -> str:

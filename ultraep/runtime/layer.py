@@ -34,10 +34,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from ultraep.runtime import phases
 from ultraep.runtime.comm import AllToAll, all_gather_bytes, gather_load
 from ultraep.errors import CollectiveFailedError, PendingGradientsError, PlanDivergenceError
 from ultraep.runtime.replica_cache import MasterEpoch, ReplicaCache
 from ultraep.runtime.replicas import DeferredGrads, GradSink, ReplicaExperts, ReplicaJob
+from ultraep.timings import TERMS
 
 if TYPE_CHECKING:  # pragma: no cover
     from ultraep.models.adapters import ExpertsAdapter
@@ -48,52 +50,11 @@ if TYPE_CHECKING:  # pragma: no cover
 RankFailureError = CollectiveFailedError
 
 
-#: what each rank measured of a layer's last complete call, piggy-backed on the next call's load all-gather
-#: (int64 nanoseconds), so every rank calibrates from every rank's timings and decides identically
-MEASURED = ("compute_fwd_s", "compute_bwd_s", "dispatch_s", "combine_s", "combine_bwd_s", "dispatch_bwd_s",
-            "weight_sync_s", "copy_s", "plan_s", "total_s")
-#: the all-to-all phases: each rank's time includes waiting for slower ranks; the fastest rank's is the exchange
-_A2A = {"a2a_fwd_s": ("dispatch_s", "combine_s"), "a2a_bwd_s": ("combine_bwd_s", "dispatch_bwd_s")}
-
-
-def _phases(t: dict[str, float]) -> np.ndarray:
-    """``[len(MEASURED)]`` seconds from one call's recorded timings on this rank."""
-    g = t.get
-    bwd = "backward_s" in t
-    return np.array([
-        g("master_compute_s", 0.0) + g("replica_compute_s", 0.0),
-        max(0.0, g("backward_compute_s", 0.0) - g("grad_post_s", 0.0) - g("recompute_s", 0.0)) if bwd else 0.0,
-        g("dispatch_s", 0.0),
-        g("combine_s", 0.0),
-        g("combine_bwd_s", 0.0) if bwd else 0.0,
-        g("dispatch_bwd_s", 0.0) if bwd else 0.0,
-        g("weight_sync_flight_s", 0.0),
-        g("weight_post_s", 0.0) + g("weight_unpack_s", 0.0) + g("grad_post_s", 0.0) + g("grad_reduce_s", 0.0),
-        g("plan_s", 0.0),
-        g("measured_s", 0.0),
-    ])
-
-
-def _reduce_measured(meas_RK: np.ndarray) -> tuple[dict[str, float], float]:
-    """Every rank's ``[R, K]`` phases → the layer's measurements in the cost model's terms: the slowest rank
-    sets compute, copies and the layer time; each all-to-all phase takes the *fastest* rank's time (the last
-    to arrive waits for nobody, so its time is the exchange itself, not another rank's straggling)."""
-    hi = dict(zip(MEASURED, meas_RK.max(axis=0).tolist()))
-    lo = dict(zip(MEASURED, meas_RK.min(axis=0).tolist()))
-    m = {k: hi[k] for k in ("compute_fwd_s", "compute_bwd_s", "weight_sync_s", "copy_s", "plan_s")}
-    for term, parts in _A2A.items():
-        m[term] = sum(lo[p] for p in parts)
-    if m["compute_bwd_s"] <= 0:  # forward only (serving): nothing measured of the backward
-        m.pop("compute_bwd_s")
-        m.pop("a2a_bwd_s")
-    return m, hi["total_s"]
-
-
 #: fields of the load all-gather before the measured phases: ids above the sentinel, "measured the last call",
 #: master epoch (replica cache), "replica cache buffers free"
 _HEAD = 4
-#: the cost model's terms recorded next to their measurement
-PREDICTED = ("compute_fwd_s", "compute_bwd_s", "a2a_fwd_s", "a2a_bwd_s", "weight_sync_s", "copy_s", "plan_s", "total_s")
+#: the cost model's terms recorded next to their measurement: the one set of phase names
+PREDICTED = TERMS
 
 
 class BalancedExperts(nn.Module):
@@ -219,6 +180,10 @@ class BalancedExperts(nn.Module):
         return torch.zeros_like(hidden_states).index_add(0, tok, y)
 
     def _balanced(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        # One function of ~160 lines on purpose: Steps 1-7 (module docstring) are the layer's collective
+        # protocol — every rank must issue the same collectives in the same order — and they share some twenty
+        # locals (plan, job, splits, marks, timestamps); split into methods, that order would hide behind calls
+        # and the locals behind attributes. Each step is marked where it starts.
         from ultraep.kernels import dispatch_layout, permute, reroute, reroute_table, unpermute
 
         rt = self.runtime
@@ -231,7 +196,7 @@ class BalancedExperts(nn.Module):
         # Step 1: exact load, and every rank's timings of this layer's last complete call.
         counts = torch.bincount(top_k_index.reshape(-1).to(torch.int64), minlength=E)
         obs, self._observation = self._observation, None
-        K = len(MEASURED)
+        K = len(phases.RANK_PHASES)
         mine = torch.zeros(_HEAD + K, dtype=torch.int64)
         mine[0] = int(counts[E:].sum())  # ids beyond the sentinel: every rank refuses together
         mine[2] = self.epoch.current(self.master_params())  # the replica cache's master epoch of this rank
@@ -252,7 +217,7 @@ class BalancedExperts(nn.Module):
         t1 = time.perf_counter()
         eng = rt.engine
         if obs is not None and extra[:, 1].all():  # every rank measured the same call: calibrate identically
-            measured, total = _reduce_measured(extra[:, _HEAD:].astype(np.float64) * 1e-9)
+            measured, total = phases.reduce_phases(extra[:, _HEAD:].astype(np.float64) * 1e-9)
             rt.safe(eng.observe, obs[0], obs[1], self.layer, measured, total)
         # Step 2: plan (identical on every rank: the residency table is too) and commit.
         epoch_R = extra[:, 2]
@@ -443,12 +408,12 @@ class BalancedExperts(nn.Module):
                                           - t.get("restore_s", 0.0))
         self.last_timings = t
         complete = "backward_s" in t or not call.needs_backward
-        phases = _phases(t)
-        mine, total = _reduce_measured(phases[None, :])
+        rank_ph = phases.rank_phases(t)
+        mine, total = phases.reduce_phases(rank_ph[None, :])
         for k, v in {**mine, "total_s": total}.items():
             t[f"measured.{k}"] = v  # this rank's; the engine calibrates from every rank's (next call)
         if complete:  # sent with the next call's load: the engine calibrates from every rank's phases
-            self._observation = (call.key[0], call.key[1], phases)
+            self._observation = (call.key[0], call.key[1], rank_ph)
         self.runtime.record_layer(self, call.plan, t, call.job, call.decision, call.key)
 
     def _experts(self, recv: torch.Tensor, C: np.ndarray, plan, job: ReplicaJob | None,

@@ -201,7 +201,7 @@ class _PointCostModel(CostModel):
             return super().predict(plan, **kw)
         # keyed by the arrays and info a plan shares with its copies (the engine hands each policy's plan over
         # with the transfers of its own residency: a copy, equal when the residency is)
-        key = (id(plan.quota_RS), id(plan.info), kw.get("sync_s"))
+        key = (id(plan.quota_RS), id(plan.info), kw.get("sync_s"), plan.engine_s, plan.planner_s, plan.sync_s)
         hit = self._memo.get(key)
         if hit is None or not _same_plan(hit[0], plan):
             hit = self._memo[key] = (plan, super().predict(plan, **kw))
@@ -335,7 +335,7 @@ def _transfer_bytes(plan: Plan, cm: CostModel) -> float:
     dom = plan.expert_domains
     if dom is not None:
         return float(cm.allgather_bytes_R(dom.size, dom.compression, dom.fetched).sum())
-    if "sync_s" in plan.info or (cm.params.resend_all_replicas and plan.num_replicas):  # every replica moves
+    if plan.sync_s is not None or (cm.params.resend_all_replicas and plan.num_replicas):  # every replica moves
         return float(cm.replica_tree(plan).bytes.sum())
     return float(plan.transfers.bytes.sum()) if len(plan.transfers) else 0.0
 

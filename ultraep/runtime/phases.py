@@ -1,0 +1,56 @@
+"""A balanced layer's measured phases, in the one set of phase names (:mod:`ultraep.timings`).
+
+Legend: R ranks, K = ``len(RANK_PHASES)``.
+
+    Step 1 (each rank, after a call's backward or, when serving, its forward): :func:`rank_phases` sums the
+           call's raw timings (the ``timings`` keys: ``master_compute_s``, ``weight_post_s``, ...) into
+           ``RANK_PHASES`` — the cost model's terms, with the all-to-all kept as its four exchanges.
+    Step 2: the ``[K]`` vector rides on the next call's load all-gather (int64 nanoseconds), so every rank
+           holds ``[R, K]``.
+    Step 3 (every rank alike): :func:`reduce_phases` reduces it to the layer's measurement in
+           :data:`~ultraep.timings.TERMS` — the slowest rank sets compute, copies, planning and the layer time;
+           each all-to-all takes the *fastest* rank's time (the last to arrive waits for nobody, so its time is
+           the exchange itself, not another rank's straggling) — and the engine calibrates from it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: what each rank measured of a layer's call: the cost model's terms, the all-to-alls as their four exchanges
+RANK_PHASES = ("compute_fwd_s", "compute_bwd_s", "dispatch_s", "combine_s", "combine_bwd_s", "dispatch_bwd_s",
+               "weight_sync_s", "copy_s", "plan_s", "total_s")
+#: the all-to-all terms and the exchanges each sums
+_A2A = {"a2a_fwd_s": ("dispatch_s", "combine_s"), "a2a_bwd_s": ("combine_bwd_s", "dispatch_bwd_s")}
+
+
+def rank_phases(t: dict[str, float]) -> np.ndarray:
+    """Step 1: ``[K]`` seconds from one call's recorded timings ``t`` on this rank."""
+    g = t.get
+    bwd = "backward_s" in t
+    return np.array([
+        g("master_compute_s", 0.0) + g("replica_compute_s", 0.0),
+        max(0.0, g("backward_compute_s", 0.0) - g("grad_post_s", 0.0) - g("recompute_s", 0.0)) if bwd else 0.0,
+        g("dispatch_s", 0.0),
+        g("combine_s", 0.0),
+        g("combine_bwd_s", 0.0) if bwd else 0.0,
+        g("dispatch_bwd_s", 0.0) if bwd else 0.0,
+        g("weight_sync_flight_s", 0.0),
+        g("weight_post_s", 0.0) + g("weight_unpack_s", 0.0) + g("grad_post_s", 0.0) + g("grad_reduce_s", 0.0),
+        g("plan_s", 0.0),
+        g("measured_s", 0.0),
+    ])
+
+
+def reduce_phases(meas_RK: np.ndarray) -> tuple[dict[str, float], float]:
+    """Step 3: every rank's ``[R, K]`` phases → ``({term: seconds}, layer seconds)``; forward-only calls
+    (serving) leave the backward terms out."""
+    hi = dict(zip(RANK_PHASES, meas_RK.max(axis=0).tolist()))
+    lo = dict(zip(RANK_PHASES, meas_RK.min(axis=0).tolist()))
+    m = {k: hi[k] for k in ("compute_fwd_s", "compute_bwd_s", "weight_sync_s", "copy_s", "plan_s")}
+    for term, parts in _A2A.items():
+        m[term] = sum(lo[p] for p in parts)
+    if m["compute_bwd_s"] <= 0:  # forward only (serving): nothing measured of the backward
+        m.pop("compute_bwd_s")
+        m.pop("a2a_bwd_s")
+    return m, hi["total_s"]
