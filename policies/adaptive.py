@@ -176,25 +176,38 @@ class AdaptivePolicy:
     def estimate(self, name: str, calibrated_s: float) -> float:
         """Step 3's number for a candidate (``calibrated_s``: the calibrated model's prediction of its plan):
 
-        * the policy in force: ``calibrated_s`` times its measured/predicted ratio — it ran last call, so
-          calibration is fresh for it and a change the calibrator sees (a slower link) reaches it at once;
-        * another candidate that has run: the anchor model's prediction times its measured/anchor ratio — its
+        * a candidate that has run: the anchor model's prediction times its measured/anchor ratio — its
           measured layer time carried to this load by a model that does not move. Calibration learned from the
           other candidates' runs can drift its calibrated prediction far from what it measured (on tiny
           layers fixed per-call costs are mistaken for compute: ``none`` looked 1.9x slower than it ran);
+        * the policy in force, the same once it has FEW_RUNS measurements and a rival has run too (both then
+          compare on one basis; see :meth:`_anchored`); before that ``calibrated_s`` times its measured/predicted
+          ratio, so a change the calibrator sees (a slower link) reaches it at once;
         * a candidate that never ran: ``calibrated_s`` times the others' mean ratio, until its probe.
         """
-        if name == self._current and name in self._outcome:
+        if name == self._current and name in self._outcome and not self._anchored(name):
             return calibrated_s * self.correction(name)
         if name in self._outcome_anchor and name in self._anchor_s:
             return self._anchor_s[name] * float(np.exp(self._outcome_anchor[name][0]))
         return calibrated_s * self.correction(name)
 
+    def _anchored(self, name: str) -> bool:
+        """Whether ``name`` is estimated on the anchor basis. Every candidate that has run is — except the policy
+        in force while it has fewer than FEW_RUNS measurements or no rival has run. Comparing the policy in force
+        on the calibrated basis with rivals on the anchor basis made the engine flap: calibration follows each
+        call, so one call slowed by something else (2x at 64 tokens per rank) raised only the current's estimate
+        and switched it away at once, the next call switched back (T=64: none <-> feplb every call)."""
+        if name not in self._outcome_anchor:
+            return False
+        if name != self._current:
+            return True
+        return self._outcome_anchor[name][1] >= FEW_RUNS and any(n != name for n in self._outcome_anchor)
+
     def _anchor_predictions(self, topology: Topology, plans: dict, resident: bool, names=None) -> None:
         """Anchor-model predictions for :meth:`estimate` of ``names`` (default: the candidates that have run),
         added to this decision's (a new decision starts with ``names=None``)."""
         am = model_for(self._anchor, topology)
-        todo = ([n for n in plans if n in self._outcome_anchor and n != self._current] if names is None
+        todo = ([n for n in plans if self._anchored(n)] if names is None
                 else [n for n in names if n not in self._anchor_s])
         got = {n: self._predict(am, n, plans[n], resident).total_s for n in todo}
         self._anchor_s = got if names is None else {**self._anchor_s, **got}
@@ -310,8 +323,7 @@ class AdaptivePolicy:
         known = breakdowns or {}
         breakdowns = {}
         if self._anchor_plans is plans:  # plan() started them; add candidates planned since
-            self._anchor_predictions(topology, plans, resident, names=[n for n in plans if n in self._outcome_anchor
-                                                                       and n != self._current])
+            self._anchor_predictions(topology, plans, resident, names=[n for n in plans if self._anchored(n)])
         else:  # decide() called directly (the simulator's shared candidates)
             self._anchor_predictions(topology, plans, resident)
         for name, pl in plans.items():  # Step 3

@@ -238,3 +238,21 @@ def test_a_candidate_that_does_what_none_does_is_not_chosen_over_none_for_noise(
     decisions = [_run(pol, cm, load, lambda n: noise[n] * 1e-3) for _ in range(OUTCOME_WARMUP + 20)]
     assert all(a["same_as_none"] == ["hybridep"] for a in decisions[1:])
     assert {a["chosen"] for a in decisions} == {"none"}
+
+
+def test_the_policy_in_force_is_compared_on_the_same_basis_as_its_rivals():
+    """Once the policy in force and a rival have both been measured, a jump of the calibrated model (one noisy
+    call) moves neither estimate: before, only the current's moved, and the engine switched away and back."""
+    from ultraep.policies.adaptive import OUTCOME_WARMUP
+
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=8, probe_max_loss=10.0)
+    load = _load(1.0)
+    truth = {"none": 2e-3, "quota": 1e-3}
+    for _ in range(OUTCOME_WARMUP + 30):
+        _run(pol, cm, load, truth.get)
+    assert pol._current == "quota" and pol._outcome_anchor["none"][1] >= 1
+    pol.cost_model = cm.with_params(cm.params.model_copy(update={"compute_scale": 5.0}))  # a calibration jump
+    a = pol.plan(load, cm.topology).info["adaptive"]
+    assert a["predictions"]["quota"] == pytest.approx(truth["quota"], rel=0.05)
+    assert a["chosen"] == "quota"
