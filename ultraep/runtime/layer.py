@@ -130,16 +130,17 @@ class BalancedExperts(nn.Module):
 
     @contextmanager
     def _timed(self, marks: dict[str, float], key: str, phase: str):
-        """:meth:`_collective` that also notes the seconds it took under ``marks[key]`` (backward all-to-alls)."""
+        """:meth:`collective` that also notes the seconds it took under ``marks[key]`` (backward all-to-alls)."""
         t0 = time.perf_counter()
-        with self._collective(phase):
+        with self.collective(phase):
             yield
         marks[key] = marks.get(key, 0.0) + time.perf_counter() - t0
 
     @contextmanager
-    def _collective(self, phase: str, peers: list[int] | None = None):
+    def collective(self, phase: str, peers: list[int] | None = None):
         """Around one collective: a backend failure (peer died, timeout) flushes this rank's telemetry and
-        becomes :class:`~ultraep.errors.CollectiveFailedError` naming the layer, the phase and the peers."""
+        becomes :class:`~ultraep.errors.CollectiveFailedError` naming the layer, the phase and the peers.
+        Public: the layer's replica jobs (``replicas.py``) run their point-to-point exchanges under it too."""
         try:
             yield
         except (CollectiveFailedError, PlanDivergenceError):
@@ -204,7 +205,7 @@ class BalancedExperts(nn.Module):
         if obs is not None:
             mine[1] = 1
             mine[_HEAD:] = torch.as_tensor(np.round(obs[2] * 1e9).astype(np.int64))
-        with self._collective("load all-gather"):
+        with self.collective("load all-gather"):
             gathered = gather_load(torch.cat([counts[:E], mine.to(counts.device)]), rt.group)
         load, extra = gathered[:, :E], gathered[:, E:]
         if extra[:, 0].any():
@@ -241,7 +242,7 @@ class BalancedExperts(nn.Module):
         plan = decision.plan
         eng.commit(decision)
         if rt.config.check_plan_hash:
-            with self._collective("plan-hash all-gather"):
+            with self.collective("plan-hash all-gather"):
                 digests = all_gather_bytes(plan.digest().encode(), rt.group)
             if len(set(digests)) != 1:
                 bad = [r for r, d in enumerate(digests) if d != digests[0]]
@@ -291,7 +292,7 @@ class BalancedExperts(nn.Module):
         t4 = time.perf_counter()
         # Step 5: dispatch; relays forward the weights they received.
         marks: dict[str, float] = {}  # backward timings of this call, filled by hooks and the all-to-alls
-        with self._collective("token dispatch (all-to-all)"):
+        with self.collective("token dispatch (all-to-all)"):
             recv = AllToAll.apply(send, out_splits, in_splits, rt.group,
                                   lambda: self._timed(marks, "dispatch_bwd_s", "token dispatch gradient (all-to-all)"))
         rt.event("dispatched", self.layer)
@@ -307,7 +308,7 @@ class BalancedExperts(nn.Module):
         y_recv, master_s = self._experts(recv, C, plan, job, unbound)
         t6 = time.perf_counter()
         # Step 7: return rows and combine.
-        with self._collective("token combine (all-to-all)"):
+        with self.collective("token combine (all-to-all)"):
             y_send = AllToAll.apply(y_recv, in_splits, out_splits, rt.group,
                                     lambda: self._timed(marks, "combine_bwd_s", "token combine gradient (all-to-all)"))
         out = unpermute(y_send, top_k_weights.to(y_send.dtype), lay)

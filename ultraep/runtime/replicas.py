@@ -257,7 +257,7 @@ class ReplicaJob:
             recvs = [(m.peer, self.arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in sched.recvs]
             sends = [(m.peer, buf) for m, buf in pack_sends(sched, masters, lay)]
             self._recv_groups = [range(i, i + 1) for i in range(len(recvs))]
-        with self.layer._collective("replica weight sync (post)", _peers(sends, recvs)):
+        with self.layer.collective("replica weight sync (post)", _peers(sends, recvs)):
             self._weights = post(sends, recvs, self.rt.transfer_group, tag=TAG_WEIGHTS)
         self._num_recv0 = sum(1 for m in sched.recvs if m.stage == 0)
         self.bytes_sent = sum(int(b.numel() * b.element_size()) for _, b in sends)
@@ -271,7 +271,7 @@ class ReplicaJob:
         if not self.schedule.sends1:
             return
         t0 = time.perf_counter()
-        with self.layer._collective("replica weight sync (relay stage)", [m.peer for m in self.schedule.recvs]):
+        with self.layer.collective("replica weight sync (relay stage)", [m.peer for m in self.schedule.recvs]):
             self._weights.wait(range(self._num_recv0))
             sends = [(m.peer, buf) for m, buf in forward_sends(self.schedule, self.arena)]
             self._relay = post(sends, [], self.rt.transfer_group, tag=TAG_WEIGHTS)
@@ -284,7 +284,7 @@ class ReplicaJob:
 
         t0 = time.perf_counter()
         w = self._weights
-        with self.layer._collective("replica weight sync (wait)", [m.peer for m in self.schedule.recvs]):
+        with self.layer.collective("replica weight sync (wait)", [m.peer for m in self.schedule.recvs]):
             w.poll()
             w.wait(range(w.num_recvs))
         self._event("weight_sync_waited")
@@ -307,7 +307,7 @@ class ReplicaJob:
         """Complete this rank's weight sends (after the combine: every receiver has long waited)."""
         for p in (self._weights, self._relay):
             if p is not None:
-                with self.layer._collective("replica weight sync (send)", []):
+                with self.layer.collective("replica weight sync (send)", []):
                     p.wait(range(p.num_recvs, len(p.reqs)))
         self._weights = self._relay = None
         self.arena = None
@@ -385,7 +385,7 @@ class ReplicaJob:
             self._grad_arena = lay.empty(gs.arena_tiles, device=dev)
             P = lay.tiles_per_expert
             recvs = [(m.peer, self._grad_arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in gs.recvs]
-        with self.layer._collective("replica gradient reduction (post)", _peers(recvs)):
+        with self.layer.collective("replica gradient reduction (post)", _peers(recvs)):
             self._grads_in = post([], recvs, self.rt.transfer_group, tag=TAG_GRADS)
 
     def backward(self, grad: torch.Tensor, shared: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, list]:
@@ -446,7 +446,7 @@ class ReplicaJob:
             sends = [(m.peer, buf) for m, buf in pack_grad_sends(
                 gs, {e: eg.get(e, zero) for m in gs.sends for e in m.experts}, self.grad_layout)]
         self.grad_bytes_sent = sum(int(b.numel() * b.element_size()) for _, b in sends)
-        with self.layer._collective("replica gradient reduction (send)", _peers(sends)):
+        with self.layer.collective("replica gradient reduction (send)", _peers(sends)):
             self._grads_out = post(sends, [], self.rt.transfer_group, tag=TAG_GRADS)
         self._event("grad_sent")
         t3 = time.perf_counter()
@@ -462,7 +462,7 @@ class ReplicaJob:
 
         self.post_grad_recvs()  # a no-op unless the layer's backward started without the output hook
         t0 = time.perf_counter()
-        with self.layer._collective("replica gradient reduction (wait)", _peers([(m.peer, None) for m in
+        with self.layer.collective("replica gradient reduction (wait)", _peers([(m.peer, None) for m in
                                                                                  self.grad_schedule.recvs])):
             self._grads_in.wait()
         self._event("grad_reduced")
@@ -491,7 +491,7 @@ class ReplicaJob:
 
     def finish_grad_sends(self) -> None:
         if self._grads_out is not None:
-            with self.layer._collective("replica gradient reduction (send)", []):
+            with self.layer.collective("replica gradient reduction (send)", []):
                 self._grads_out.wait()
             self._grads_out = None
 
