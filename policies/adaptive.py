@@ -230,7 +230,8 @@ class AdaptivePolicy:
         like FEPLB, which plans on a CPU thread under static compute)."""
         if not getattr(self.policies.get(name), "planner_exposed", True):
             return 0.0
-        return cm.params.planner_s.get(name, 0.0) * cm.params.plan_scale
+        own = getattr(self.policies.get(name), "planner_s", 0.0)
+        return cm.params.planner_s.get(name, own) * cm.params.plan_scale
 
     def screened(self, load_RE: np.ndarray, topology: Topology, *, none_s: float | None = None,
                  ideal_s: float | None = None, others_s: dict[str, float] | None = None) -> list[str]:
@@ -416,7 +417,7 @@ class AdaptivePolicy:
             src, policy=self.name, info=info,
             choice=Choice(chosen, reason, dict(info["adaptive"]["predictions"]), predicted_s, tuple(screened), probe),
             engine_s=float(engine_s),
-            planner_s=float(src.planner_s if src.planner_s is not None else cm.params.planner_s.get(chosen, 0.0)),
+            planner_s=float(cm.params.planner_s.get(chosen, src.planner_s if src.planner_s is not None else 0.0)),
             sync_s=float(breakdowns["eplb"].weight_sync_s) if switched else None)
         self._memo = (plan, plans)
         return plan

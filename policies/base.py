@@ -25,7 +25,12 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 @runtime_checkable
 class Policy(Protocol):
-    """What the engine, simulator and ``plan_layer`` call."""
+    """What the engine, simulator and ``plan_layer`` call.
+
+    Optional class attributes a policy declares about itself (absent = the default): ``planner_s`` (its
+    planning seconds on the critical path, put on every plan it makes for the cost model; 0),
+    ``planner_exposed`` (False when planning hides behind compute; True), ``needs_cost_model``,
+    ``uses_residency``, ``one_shot_options``, ``step_count_options``, ``chooses_among_policies``."""
 
     name: ClassVar[str]
 

@@ -300,6 +300,9 @@ class EplbPolicy:
     """
 
     name = "eplb"
+    #: historical placement is decided off the critical path (0); fed the current load (EPLB+) it plans on it
+    #: and its plans carry EPLB_PLUS_PLAN_S instead
+    planner_s = 0.0
     #: defaults of a one-shot plan (``plan_layer``): with no history, plan from the load given (EPLB+)
     one_shot_options = {"use_current_load": True}
     #: options counted in committed plans of the layer: a replay of every k-th point divides them by k, so that
@@ -352,7 +355,7 @@ class EplbPolicy:
             # instead of waiting ``interval`` steps (issue 15, item 2).
             info={"refreshed": bool(refresh), "placed": bool(refresh and w is not None),
                   "age": 0 if refresh else self._age, "replicas": reps},
-            planner_s=EPLB_PLUS_PLAN_S if self.use_current_load else None,
+            planner_s=EPLB_PLUS_PLAN_S if self.use_current_load else self.planner_s,
         )
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
         return plan

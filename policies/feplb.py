@@ -124,6 +124,8 @@ class FeplbPolicy:
     """
 
     name = "feplb"
+    #: planning seconds: a CPU greedy of ~50 µs (FEPLB §2), hidden behind static-expert compute (planner_exposed)
+    planner_s = 5.0e-5
     #: FEPLB plans on a CPU thread while the static experts compute: its planner is off the critical path
     planner_exposed = False
 
@@ -164,7 +166,8 @@ class FeplbPolicy:
         info = {"token_straggler_before": _straggler(ell_R)}
         if t.num_redundant_slots == 0 or t.D == 1 or self.num_dynamic == 0:
             info.update(token_straggler_after=info["token_straggler_before"], moves=[], num_dynamic_experts=0)
-            return identity_plan(self.name, t, load_RE, time.perf_counter() - t0, info, static_overlap=True)
+            return identity_plan(self.name, t, load_RE, time.perf_counter() - t0, info, static_overlap=True,
+                                 planner_s=self.planner_s)
         dyn = self.dynamic_experts(lam_E, t)
         e, r, s, q, after = feplb_greedy(ell_R, lam_E, t.masters_RM, dyn, t.D, t.num_redundant_slots, self.min_tokens)
         info.update(
@@ -173,7 +176,8 @@ class FeplbPolicy:
             moves=[{"expert": int(a), "src": int(t.home_E[a]), "dst": int(b), "tokens": int(c)}
                    for a, b, c in zip(e, r, q)],
         )
-        plan = assemble_plan(self.name, t, load_RE, e, r, s, q, relay="direct", info=info, static_overlap=True)
+        plan = assemble_plan(self.name, t, load_RE, e, r, s, q, relay="direct", info=info, static_overlap=True,
+                             planner_s=self.planner_s)
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
         return plan
 

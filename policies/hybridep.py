@@ -91,6 +91,7 @@ class HybridEPPolicy:
     """
 
     name = "hybridep"
+    planner_s = 0.0  # a closed-form choice made off the critical path
     needs_cost_model = True  # the engine hands it the calibrated model
 
     def __init__(self, domain_sizes: list[int] | None = None, compression: float = 1.0,

@@ -329,6 +329,9 @@ class QuotaPolicy:
     """
 
     name = "quota"
+    #: planning seconds on the critical path (the cost model's seed; calibration scales it): UltraEP's GPU
+    #: planner 0.07 ms + reroute 0.04 ms at EP64 (UltraEP README)
+    planner_s = 1.1e-4
 
     def __init__(self, balance_eps: float = 0.01, min_replica_quota: int = 1, relay: str = "auto",
                  cache_tolerance: float = 0.02) -> None:
@@ -358,7 +361,7 @@ class QuotaPolicy:
         t0 = time.perf_counter()
         t = topology
         if t.num_redundant_slots == 0 or t.D == 1:
-            return identity_plan(self.name, t, load_RE, time.perf_counter() - t0)
+            return identity_plan(self.name, t, load_RE, time.perf_counter() - t0, planner_s=self.planner_s)
         if self._no_pref is None or self._no_pref.shape != (t.num_ranks, t.num_experts):
             self._no_pref = np.zeros((t.num_ranks, t.num_experts), dtype=np.int8)
         blind = self._no_pref
@@ -385,6 +388,7 @@ class QuotaPolicy:
             transfers=Transfers(trans[0], trans[1], trans[2], trans[3], trans[4]),
             solve_time_s=time.perf_counter() - t0,
             info={"tau": tau},
+            planner_s=self.planner_s,
         )
         return plan if resident_RE is None else transfers_for(plan, resident_RE, self.relay)
 

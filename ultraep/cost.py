@@ -51,14 +51,6 @@ from ultraep.plan.traffic import (Traffic, dedup_levels, dest_logmiss, home_flow
                              hybrid_flows, level_flows, route_flows, route_logmiss)
 from ultraep.plan.transfers import transfers_for
 
-#: Planner latency on the critical path per policy, seconds. quota: UltraEP GPU planner 0.07 ms + reroute
-#: 0.04 ms at EP64 (README); eplb and hybridep decide off the critical path (history / closed form);
-#: feplb: CPU greedy ~50 µs (FEPLB §2), hidden behind static-expert compute by the overlap rule.
-DEFAULT_PLANNER_S: dict[str, float] = {
-    "none": 0.0, "quota": 1.1e-4, "eplb": 0.0, "feplb": 5.0e-5, "hybridep": 0.0,
-}
-
-
 class CostParams(BaseModel):
     """Coefficients of the cost model; the ``*_scale`` fields are what calibration learns."""
 
@@ -107,8 +99,9 @@ class CostParams(BaseModel):
         default=True, description="Replica weights are re-sent before expert backward (shared slot buffers)."
     )
     planner_s: dict[str, float] = Field(
-        default_factory=lambda: dict(DEFAULT_PLANNER_S),
-        description="Planner latency per policy, seconds (policies not listed: 0).",
+        default_factory=dict,
+        description="Planner latency per policy name, seconds, overriding the figure each policy puts on its "
+                    "plans (``Plan.planner_s``: the policy's own ``planner_s``).",
     )
     engine_overhead_s: float = Field(
         default=5e-6, ge=0, description="Decision overhead of the adaptive engine per layer, seconds."
@@ -322,9 +315,10 @@ class CostModel:
         return self._tree_time(tree, self.grad_bytes / self.expert_bytes, self.grad_bw) * self.params.grad_reduce_scale
 
     def planner_time(self, plan: Plan) -> float:
-        if plan.planner_s is not None:
-            return float(plan.planner_s) * self.params.plan_scale
-        return self.params.planner_s.get(plan.policy, 0.0) * self.params.plan_scale
+        s = self.params.planner_s.get(plan.policy)  # an override by name, else the policy's own figure
+        if s is None:
+            s = plan.planner_s if plan.planner_s is not None else 0.0
+        return float(s) * self.params.plan_scale
 
     # ------------------------------------------------------------------ prediction
     def predict(self, plan: Plan, *, sync_s: float | None = None) -> CostBreakdown:
