@@ -439,12 +439,14 @@ class ReplicaJob:
                     pending[e] = gw
             eg = pending
         gs = self.grad_schedule
-        zero = [torch.zeros(s.shape, dtype=torch.float32, device=grad.device) for s in self.grad_layout.specs]
+        for e in (e for m in gs.sends for e in m.experts if e not in eg):  # deferred by a call whose backward
+            eg[e] = [torch.zeros(s.shape, dtype=torch.float32, device=grad.device)  # never ran: zero (flush only)
+                     for s in self.grad_layout.specs]
         if self.direct:  # each gradient tensor as its own fp32 message, experts ascending per master rank
-            sends = [(m.peer, g.float()) for m in gs.sends for e in m.experts for g in eg.get(e, zero)]
+            sends = [(m.peer, g.float()) for m in gs.sends for e in m.experts for g in eg[e]]
         else:
             sends = [(m.peer, buf) for m, buf in pack_grad_sends(
-                gs, {e: eg.get(e, zero) for m in gs.sends for e in m.experts}, self.grad_layout)]
+                gs, {e: eg[e] for m in gs.sends for e in m.experts}, self.grad_layout)]
         self.grad_bytes_sent = sum(int(b.numel() * b.element_size()) for _, b in sends)
         with self.layer.collective("replica gradient reduction (send)", _peers(sends)):
             self._grads_out = post(sends, [], self.rt.transfer_group, tag=TAG_GRADS)
