@@ -12,7 +12,9 @@ expert compute dominates. Routing is skewed so that the rank-level imbalance wit
 
 Layer time = max over ranks of (forward + backward) wall time per iteration (the all-to-alls make every
 rank wait for the slowest). All runs of a shape share one pair of processes and are interleaved, iteration
-by iteration in a rotating order, so launch-to-launch noise does not enter the ratios. Goals (issue "Balancing must pay"): quota >= 1.20x over none and >= 90 % of
+by iteration, so launch-to-launch noise does not enter the ratios; the orders form a Williams design (every
+run follows every other equally often, :func:`benchmarks.common.carryover_orders`), and ``--iters`` is
+rounded up to a multiple of their number. Goals (issue "Balancing must pay"): quota >= 1.20x over none and >= 90 % of
 force-balanced at the default shape. A second table gives quota's per-phase time on each rank, exposed
 (on the rank's critical path) and hidden (weight transfer in flight behind compute).
 
@@ -35,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import row, write_rows  # noqa: E402
+from benchmarks.common import carryover_orders, row, write_rows  # noqa: E402
 from ultraep.launch import launch  # noqa: E402
 
 
@@ -131,13 +133,14 @@ def _setup(rank, shape: Shape, args, policy, skew):
 
 def _body(rank, world, shape: Shape, args, policies):
     """Every run of ``policies`` in one pair of processes, interleaved: iteration i runs each policy once, in
-    an order rotated every iteration, so process-level noise (memory layout, frequency) hits all of them alike
-    and the ratios come from one run."""
+    the i-th carry-over balanced order, so process-level noise (memory layout, frequency) hits all of them
+    alike, no run always inherits the same predecessor's state, and the ratios come from one run."""
     runs = [(name, *_setup(rank, shape, args, policy, skew)) for name, policy, skew in policies]
     out = {name: {"times": [], "phases": [], "chosen": []} for name, *_ in runs}
+    orders = carryover_orders(len(runs))
     for it in range(args.warmup + args.iters):
-        for k in range(len(runs)):
-            name, layer, rt, (x, idx, w), opt = runs[(it + k) % len(runs)]
+        for k in orders[it % len(orders)]:
+            name, layer, rt, (x, idx, w), opt = runs[k]
             torch.distributed.barrier()
             t0 = time.perf_counter()
             layer(x, idx, w).pow(2).mean().backward()
@@ -206,6 +209,9 @@ def main() -> None:
             sys.exit(f"--shapes: unknown shape {s!r}; choose from {', '.join(SHAPES)}, custom")
     wanted = args.policies.split(",")
     policies = [p for p in POLICIES if p[0] in wanted or p[0] == "none"]
+    n_orders = len(carryover_orders(len(policies)))
+    args.iters = -(-args.iters // n_orders) * n_orders  # whole rounds of the orders: no run favoured
+    args.warmup = -(-args.warmup // n_orders) * n_orders
     console = Console(width=220)
     main_t = Table(title=f"one MoE layer fwd+bwd, 2 ranks x 1 thread, load avg {os.getloadavg()[0]:.2f} at start")
     for c in ["shape", "run", "imb. before", "imb. after", "replicas", "p50 (s)", "min..max (s)", "vs none",

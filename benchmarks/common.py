@@ -37,6 +37,31 @@ def time_calls(fn, repeat: int, warmup: int = 3) -> np.ndarray:
     return out
 
 
+def carryover_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` interleaved runs, one per iteration (cycle through them), in which every run follows
+    every other run equally often: a Williams design (a Latin square balanced for first-order carry-over;
+    for odd ``n`` the square and its mirror, ``2n`` orders).
+
+    Why: a run inherits part of its predecessor's state — memory it freed or touched, caches it
+    evicted. With a plain rotation (0 1 2 3, 1 2 3 0, ...) each run nearly always follows the same one,
+    so that inheritance becomes a bias of one run against the others (at 64 tokens per rank the run after
+    ``quota``, which allocates and frees replica buffers, measured 5-8 % slower than the same layer after
+    ``force-balanced``). Use a multiple of ``len(carryover_orders(n))`` iterations."""
+    if n <= 1:
+        return [list(range(n))]
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(v + i) % n for v in first] for i in range(n)]
+    if n % 2:
+        rows += [r[::-1] for r in rows]
+    return rows
+
+
 def row(what, provider, metric, unit, x, values) -> dict:
     v = np.atleast_1d(np.asarray(values, dtype=np.float64))
     from ultraep import __version__

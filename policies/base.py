@@ -42,6 +42,9 @@ class Policy(Protocol):
         """Advance the policy's history with an accepted plan (no-op for stateless policies)."""
         ...
 
+    # Optional: ``advance(load_RE)`` advances the history with a load the policy did not plan (a chooser such
+    # as ``adaptive`` rested it for a decision). Only a policy that has it may go unplanned for a decision.
+
 
 def plan_resident(policy, load_RE: np.ndarray, topology: Topology, resident_RE: np.ndarray | None) -> Plan:
     """``policy``'s plan when ``resident_RE[r, e]`` (bool ``[R, E]``) says which ranks already hold valid

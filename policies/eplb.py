@@ -361,12 +361,21 @@ class EplbPolicy:
         return plan
 
     def commit(self, plan: Plan) -> None:
-        lam = plan.expert_load_E.astype(np.float64)
-        if self.ewma is not None:
-            self._ewma_E = lam if self._ewma_E is None else self.ewma * lam + (1 - self.ewma) * self._ewma_E
-        self._history.append(lam)
+        self._fold(plan.expert_load_E)
         if plan.info.get("refreshed") and plan.info.get("placed", True):
             self._replicas = plan.info["replicas"]
             self._age = 1
         else:
             self._age += 1
+
+    def advance(self, load_RE: np.ndarray) -> None:
+        """History advances with a load this policy did not plan (a chooser rested it): the window and EWMA take
+        it, the placement ages; no re-placement happens (the next plan re-places if one is due)."""
+        self._fold(load_RE.sum(axis=0))
+        self._age += 1
+
+    def _fold(self, lam_E: np.ndarray) -> None:
+        lam = lam_E.astype(np.float64)
+        if self.ewma is not None:
+            self._ewma_E = lam if self._ewma_E is None else self.ewma * lam + (1 - self.ewma) * self._ewma_E
+        self._history.append(lam)

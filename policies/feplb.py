@@ -182,7 +182,12 @@ class FeplbPolicy:
         return plan
 
     def commit(self, plan: Plan) -> None:
-        lam = plan.expert_load_E.astype(np.float64)
+        self.advance(plan.load_RE)
+
+    def advance(self, load_RE: np.ndarray) -> None:
+        """History advances with a load (planned and committed, or not planned: a chooser rested it): the
+        predictor of the dynamic experts takes it."""
+        lam = load_RE.sum(axis=0).astype(np.float64)
         if self._pred_E is None or self._pred_E.shape != lam.shape:
             self._pred_E = lam
         else:

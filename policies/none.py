@@ -26,3 +26,7 @@ class NonePolicy:
 
     def commit(self, plan: Plan) -> None:
         return None
+
+    def advance(self, load_RE: np.ndarray) -> None:
+        """A load this policy did not plan (no history): nothing to advance."""
+        return None

@@ -394,3 +394,7 @@ class QuotaPolicy:
 
     def commit(self, plan: Plan) -> None:
         return None
+
+    def advance(self, load_RE: np.ndarray) -> None:
+        """A load this policy did not plan (no history: it plans from the load at hand): nothing to advance."""
+        return None

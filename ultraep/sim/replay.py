@@ -152,6 +152,7 @@ class _Shared:
         object.__setattr__(self, "_inner", policy)
         object.__setattr__(self, "_made", (None, None, None, None))  # (load, topology, resident, plan)
         object.__setattr__(self, "_committed", None)
+        object.__setattr__(self, "_advanced", None)  # the load advance() folded last
 
     def plan(self, load_RE, topology, **kw):
         resident = kw.pop("resident_RE", None)
@@ -170,6 +171,14 @@ class _Shared:
         if last is None or plan.quota_RS is not last.quota_RS or plan.info is not last.info:
             object.__setattr__(self, "_committed", plan)
             self._inner.commit(plan)
+
+    def advance(self, load_RE) -> None:
+        """A load the chooser did not plan this policy for: its history advances once, unless its own engine
+        already committed a plan of this very load (engines commit before the choosers do)."""
+        last = self._committed
+        if (last is None or last.load_RE is not load_RE) and self._advanced is not load_RE:
+            object.__setattr__(self, "_advanced", load_RE)
+            self._inner.advance(load_RE)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
