@@ -7,6 +7,8 @@ expert compute dominates. Routing is skewed so that the rank-level imbalance wit
   * ``none``            no balancing,
   * ``quota``           exact-load real-time balancing (planning, weight streaming, replica gradient
                         reduction all included in the time),
+  * ``feplb``           FEPLB's two-phase intra-domain moves (the fixed policy the adaptive engine picks at
+                        some shapes, so that its row is compared with it),
   * ``adaptive``        the adaptive engine choosing per call,
   * ``force-balanced``  the router forced uniform (the ideal: every rank gets the mean load, no overhead).
 
@@ -68,7 +70,7 @@ SHAPES = {
     # 16 experts = 8 masters per rank: 4 redundant slots keep the default's share (2 per 4 masters)
     "e16": Shape("e16", experts=16, slots=4),
 }
-POLICIES = [("none", "none", True), ("quota", "quota", True), ("adaptive", "adaptive", True),
+POLICIES = [("none", "none", True), ("quota", "quota", True), ("feplb", "feplb", True), ("adaptive", "adaptive", True),
             ("force-balanced", "none", False)]
 PHASES = [  # (timings key, label, exposed?)
     ("plan_s", "plan", True), ("weight_post_s", "weight post", True), ("relay_s", "relay", True),
@@ -210,12 +212,11 @@ def main() -> None:
     wanted = args.policies.split(",")
     policies = [p for p in POLICIES if p[0] in wanted or p[0] == "none"]
     n_orders = len(carryover_orders(len(policies)))
-    args.iters = -(-args.iters // n_orders) * n_orders  # whole rounds of the orders: no run favoured
-    args.warmup = -(-args.warmup // n_orders) * n_orders
+    args.iters = -(-args.iters // n_orders) * n_orders  # timed calls in whole rounds of the orders: none favoured
     console = Console(width=220)
     main_t = Table(title=f"one MoE layer fwd+bwd, 2 ranks x 1 thread, load avg {os.getloadavg()[0]:.2f} at start")
     for c in ["shape", "run", "imb. before", "imb. after", "replicas", "p50 (s)", "min..max (s)", "vs none",
-              "% of force-balanced", "adaptive chose"]:
+              "% of force-balanced", "adaptive chose", "adaptive / best fixed"]:
         main_t.add_column(c, justify="right")
     phase_t = Table(title="quota: per-phase seconds per iteration (rank 0 / rank 1, median); exposed unless marked")
     phase_t.add_column("shape")
@@ -227,16 +228,21 @@ def main() -> None:
         t_none = float(np.median(res["none"][0]))
         t_ideal = float(np.median(res["force-balanced"][0])) if "force-balanced" in res else float("nan")
         x = f"2x1/{shape.name}"
+        fixed = {n: float(np.median(t)) for n, (t, _) in res.items() if n not in ("adaptive", "force-balanced")}
+        best = min(fixed, key=fixed.get)
         for name, (t, out) in res.items():
             p50 = float(np.median(t))
             info = out[0]
-            chose = ""
+            chose = vs_best = ""
             if name == "adaptive":
                 ch = [c for o in out for c in o["chosen"]]
                 chose = ", ".join(f"{c} {ch.count(c)}" for c in sorted(set(ch)))
+                vs_best = f"{p50 / fixed[best]:.3f} ({best})"
+                rows.append(row("runtime_layer_fwd_bwd", name, "vs_best_fixed", "ratio", x, p50 / fixed[best]))
             main_t.add_row(shape.label() if name == "none" else "", name, f"{info['imb_before']:.3f}",
                            f"{info['imb_after']:.3f}", str(info["replicas"]), f"{p50:.3f}",
-                           f"{t.min():.3f}..{t.max():.3f}", f"{t_none / p50:.2f}x", f"{100 * t_ideal / p50:.1f} %", chose)
+                           f"{t.min():.3f}..{t.max():.3f}", f"{t_none / p50:.2f}x", f"{100 * t_ideal / p50:.1f} %", chose,
+                           vs_best)
             rows.append(row("runtime_layer_fwd_bwd", name, "layer_time", "s", x, t))
             rows.append(row("runtime_layer_fwd_bwd", name, "speedup_vs_none", "ratio", x, t_none / p50))
             rows.append(row("runtime_layer_fwd_bwd", name, "pct_of_force_balanced", "%", x, 100 * t_ideal / p50))

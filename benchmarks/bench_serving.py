@@ -10,7 +10,8 @@ ranks x 1 thread. Runs per shape:
   * ``adaptive``          the adaptive engine, with the cache,
   * ``force-balanced``    uniform routing (the ideal).
 
-Time per forward = max over ranks; weight bytes per forward = bytes every rank sent, summed (median of the
+All runs of a shape share one pair of processes, interleaved call by call in carry-over balanced orders
+(``--iters`` is rounded up to whole rounds of them). Time per forward = max over ranks; weight bytes per forward = bytes every rank sent, summed (median of the
 timed calls, i.e. steady state after the warm-up). Goals (issue "Prefill serving pays too"): at 3072+ tokens
 per rank quota >= 1.25x over none and >= 90 % of force-balanced, weight bytes <= 10 % of quota (no cache).
 
@@ -38,7 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.bench_runtime import wrapped_layer  # noqa: E402 - the same containers and weights
-from benchmarks.common import row, write_rows  # noqa: E402
+from benchmarks.common import carryover_orders, row, write_rows  # noqa: E402
 from ultraep.launch import launch  # noqa: E402
 
 
@@ -88,62 +89,90 @@ def _wrapped(shape: Shape, policy: str, cache: bool):
     return wrapped_layer(shape, {"policy": policy, "num_redundant_slots": shape.slots, "replica_cache": cache})
 
 
-def _serve(rank, world, shape: Shape, args, policy, cache, skew):
-    layer, rt = _wrapped(shape, policy, cache)
-    times, sent, hits, chosen = [], [], [], []
-    with torch.no_grad():
-        for it in range(args.warmup + args.iters):
-            x, idx, w = _batch(rank, shape, skew, it)
+class _Serve:
+    """One serving run in a rank's process: its wrapped layer; :meth:`call` times one forward of batch ``it``."""
+
+    def __init__(self, rank, shape: Shape, args, policy, cache, skew) -> None:
+        self.rank, self.shape, self.skew = rank, shape, skew
+        self.layer, self.rt = _wrapped(shape, policy, cache)
+        self.out = {"times": [], "sent": [], "hits": [], "chosen": []}
+
+    def call(self, it: int, timed: bool) -> None:
+        x, idx, w = _batch(self.rank, self.shape, self.skew, it)
+        with torch.no_grad():
             torch.distributed.barrier()
             t0 = time.perf_counter()
-            layer(x, idx, w)
+            self.layer(x, idx, w)
             t = time.perf_counter() - t0
-            rt.next_step()
-            if it >= args.warmup:
-                lt = layer.last_timings
-                times.append(t)
-                sent.append(lt.get("transfer_bytes", 0.0))
-                hits.append((lt.get("cache_hits", 0.0), lt.get("cache_misses", 0.0)))
-                chosen.append(rt.history[-1][2])
-    plan = layer.last_plan
-    return {"times": times, "sent": sent, "hits": hits, "chosen": chosen, "imb_before": plan.imbalance_before,
-            "imb_after": plan.imbalance_after, "replicas": plan.num_replicas}
+        self.rt.next_step()
+        if timed:
+            lt, o = self.layer.last_timings, self.out
+            o["times"].append(t)
+            o["sent"].append(lt.get("transfer_bytes", 0.0))
+            o["hits"].append((lt.get("cache_hits", 0.0), lt.get("cache_misses", 0.0)))
+            o["chosen"].append(self.rt.history[-1][2])
+
+    def result(self) -> dict:
+        plan = self.layer.last_plan
+        return {**self.out, "imb_before": plan.imbalance_before, "imb_after": plan.imbalance_after,
+                "replicas": plan.num_replicas}
 
 
-def _accumulate(rank, world, shape: Shape, args, policy, cache, skew, no_sync):
-    import contextlib
+class _Accumulate:
+    """One training run with ``args.microbatches`` microbatches per optimizer step; :meth:`call` times step ``it``."""
 
-    layer, rt = _wrapped(shape, policy, cache)
-    opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
-    times, wbytes, gbytes = [], [], []
-    for step in range(args.warmup + args.iters):
+    def __init__(self, rank, shape: Shape, args, policy, cache, skew, no_sync) -> None:
+        self.rank, self.shape, self.skew, self.no_sync, self.mbs = rank, shape, skew, no_sync, args.microbatches
+        self.layer, self.rt = _wrapped(shape, policy, cache)
+        self.opt = torch.optim.SGD(self.layer.parameters(), lr=1e-3)
+        self.out = {"times": [], "wbytes": [], "gbytes": []}
+
+    def call(self, step: int, timed: bool) -> None:
+        import contextlib
+
+        layer, rt = self.layer, self.rt
         torch.distributed.barrier()
         t0 = time.perf_counter()
         w_b = g_b = 0.0
-        for mb in range(args.microbatches):
-            x, idx, w = _batch(rank, shape, skew, step * args.microbatches + mb)
-            with rt.no_sync() if no_sync and mb < args.microbatches - 1 else contextlib.nullcontext():
+        for mb in range(self.mbs):
+            x, idx, w = _batch(self.rank, self.shape, self.skew, step * self.mbs + mb)
+            with rt.no_sync() if self.no_sync and mb < self.mbs - 1 else contextlib.nullcontext():
                 layer(x.requires_grad_(True), idx, w).pow(2).mean().backward()
             rt.flush_records()
             lt = layer.last_timings
             w_b += lt.get("transfer_bytes", 0.0)
             g_b += lt.get("grad_bytes", 0.0)  # replica gradients this rank sent (fp32; 0 when deferred)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         t = time.perf_counter() - t0
         rt.next_step()
-        if step >= args.warmup:
-            times.append(t)
-            wbytes.append(w_b)
-            gbytes.append(g_b)
-    return {"times": times, "wbytes": wbytes, "gbytes": gbytes}
+        if timed:
+            self.out["times"].append(t)
+            self.out["wbytes"].append(w_b)
+            self.out["gbytes"].append(g_b)
+
+    def result(self) -> dict:
+        return self.out
 
 
-def _launch(body, shape, args, runs):
+def _body(rank, world, shape: Shape, args, kind, runs):
+    """Every run of ``runs`` in one pair of processes, interleaved call by call in carry-over balanced orders
+    (:func:`benchmarks.common.carryover_orders`, as ``bench_runtime``): launch-to-launch noise (memory layout;
+    the ideal's median moved 6 % between separate launches) stays out of the ratios."""
+    made = [kind(rank, shape, args, *opts) for _, *opts in runs]
+    orders = carryover_orders(len(made))
+    for it in range(args.warmup + args.iters):
+        for k in orders[it % len(orders)]:
+            made[k].call(it, it >= args.warmup)
+    return {name: m.result() for (name, *_), m in zip(runs, made)}
+
+
+def _launch(kind, shape, args, runs):
+    out = launch(_body, 2, shape, args, kind, runs, backend="gloo", threads_per_rank=1)
     res = {}
-    for name, *opts in runs:
-        out = launch(body, 2, shape, args, *opts, backend="gloo", threads_per_rank=1)
-        res[name] = (np.max(np.array([o["times"] for o in out]), axis=0), out)  # the slowest rank sets the pace
+    for name, *_ in runs:
+        per_rank = [o[name] for o in out]
+        res[name] = (np.max(np.array([o["times"] for o in per_rank]), axis=0), per_rank)  # the slowest rank sets the pace
     return res
 
 
@@ -160,7 +189,7 @@ def serve(args, console) -> list[dict]:
         if name not in SERVE_SHAPES:
             sys.exit(f"--shapes: unknown serve shape {name!r}; choose from {', '.join(SERVE_SHAPES)}")
         shape = SERVE_SHAPES[name]
-        res = _launch(_serve, shape, args, [r for r in RUNS if r[0] in args.runs or r[0] == "none"])
+        res = _launch(_Serve, shape, args, [r for r in RUNS if r[0] in args.runs or r[0] == "none"])
         t_none = float(np.median(res["none"][0]))
         t_ideal = float(np.median(res["force-balanced"][0])) if "force-balanced" in res else float("nan")
         b_base = (float(np.median(np.sum([o["sent"] for o in res["quota (no cache)"][1]], axis=0)))
@@ -203,7 +232,7 @@ def accumulate(args, console) -> list[dict]:
         if name not in ACCUM_SHAPES:
             sys.exit(f"--shapes: unknown accumulate shape {name!r}; choose from {', '.join(ACCUM_SHAPES)}")
         shape = ACCUM_SHAPES[name]
-        res = _launch(_accumulate, shape, args, runs)
+        res = _launch(_Accumulate, shape, args, runs)
         t_none = float(np.median(res["none"][0]))
 
         def per_step(out, key):
@@ -238,6 +267,9 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     args = ap.parse_args()
     args.runs = args.runs.split(",")
+    n = len([r for r in RUNS if r[0] in args.runs or r[0] == "none"]) if args.mode == "serve" else len(ACCUM_RUNS)
+    k = len(carryover_orders(n))
+    args.iters = -(-args.iters // k) * k  # timed calls in whole rounds of the orders
     from rich.console import Console
 
     from ultraep.models import preload
