@@ -57,10 +57,6 @@ DEFAULT_CANDIDATES = ("none", "quota", "eplb", "feplb", "hybridep")
 #: a candidate measured fewer times than this has an uncertain outcome (one early call can be a warm-up outlier):
 #: it is re-probed every probe_every / 8 decisions until it has this many measurements
 FEW_RUNS = 3
-#: a rival whose estimate is within this fraction of the best is raced: probed every probe_every / 8 decisions until
-#: it has outcome_window measurements (two candidates 4 % apart at the runtime's default shape, each measured 3
-#: times with per-call noise of a few %, were ordered wrongly in one run of three and kept so for 20 calls)
-RACE = 0.05
 #: the first measured calls of a layer are slower whatever runs (first allocations, caches): they do not feed
 #: the outcome corrections (a candidate probed then would look worse than it is until its next probe)
 OUTCOME_WARMUP = 2
@@ -137,7 +133,6 @@ class AdaptivePolicy:
         self._unplanned: dict[str, int] = {}  # decisions since each candidate was last planned
         self._ran: set[str] = set()  # candidates that ran at least once
         self._none_streak = 0  # consecutive decisions none won by more than switch_now
-        self._close: set[str] = set()  # rivals within RACE of the best at the last committed decision
         self._lost: dict[str, int] = {}  # consecutive decisions a planned candidate lost by more than switch_now
         self._current: str | None = None
         self._pending: tuple[str, int] | None = None
@@ -233,12 +228,8 @@ class AdaptivePolicy:
         return self.probe_every > 0 and self._since_run(name) >= self._period(name)
 
     def _period(self, name: str) -> int:
-        """Decisions between probes of ``name``: ``probe_every / 8`` while its outcome is uncertain — measured
-        fewer than FEW_RUNS times, or, raced (within RACE of the best at the last decision), fewer than
-        ``outcome_window`` times — else ``probe_every``."""
         runs = self._outcome_anchor.get(name, (0.0, 0))[1]
-        few = FEW_RUNS if name not in self._close else max(FEW_RUNS, self.outcome_window)
-        return max(1, self.probe_every // 8) if self._observed and runs < few else self.probe_every
+        return max(1, self.probe_every // 8) if self._observed and runs < FEW_RUNS else self.probe_every
 
     def exposed_planner_s(self, cm, name: str) -> float:
         """Planner latency on the critical path (0 for a candidate whose policy says its planner is not on it,
@@ -445,7 +436,6 @@ class AdaptivePolicy:
             "pending": list(pending) if pending else None,
             "probe": probe,
             "anchor_s": float(self._anchor_s.get(chosen, 0.0)),
-            "close": sorted(n for n, v in feasible.items() if n != best and v <= (1 + RACE) * feasible[best]),
             "none_clear": bool(best == "none" and len(feasible) > 1 and min(
                 (v for n, v in feasible.items() if n != "none"), default=float("inf"))
                 > feasible["none"] * (1 + self.switch_now)),
@@ -476,7 +466,6 @@ class AdaptivePolicy:
             lost = n != chosen and (v > preds[chosen] * (1 + self.switch_now) or n in same)
             self._lost[n] = self._lost.get(n, 0) + 1 if lost else 0
         self._none_streak = self._none_streak + 1 if a.get("none_clear") else 0
-        self._close = set(a.get("close", ()))
         if not self.owns_candidates:
             return
         if self._memo is not None and self._memo[0] is plan:

@@ -194,40 +194,6 @@ def test_a_candidate_measured_only_once_or_twice_is_probed_again_sooner():
     assert runs[32:].count("none") <= 2
 
 
-def test_a_close_rival_is_raced_until_its_outcome_window_is_full():
-    """Two candidates a few % apart: three noisy measurements of the rival cannot order them (the runtime's
-    default shape: FEPLB kept for 20 calls while quota ran 5 % faster, in two runs of three). A rival within
-    RACE of the best is probed every probe_every / 8 decisions until it has outcome_window measurements; a rival
-    far behind is not (its probes would cost more than RACE each)."""
-    import math
-
-    from ultraep.policies.adaptive import RACE
-
-    cm = _cm()
-    load = _load(1.0)
-    for behind, raced in ((1 + RACE / 2, True), (1 + 4 * RACE, False)):
-        pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=64, probe_max_loss=10.0,
-                             outcome_window=5, screen=False)  # (the race alone: no candidate rests)
-        truth = {"none": 1e-3, "quota": 3e-3}  # quota measured clearly slower: none in force, quota run 3 times
-        while pol._outcome_anchor.get("quota", (0, 0))[1] < 3 or pol._current != "none":
-            _run(pol, cm, load, truth.get)
-        # now quota has 3 measurements that put it `behind` none (its last 3, shifted), and measures so from here on
-        a = pol.plan(load, cm.topology).info["adaptive"]
-        shift = math.log(behind * a["predictions"]["none"] / a["predictions"]["quota"])
-        for kind in ("anchor", "calibrated"):
-            hist = pol._outcome_hist[(kind, "quota")]
-            hist[:] = [v + shift for v in hist[-3:]]
-            table = pol._outcome if kind == "calibrated" else pol._outcome_anchor
-            table["quota"] = (float(np.median(hist)), 3)
-        truth["quota"] = behind * 1e-3
-        pol._memo = None
-        chosen = [_run(pol, cm, load, truth.get)["chosen"] for _ in range(24)]
-        assert pol._current == "none"
-        assert (chosen.count("quota") >= 2) if raced else (chosen.count("quota") == 0), (behind, chosen)
-        if raced:
-            assert pol._outcome_anchor["quota"][1] >= 5
-
-
 def test_a_candidate_due_for_a_probe_is_not_screened_for_its_measured_outcome():
     """The runtime's FEPLB lock-in: quota's one measured call was slowed by something else, its outcome made it
     look slow, the screen then skipped planning it — and an unplanned candidate is never probed. Once due for a
