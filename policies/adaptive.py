@@ -290,7 +290,7 @@ class AdaptivePolicy:
         ``none``, the policy in force, and candidates whose history cannot advance without a plan always plan.
         Regret: a resting candidate is re-planned at least once per ``probe_every`` decisions, so one that became
         the best is found within that many decisions, and meanwhile nothing is paid for it. At 64 tokens per rank
-        this cut the engine's per-call planning from 1.5 ms to that of none alone (most of the layer's 3 % budget)."""
+        this cut the engine's per-call planning from 1.5 ms to 0.8-0.9 ms (none alone: 0.5 ms; the layer: 70 ms)."""
         if not self.screen:
             return []
         return [n for n, p in self.policies.items() if n != "none" and n != self._current
