@@ -46,6 +46,17 @@ class Policy(Protocol):
     # as ``adaptive`` rested it for a decision). Only a policy that has it may go unplanned for a decision.
 
 
+class Stateless:
+    """Base of a policy with no history (it plans from the load at hand): ``commit`` and ``advance`` have
+    nothing to do, so a chooser may leave it unplanned for any decision."""
+
+    def commit(self, plan: Plan) -> None:
+        return None
+
+    def advance(self, load_RE: np.ndarray) -> None:
+        return None
+
+
 def plan_resident(policy, load_RE: np.ndarray, topology: Topology, resident_RE: np.ndarray | None) -> Plan:
     """``policy``'s plan when ``resident_RE[r, e]`` (bool ``[R, E]``) says which ranks already hold valid
     weights of which experts, with transfers for exactly the non-resident replicas

@@ -52,7 +52,7 @@ from ultraep.cost import model_for
 from ultraep.plan import ExpertDomains, Plan
 from ultraep.topology import Topology
 
-from .base import assemble_plan
+from .base import Stateless, assemble_plan
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -76,7 +76,7 @@ def stream_p_star(D_bytes: float, P_E: float, G: int, B: float, lat_pe: float) -
     return 0.0 if 2.0 * D_bytes - G * P_E >= 0 else bound
 
 
-class HybridEPPolicy:
+class HybridEPPolicy(Stateless):
     """Hybrid expert/token transmission (HybridEP).
 
     Options:
@@ -184,10 +184,3 @@ class HybridEPPolicy:
                              expert_domains=domains)
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
         return plan
-
-    def commit(self, plan: Plan) -> None:
-        return None
-
-    def advance(self, load_RE: np.ndarray) -> None:
-        """A load this policy did not plan (no history: it plans from the load at hand): nothing to advance."""
-        return None

@@ -9,10 +9,10 @@ import numpy as np
 from ultraep.plan import Plan
 from ultraep.topology import Topology
 
-from .base import identity_plan
+from .base import Stateless, identity_plan
 
 
-class NonePolicy:
+class NonePolicy(Stateless):
     """The identity plan (the baseline every other policy is measured against)."""
 
     name = "none"
@@ -23,10 +23,3 @@ class NonePolicy:
         plan = identity_plan(self.name, topology, load_RE, planner_s=self.planner_s)
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
         return plan
-
-    def commit(self, plan: Plan) -> None:
-        return None
-
-    def advance(self, load_RE: np.ndarray) -> None:
-        """A load this policy did not plan (no history): nothing to advance."""
-        return None

@@ -57,7 +57,7 @@ from ultraep.plan import Plan, Replicas, Transfers
 from ultraep.topology import Topology
 
 
-from .base import _assemble_arrays, identity_plan
+from .base import Stateless, _assemble_arrays, identity_plan
 from ultraep.plan.transfers import RELAY_MODES, schedule_transfers, transfers_for
 
 
@@ -317,7 +317,7 @@ def quota_plan_arrays(load_RE, home_E, master_slot_E, masters_RM, S, D, N, eps, 
     return phy2log, quota, ptr, reps, trans, tau
 
 
-class QuotaPolicy:
+class QuotaPolicy(Stateless):
     """Exact-load real-time balancing (UltraEP). Stateless: ``commit`` does nothing.
 
     Options:
@@ -391,10 +391,3 @@ class QuotaPolicy:
             planner_s=self.planner_s,
         )
         return plan if resident_RE is None else transfers_for(plan, resident_RE, self.relay)
-
-    def commit(self, plan: Plan) -> None:
-        return None
-
-    def advance(self, load_RE: np.ndarray) -> None:
-        """A load this policy did not plan (no history: it plans from the load at hand): nothing to advance."""
-        return None
