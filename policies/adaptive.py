@@ -35,6 +35,7 @@ or by re-planning ``plan.load_RE`` when a recorded plan is replayed).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 
@@ -58,8 +59,10 @@ DEFAULT_CANDIDATES = ("none", "quota", "eplb", "feplb", "hybridep")
 #: it is re-probed every probe_every / 8 decisions until it has this many measurements
 FEW_RUNS = 3
 #: the first measured calls of a layer are slower whatever runs (first allocations, caches): they do not feed
-#: the outcome corrections (a candidate probed then would look worse than it is until its next probe)
+#: the outcome corrections, and a candidate probed then counts as not run yet (it is probed again)
 OUTCOME_WARMUP = 2
+#: the machine's level now is the median of the policy in force's last CLOCK_RUNS measurements
+CLOCK_RUNS = 3
 
 
 class AdaptivePolicy:
@@ -128,7 +131,11 @@ class AdaptivePolicy:
         #: against the calibrated model of the time (``_outcome``) and against the anchor model (``_outcome_anchor``)
         self._outcome: dict[str, tuple[float, int]] = {}
         self._outcome_anchor: dict[str, tuple[float, int]] = {}
-        self._outcome_hist: dict[tuple[str, str], list[float]] = {}  # (table, candidate) -> last log-ratios
+        self._outcome_hist: dict[tuple[str, str], list] = {}  # (table, candidate) -> its last measurements
+        #: per candidate, (decision, log-ratio against the anchor) of its last 2 probe_every measurements: the clock
+        #: that tells how much faster the machine runs now than when a measurement was taken (:meth:`_credit`)
+        self._clock: dict[str, tuple[list[int], list[float]]] = {}
+        self._decisions = 0  # decisions committed so far (the clock's time axis)
         self._since: dict[str, int] = {}  # decisions since each candidate last ran
         self._unplanned: dict[str, int] = {}  # decisions since each candidate was last planned
         self._ran: set[str] = set()  # candidates that ran at least once
@@ -152,21 +159,69 @@ class AdaptivePolicy:
 
         A median, not a running mean: one call slowed 2x by something else on the machine (a scheduler hiccup,
         a neighbour's burst) must not make a candidate look 2x worse until its next probe — with a mean it was
-        screened out and never re-measured. A real change (a slower link) moves the median after half a window."""
+        screened out and never re-measured. A real change (a slower link) moves the median after half a window.
+
+        Against the anchor, each measurement is also paired with the policy in force at the time (the clock, see
+        :meth:`_credit`), so that one taken while the whole machine ran slower is not held against its candidate."""
         if measured_s <= 0 or name not in self.policies:
             return
         self._observed += 1
+        when = self._decisions - 1  # the decision being observed (committed just before its call ran)
+        x = None
+        if self._observing is not None and self._observing[0] == name and self._observing[1] > 0:
+            x = float(np.log(measured_s / self._observing[1]))
+            if name == self._current or self._observed > OUTCOME_WARMUP:  # the clock reads the warm-up too
+                ts, xs = self._clock.setdefault(name, ([], []))
+                ts.append(when)
+                xs.append(x)
+                del ts[:-2 * max(1, self.probe_every)], xs[:-2 * max(1, self.probe_every)]
         if self._observed <= OUTCOME_WARMUP:
+            if name != self._current:  # a probe measured in the warm-up says nothing: it is probed again
+                self._ran.discard(name)
             return
-        refs = [(self._outcome, "calibrated", predicted_s)]
-        if self._observing is not None and self._observing[0] == name:
-            refs.append((self._outcome_anchor, "anchor", self._observing[1]))
-        for table, kind, pred in refs:
-            if pred > 0:
-                hist = self._outcome_hist.setdefault((kind, name), [])
-                hist.append(float(np.log(measured_s / pred)))
-                del hist[:-self.outcome_window]
-                table[name] = (float(np.median(hist)), table.get(name, (0.0, 0))[1] + 1)
+        if predicted_s > 0:
+            hist = self._outcome_hist.setdefault(("calibrated", name), [])
+            hist.append(float(np.log(measured_s / predicted_s)))
+            del hist[:-self.outcome_window]
+            self._outcome[name] = (float(np.median(hist)), self._outcome.get(name, (0.0, 0))[1] + 1)
+        if x is None:
+            return
+        hist = self._outcome_hist.setdefault(("anchor", name), [])
+        hist.append((when, x, self._current or name))
+        del hist[:-self.outcome_window]
+        runs = {n: c for n, (_, c) in self._outcome_anchor.items()}
+        runs[name] = runs.get(name, 0) + 1
+        for (kind, n), h in self._outcome_hist.items():  # the clock moved: every candidate's credit with it
+            if kind == "anchor":
+                self._outcome_anchor[n] = (float(np.median([v - self._credit(ref, t) for t, v, ref in h])), runs[n])
+
+    def _level(self, ref: str, when: int | None = None) -> float | None:
+        """The clock: ``ref``'s log-ratio around decision ``when`` — the mean of its measurements just before, at
+        and just after it (an A-B-A pairing: a probe runs between two calls of the policy in force) — or, with
+        ``when`` None, now: the median of its last CLOCK_RUNS measurements."""
+        if ref not in self._clock:
+            return None
+        ts, xs = self._clock[ref]
+        if when is None:
+            return float(np.median(xs[-CLOCK_RUNS:]))
+        lo, hi = bisect.bisect_left(ts, when), bisect.bisect_right(ts, when)
+        near = xs[max(0, lo - 1):min(len(ts), hi + 1)]
+        return float(np.mean(near)) if near else None
+
+    def _credit(self, ref: str, when: int) -> float:
+        """How much faster (log) the machine runs now than at decision ``when``, read on ``ref``, the policy that was
+        in force then (measured around it, and measured last): a measurement taken then is credited with it.
+
+        The interleaved benchmark showed why: every call is 10-30 % slower in a process's first iterations
+        (allocator, caches), and one early measurement of quota (764 ms where it settles at 570) kept FEPLB in
+        force, 4-7 % slower, for the rest of the run. Paired with the policy in force, which ran in the same
+        slow moments, that measurement counts at what it would take now. Only a *faster* machine is credited,
+        beyond ``switch_now`` (below it, the difference of two medians is noise): a policy in force that itself
+        slows down (its own cost, not the machine's) must not make its rivals look slower and keep it in force."""
+        then, now = self._level(ref, when), self._level(ref)
+        if then is None or now is None:
+            return 0.0
+        return max(0.0, then - now - float(np.log1p(self.switch_now)))
 
     def correction(self, name: str) -> float:
         """Multiplier of ``name``'s calibrated prediction: its own measured/predicted ratio when it has run, else
@@ -458,6 +513,7 @@ class AdaptivePolicy:
         preds, chosen = a["predictions"], a["chosen"]
         self._observing = (chosen, float(a.get("anchor_s", 0.0)))  # what observe_outcome will measure
         self._ran.add(chosen)
+        self._decisions += 1
         for n in self.policies:
             self._since[n] = 0 if n == chosen else self._since.get(n, 0) + 1
             self._unplanned[n] = 0 if n in preds else self._unplanned.get(n, 0) + 1

@@ -259,3 +259,46 @@ def test_the_policy_in_force_is_compared_on_the_same_basis_as_its_rivals():
     a = pol.plan(load, cm.topology).info["adaptive"]
     assert a["predictions"]["quota"] == pytest.approx(truth["quota"], rel=0.05)
     assert a["chosen"] == "quota"
+
+
+def _drive(pol, cm, load, truth, slow, decisions):
+    """``decisions`` committed decisions; the chosen candidate's measured time is ``truth[name]`` times the
+    slowdown ``slow(decision, name)``. Returns the chosen names."""
+    chosen = []
+    for i in range(decisions):
+        chosen.append(_run(pol, cm, load, lambda n, i=i: truth[n] * slow(i, n))["chosen"])
+    return chosen
+
+
+def test_a_probe_measured_while_the_whole_machine_ran_slower_is_credited(monkeypatch):
+    """The interleaved runtime benchmark's first calls run 10-30 % slower whatever runs; a rival probed then
+    looked slower than the policy in force measured later, and was not chosen until its next probe. Paired with
+    the policy in force, measured in the same slow moments, it is credited with the difference at once."""
+    from ultraep.policies.adaptive import OUTCOME_WARMUP
+
+    def run(credit: bool):
+        cm = _cm()
+        pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=128, probe_max_loss=10.0)
+        if not credit:
+            monkeypatch.setattr(pol, "_credit", lambda ref, when: 0.0)
+        truth = {"none": 0.9e-3, "quota": 1.0e-3}  # the model picks quota first; none is really faster
+        warm = [1.4, 1.3, 1.2]  # the machine's slowdown in its first calls, then none
+        return pol, _drive(pol, cm, _load(0.2), truth, lambda i, n: warm[i] if i < len(warm) else 1.0, 12)
+
+    pol, chosen = run(credit=True)
+    # none's probe inside the warm-up is not counted: it is probed again at once, still in the slow part
+    assert chosen[:OUTCOME_WARMUP + 1] == ["quota", "none", "none"]
+    assert pol._current == "none" and chosen[-1] == "none"
+    # without the credit, none looked 1.08 against quota's 1.0 and waited for its next probe (16 decisions)
+    pol, chosen = run(credit=False)
+    assert pol._current == "quota" and chosen[3:] == ["quota"] * 9
+
+
+def test_a_policy_in_force_that_slows_down_itself_does_not_make_its_rivals_look_slower():
+    """Only a faster machine is credited: the policy in force getting slower (its own cost) is not read as
+    the machine slowing down, which would have raised every rival's estimate with it and kept it in force."""
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=128, probe_max_loss=10.0)
+    truth = {"none": 1.1e-3, "quota": 1.0e-3}
+    chosen = _drive(pol, cm, _load(0.2), truth, lambda i, n: 1.3 if (i >= 6 and n == "quota") else 1.0, 14)
+    assert chosen[:2] == ["quota", "none"] and pol._current == "none"
