@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import carryover_orders, row, write_rows  # noqa: E402
+from benchmarks.common import carryover_orders, ratio_interval, row, write_rows  # noqa: E402
 from ultraep.launch import launch  # noqa: E402
 
 
@@ -216,7 +216,7 @@ def main() -> None:
     console = Console(width=220)
     main_t = Table(title=f"one MoE layer fwd+bwd, 2 ranks x 1 thread, load avg {os.getloadavg()[0]:.2f} at start")
     for c in ["shape", "run", "imb. before", "imb. after", "replicas", "p50 (s)", "min..max (s)", "vs none",
-              "% of force-balanced", "adaptive chose", "adaptive / best fixed"]:
+              "% of force-balanced", "adaptive chose", "adaptive / best fixed [90 % interval]"]:
         main_t.add_column(c, justify="right")
     phase_t = Table(title="quota: per-phase seconds per iteration (rank 0 / rank 1, median); exposed unless marked")
     phase_t.add_column("shape")
@@ -237,8 +237,11 @@ def main() -> None:
             if name == "adaptive":
                 ch = [c for o in out for c in o["chosen"]]
                 chose = ", ".join(f"{c} {ch.count(c)}" for c in sorted(set(ch)))
-                vs_best = f"{p50 / fixed[best]:.3f} ({best})"
+                lo, hi = ratio_interval(t, res[best][0])
+                vs_best = f"{p50 / fixed[best]:.3f} [{lo:.3f}, {hi:.3f}] ({best})"
                 rows.append(row("runtime_layer_fwd_bwd", name, "vs_best_fixed", "ratio", x, p50 / fixed[best]))
+                rows.append(row("runtime_layer_fwd_bwd", name, "vs_best_fixed_lo90", "ratio", x, lo))
+                rows.append(row("runtime_layer_fwd_bwd", name, "vs_best_fixed_hi90", "ratio", x, hi))
             main_t.add_row(shape.label() if name == "none" else "", name, f"{info['imb_before']:.3f}",
                            f"{info['imb_after']:.3f}", str(info["replicas"]), f"{p50:.3f}",
                            f"{t.min():.3f}..{t.max():.3f}", f"{t_none / p50:.2f}x", f"{100 * t_ideal / p50:.1f} %", chose,

@@ -62,6 +62,17 @@ def carryover_orders(n: int) -> list[list[int]]:
     return rows
 
 
+def ratio_interval(a, b, level: float = 0.90, draws: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap interval of ``median(a) / median(b)`` for paired samples (``a[i]`` and ``b[i]`` timed in the same
+    round of an interleaved benchmark): rounds are resampled together, so noise shared by a round cancels. Tells
+    whether a ratio a few % from 1 is a difference or the noise of this many rounds."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    idx = np.random.default_rng(seed).integers(0, len(a), size=(draws, len(a)))
+    r = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
+    lo, hi = np.quantile(r, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
 def row(what, provider, metric, unit, x, values) -> dict:
     v = np.atleast_1d(np.asarray(values, dtype=np.float64))
     from ultraep import __version__
