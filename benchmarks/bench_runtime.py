@@ -21,6 +21,8 @@ force-balanced at the default shape. A second table gives quota's per-phase time
 (on the rank's critical path) and hidden (weight transfer in flight behind compute).
 
     .venv/bin/python benchmarks/bench_runtime.py                 # the whole shape matrix
+    .venv/bin/python benchmarks/bench_runtime.py --warmup 20 --iters 30   # the runs of record (about 20 min):
+                    # with fewer timed calls the 90 % interval of adaptive / best fixed is wider than 3 %
     .venv/bin/python benchmarks/bench_runtime.py --shapes default,mixtral --iters 3
     .venv/bin/python benchmarks/bench_runtime.py --shapes custom --tokens 2048 --hidden 1024 --ffn 1024
     .venv/bin/python benchmarks/bench_runtime.py --mode serve        # forward only (benchmarks/bench_serving.py)
