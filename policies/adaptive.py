@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
+import statistics
 import time
 
 import numpy as np
@@ -189,11 +191,13 @@ class AdaptivePolicy:
         hist = self._outcome_hist.setdefault(("anchor", name), [])
         hist.append((when, x, self._current or name))
         del hist[:-self.outcome_window]
-        runs = {n: c for n, (_, c) in self._outcome_anchor.items()}
-        runs[name] = runs.get(name, 0) + 1
-        for (kind, n), h in self._outcome_hist.items():  # the clock moved: every candidate's credit with it
-            if kind == "anchor":
-                self._outcome_anchor[n] = (float(np.median([v - self._credit(ref, t) for t, v, ref in h])), runs[n])
+        self._outcome_anchor[name] = (0.0, self._outcome_anchor.get(name, (0.0, 0))[1] + 1)
+        # only name's clock moved: the credits that change are those read on it (and name's own new entry)
+        now = self._level(name)
+        for (kind, n), h in self._outcome_hist.items():
+            if kind == "anchor" and (n == name or any(ref == name for _, _, ref in h)):
+                credited = [v - self._credit(ref, t, now if ref == name else None) for t, v, ref in h]
+                self._outcome_anchor[n] = (statistics.median(credited), self._outcome_anchor[n][1])
 
     def _level(self, ref: str, when: int | None = None) -> float | None:
         """The clock: ``ref``'s log-ratio around decision ``when`` — the mean of its measurements just before, at
@@ -203,12 +207,12 @@ class AdaptivePolicy:
             return None
         ts, xs = self._clock[ref]
         if when is None:
-            return float(np.median(xs[-CLOCK_RUNS:]))
+            return statistics.median(xs[-CLOCK_RUNS:])
         lo, hi = bisect.bisect_left(ts, when), bisect.bisect_right(ts, when)
-        near = xs[max(0, lo - 1):min(len(ts), hi + 1)]
-        return float(np.mean(near)) if near else None
+        near = xs[max(0, lo - 1):hi + 1]
+        return sum(near) / len(near) if near else None
 
-    def _credit(self, ref: str, when: int) -> float:
+    def _credit(self, ref: str, when: int, now: float | None = None) -> float:
         """How much faster (log) the machine runs now than at decision ``when``, read on ``ref``, the policy that was
         in force then (measured around it, and measured last): a measurement taken then is credited with it.
 
@@ -217,11 +221,12 @@ class AdaptivePolicy:
         force, 4-7 % slower, for the rest of the run. Paired with the policy in force, which ran in the same
         slow moments, that measurement counts at what it would take now. Only a *faster* machine is credited,
         beyond ``switch_now`` (below it, the difference of two medians is noise): a policy in force that itself
-        slows down (its own cost, not the machine's) must not make its rivals look slower and keep it in force."""
-        then, now = self._level(ref, when), self._level(ref)
+        slows down (its own cost, not the machine's) must not make its rivals look slower and keep it in force.
+        ``now``: ``ref``'s level now, when the caller has it."""
+        then, now = self._level(ref, when), self._level(ref) if now is None else now
         if then is None or now is None:
             return 0.0
-        return max(0.0, then - now - float(np.log1p(self.switch_now)))
+        return max(0.0, then - now - math.log1p(self.switch_now))
 
     def correction(self, name: str) -> float:
         """Multiplier of ``name``'s calibrated prediction: its own measured/predicted ratio when it has run, else

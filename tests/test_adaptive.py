@@ -280,7 +280,7 @@ def test_a_probe_measured_while_the_whole_machine_ran_slower_is_credited(monkeyp
         cm = _cm()
         pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=128, probe_max_loss=10.0)
         if not credit:
-            monkeypatch.setattr(pol, "_credit", lambda ref, when: 0.0)
+            monkeypatch.setattr(pol, "_credit", lambda ref, when, now=None: 0.0)
         truth = {"none": 0.9e-3, "quota": 1.0e-3}  # the model picks quota first; none is really faster
         warm = [1.4, 1.3, 1.2]  # the machine's slowdown in its first calls, then none
         return pol, _drive(pol, cm, _load(0.2), truth, lambda i, n: warm[i] if i < len(warm) else 1.0, 12)
