@@ -5,18 +5,19 @@
 
 Every rank builds the same Qwen3-MoE model from its config (random weights, nothing downloaded), wraps
 it with ``ultraep.wrap`` (expert parallelism over all ranks: each rank holds the masters of
-``num_experts / world_size`` experts, plus ``--slots`` redundant slots for replicas of hot experts) and
-trains it data-parallel on its own shard of a synthetic token stream. The backend is NCCL when every
+``num_experts / world_size`` experts, plus ``--slots`` redundant slots for replicas of hot experts), hands it
+to ``DistributedDataParallel`` and trains it on its own shard of a synthetic token stream. The backend is NCCL when every
 local rank has a GPU of its own, gloo on CPU otherwise.
 
 What a training loop adds for ultraep, and why:
 
 * ``Recorder.open(runs_dir, run_name, world_size=..., rank=...)`` on every rank, handed to ``wrap``:
   every plan, decision, transfer and timing is recorded per rank into ``runs_dir/run_name``.
-* Gradients: the balanced layers already sum the masters' gradients over ranks (the replicas' gradients
-  are reduced into their masters), so only the other parameters (attention, norms, router, embeddings)
-  are all-reduced here. The loss is divided by the world size first, so both halves are gradients of
-  the mean loss over the global batch.
+* ``DistributedDataParallel(ultraep.wrap(model))``, in that order: ``wrap`` keeps the expert masters out of
+  DDP (each rank holds different experts; their gradients already gather every rank's tokens) and averages
+  their gradients as DDP averages the rest, so each rank's ``loss.backward()`` gives the gradients of the
+  mean loss over the global batch, exactly as the unwrapped model trained on it. Nothing is all-reduced by
+  hand.
 * ``ultraep.runtime_of(model).next_step(loss=...)`` once per optimizer step closes the step in the
   record; the runtime marks its step 0 (allocations, first plans) as warm-up, and summaries leave it out.
 
@@ -32,6 +33,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 import ultraep
 from ultraep import BalancerConfig
@@ -65,11 +67,6 @@ def batch(step: int, rank: int, args, device) -> torch.Tensor:
     return ((start + stride * torch.arange(args.seq)) % VOCAB).to(device)
 
 
-def expert_params(model) -> set[int]:
-    """Ids of the wrapped masters' parameters (their gradients are already summed over ranks)."""
-    return {id(p) for layer in ultraep.runtime_of(model).layers for p in layer.master_params()}
-
-
 def train(args, rank: int, world: int, device) -> tuple[str, list[float], list[float]]:
     """Run the training loop on this rank; returns (run id, losses, step times in s)."""
     config = BalancerConfig(policy=args.policy, num_redundant_slots=args.slots)
@@ -78,9 +75,8 @@ def train(args, rank: int, world: int, device) -> tuple[str, list[float], list[f
                         extra={"example": "train_torchrun"})
     losses, times = [], []
     try:
-        ultraep.wrap(model, config, recorder=rec)
+        model = DistributedDataParallel(ultraep.wrap(model, config, recorder=rec))
         runtime = ultraep.runtime_of(model)
-        masters = expert_params(model)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         for step in range(args.steps):
             ids = batch(step, rank, args, device)
@@ -88,10 +84,7 @@ def train(args, rank: int, world: int, device) -> tuple[str, list[float], list[f
             opt.zero_grad(set_to_none=True)
             logits = model(input_ids=ids).logits
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-            (loss / world).backward()
-            for p in model.parameters():  # data parallel for everything but the masters
-                if p.grad is not None and id(p) not in masters:
-                    dist.all_reduce(p.grad)
+            loss.backward()
             opt.step()
             times.append(time.perf_counter() - t0)
             losses.append(float(loss.detach()))

@@ -26,6 +26,8 @@ _LAZY = {
     "wrap": "ultraep.runtime",
     "unwrap": "ultraep.runtime",
     "runtime_of": "ultraep.runtime",
+    "expert_params": "ultraep.runtime",
+    "no_sync": "ultraep.runtime",
     "register_experts": "ultraep.models.adapters",
     "telemetry": "ultraep.telemetry",  # the README's `ultraep.telemetry.Recorder.open(...)` works after `import ultraep`
 }
@@ -40,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ultraep.plan import Plan, Transfers
     from ultraep.planning import plan_layer
     from ultraep.topology import LinkSpec, Topology
-    from ultraep.runtime import runtime_of, unwrap, wrap
+    from ultraep.runtime import expert_params, no_sync, runtime_of, unwrap, wrap
     from ultraep.models.adapters import register_experts
 
 

@@ -219,6 +219,22 @@ class BalancerConfig(_Model):
         "share one set of buffers and restore + recompute their replicas in backward.",
     )
 
+    master_grads: Literal["auto", "mean", "sum"] = Field(
+        default="auto",
+        description="What the masters' gradients are over the EP group, which is also the data-parallel group: "
+        "'mean' (divided by the group size, as DistributedDataParallel and fully_shard average every other "
+        "gradient: loss.backward() on each rank's mean loss gives the unwrapped model's gradients of the global "
+        "mean loss), 'sum' (summed over the ranks' losses: a hand-written loop that sums the other gradients), or "
+        "'auto' ('mean' while the forward runs inside DistributedDataParallel or on a model with fully_shard "
+        "modules, else 'sum').",
+    )
+    sync_check_every: StrictInt = Field(
+        default=100, ge=0,
+        description="Every this many steps (and at the first), next_step() checks with one small all-gather that "
+        "the parameters outside the experts are equal on every rank, and raises naming the first that differs "
+        "(a loop with no data-parallel wrapper and no synchronisation drifts apart silently). 0 turns it off.",
+    )
+
     def layer_options(self, layer: int) -> _Options:
         """The options object that governs ``layer``."""
         if layer in self.layers:

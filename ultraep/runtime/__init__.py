@@ -7,9 +7,15 @@ Modules, each with one job (dependencies point down the list):
 * :mod:`.layer` — :class:`~ultraep.runtime.layer.BalancedExperts`, what runs in place of an experts container;
 * :mod:`.replicas` — replica weights posted early and waited late, gradients reduced back without a barrier;
 * :mod:`.replica_cache` — replicas kept valid until their master changes;
-* :mod:`.comm` — the collectives and posted point-to-point messages.
+* :mod:`.comm` — the collectives and posted point-to-point messages;
+* :mod:`.data_parallel` — living inside DDP / FSDP2: the masters kept out of them, ``no_sync``, the
+  replicated-parameter check;
+* :mod:`.recompute` — which call an activation-checkpoint recompute replays.
 """
 
-from ultraep.runtime.wrap import EPRuntime, WrapReport, replica_budget_bytes, runtime_of, unwrap, wrap
+from ultraep.runtime.data_parallel import ParameterDivergenceError
+from ultraep.runtime.wrap import (EPRuntime, WrapReport, expert_params, no_sync, replica_budget_bytes, runtime_of,
+                                  unwrap, wrap)
 
-__all__ = ["EPRuntime", "WrapReport", "replica_budget_bytes", "runtime_of", "unwrap", "wrap"]
+__all__ = ["EPRuntime", "ParameterDivergenceError", "WrapReport", "expert_params", "no_sync",
+           "replica_budget_bytes", "runtime_of", "unwrap", "wrap"]

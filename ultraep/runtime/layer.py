@@ -34,7 +34,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from ultraep.plan.transfers import transfers_for
 from ultraep.runtime import phases
+from ultraep.runtime.recompute import RecomputeAnchor, Replay as _Replay, Replays
 from ultraep.runtime.comm import AllToAll, all_gather_bytes, gather_load
 from ultraep.errors import CollectiveFailedError, PendingGradientsError, PlanDivergenceError
 from ultraep.runtime.replica_cache import MasterEpoch, ReplicaCache
@@ -107,9 +109,18 @@ class BalancedExperts(nn.Module):
         #: replica gradients of calls under ``runtime.no_sync()``, reduced by the next backward outside it
         self.deferred = DeferredGrads()
         self._record = None
+        #: this layer's calls an activation-checkpoint recompute may replay (runtime/recompute.py)
+        self.replays = Replays()
+        for p in self.master_params():  # masters follow the data-parallel wrapper's averaging (master_grads)
+            if p.requires_grad:
+                p.register_hook(self._scale_master_grad)
         self._observation: tuple[int, int, np.ndarray] | None = None  # last complete call: (step, mb, phases)
         #: this rank's measured phases of the last recorded call (the ``timings`` keys, seconds)
         self.last_timings: dict[str, float] = {}
+
+    def _scale_master_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+        s = self.runtime.master_grad_scale
+        return None if s == 1.0 else grad * s
 
     @property
     def policy(self):
@@ -181,20 +192,54 @@ class BalancedExperts(nn.Module):
         return torch.zeros_like(hidden_states).index_add(0, tok, y)
 
     def _balanced(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        # One function of ~160 lines on purpose: Steps 1-7 (module docstring) are the layer's collective
-        # protocol — every rank must issue the same collectives in the same order — and they share some twenty
-        # locals (plan, job, splits, marks, timestamps); split into methods, that order would hide behind calls
-        # and the locals behind attributes. Each step is marked where it starts.
-        from ultraep.kernels import dispatch_layout, permute, reroute, reroute_table, unpermute
-
+        # The collectives of one call, in the order every rank issues them (Steps 1-7 of the module docstring):
+        #   load all-gather → [plan-hash all-gather] → replica weight posts → dispatch all-to-all → relay posts
+        #   → replica weight wait → combine all-to-all.
+        # The order is the protocol: each depends only on the plan (identical on every rank), so every rank
+        # issues the same collectives in the same order; the weights are posted before the dispatch so they
+        # travel while the tokens do, and waited for only right before the replicas compute.
+        if torch._C._current_graph_task_id() != -1:  # a forward inside a backward: an activation recompute
+            return self._recompute(hidden_states, top_k_index, top_k_weights)
         rt = self.runtime
-        t = self.topology
-        R, me, S, E = t.num_ranks, rt.rank, t.num_slots, t.num_experts
         self.flush_record()  # the previous call's record, if its backward never came
-        timings: dict[str, float] = {}
         t0 = time.perf_counter()
         rt.enter_layer(self.layer)
-        # Step 1: exact load, and every rank's timings of this layer's last complete call.
+        load, extra, obs = self._gather_load(top_k_index)  # Step 1 (collective)
+        t1 = time.perf_counter()
+        decision, epoch_R, cached = self._decide(load, extra, obs)  # Step 2 (plan-hash all-gather if asked)
+        t2 = time.perf_counter()
+        rt.event("planned", self.layer)
+        needs_backward = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
+            p.requires_grad for p in self.master_params() + self.shared_params()))
+        job, plan, hits = self._start_replicas(decision.plan, epoch_R, cached, needs_backward)  # Step 3 (posts)
+        self.last_plan = plan
+        t3 = time.perf_counter()
+        replay = _Replay(plan, job, needs_backward, epoch_R) if self.training else None
+        if replay is not None:  # an activation-checkpoint recompute of this call replays it (plan, routes, replicas)
+            self.replays.keep(replay)
+        marks: dict[str, float] = {}  # backward timings of this call, filled by hooks and the all-to-alls
+        out, send, ts, master_s = self._route(hidden_states, top_k_index, top_k_weights, plan, job,  # Steps 4-7
+                                              needs_backward, marks)
+        t4, t5, t6, t7 = ts
+        timings = self._forward_timings(job, (t0, t1, t2, t3, t4, t5, t6, t7), master_s, decision.predicted)
+        if cached:  # this rank's replicas of this call: found resident, streamed, and the bytes not received
+            mine = int((plan.replicas.rank == rt.rank).sum())
+            timings.update(cache_hits=float(hits), cache_misses=float(mine - hits),
+                           cache_bytes_saved=float(hits * self.topology.expert_bytes))
+        key = (rt.step, max(rt.microbatch, 0))
+        self._record = _LayerCall(plan, timings, job, t7, key, needs_backward, decision, marks, replay=replay)
+        if needs_backward and out.requires_grad:
+            self._hook_backward(out, send, self._record)
+        else:
+            self.flush_record()
+        return out.to(hidden_states.dtype)
+
+    def _gather_load(self, top_k_index: torch.Tensor):
+        """Step 1: this rank's per-expert counts → the exact load ``[R, E]`` on every rank, with each rank's
+        header (``[R, _HEAD]``: ids above the sentinel, measured flag, master epoch, cache buffers free) and its
+        measured phases of this layer's last complete call; returns (load, extra, the observation sent)."""
+        rt, t = self.runtime, self.topology
+        E = t.num_experts
         counts = torch.bincount(top_k_index.reshape(-1).to(torch.int64), minlength=E)
         obs, self._observation = self._observation, None
         K = len(phases.RANK_PHASES)
@@ -211,16 +256,21 @@ class BalancedExperts(nn.Module):
         if extra[:, 0].any():
             from ultraep.models.adapters import UnsupportedModelError
 
-            bad = [r for r in range(R) if extra[r, 0]]
+            bad = [r for r in range(t.num_ranks) if extra[r, 0]]
             raise UnsupportedModelError(
                 f"{self.name}.top_k_index", f"rank(s) {bad} routed {int(extra[:, 0].sum())} slot(s) to expert ids "
                 f"above {E}: ids must be < num_experts = {E}, or {E} for a dropped slot", E)
-        t1 = time.perf_counter()
+        return load, extra, obs
+
+    def _decide(self, load: np.ndarray, extra: np.ndarray, obs):
+        """Step 2: calibrate from every rank's last measured call, plan from ``load`` (identical on every rank:
+        the residency table is too) and commit; returns (decision, every rank's master epoch, cached)."""
+        rt, t = self.runtime, self.topology
+        R, E = t.num_ranks, t.num_experts
         eng = rt.engine
         if obs is not None and extra[:, 1].all():  # every rank measured the same call: calibrate identically
             measured, total = phases.reduce_phases(extra[:, _HEAD:].astype(np.float64) * 1e-9)
             rt.safe(eng.observe, obs[0], obs[1], self.layer, measured, total)
-        # Step 2: plan (identical on every rank: the residency table is too) and commit.
         epoch_R = extra[:, 2]
         if self.deferred and not np.array_equal(epoch_R, self.deferred.epoch_R):
             ranks = [r for r in range(R) if epoch_R[r] != self.deferred.epoch_R[r]]
@@ -237,27 +287,24 @@ class BalancedExperts(nn.Module):
             resident = np.zeros((R, E), dtype=bool)
             if self.cache is not None:  # some rank cannot use its buffers: this call overwrites what they held
                 self.cache.clear()
-        step, mb = rt.step, max(rt.microbatch, 0)
-        decision = eng.decide(step, mb, self.layer, load, resident)
-        plan = decision.plan
+        decision = eng.decide(rt.step, max(rt.microbatch, 0), self.layer, load, resident)
         eng.commit(decision)
         if rt.config.check_plan_hash:
             with self.collective("plan-hash all-gather"):
-                digests = all_gather_bytes(plan.digest().encode(), rt.group)
+                digests = all_gather_bytes(decision.plan.digest().encode(), rt.group)
             if len(set(digests)) != 1:
                 bad = [r for r, d in enumerate(digests) if d != digests[0]]
                 raise PlanDivergenceError(
                     f"layer {self.layer} ({self.name}): ranks {bad} computed a different plan than rank 0 "
                     f"(digests {[d.decode() for d in digests]}); refusing to exchange tokens"
                 )
-        t2 = time.perf_counter()
-        rt.event("planned", self.layer)
-        # Step 3: post the replica weight sync (the same on every rank: plans are identical).
-        params = self.master_params()
-        needs_backward = torch.is_grad_enabled() and (hidden_states.requires_grad
-                                                      or any(p.requires_grad for p in params + self.shared_params()))
-        job = None
-        hits = 0
+        return decision, epoch_R, cached
+
+    def _start_replicas(self, plan, epoch_R, cached: bool, needs_backward: bool):
+        """Step 3: the replica job of ``plan`` (or None), its weight sync posted (the same on every rank: plans
+        are identical); returns (job, the plan with what actually moves, replicas found resident)."""
+        rt, t = self.runtime, self.topology
+        job, hits = None, 0
         # Replica gradients: reduced now, deferred (under no_sync, while every rank's pending experts fit in
         # 2N sums), or reduced together with the deferred ones — decided from the plans alone: the same everywhere
         grads = "reduce"
@@ -267,7 +314,7 @@ class BalancedExperts(nn.Module):
         elif needs_backward and self.deferred:
             grads = "flush"  # (a call without replicas still runs a job: it only reduces the pending gradients)
         if plan.num_replicas or grads == "flush":
-            like = [p[0].detach() for p in params]
+            like = [p[0].detach() for p in self.master_params()]
             if cached:
                 kept, hits = self._cached_slots(plan, epoch_R, like)
             else:
@@ -280,9 +327,18 @@ class BalancedExperts(nn.Module):
                 rt.buffers.set_busy(self.layer, job)
             job.post_weights()
             plan = job.plan  # with a transfer for every replica: what actually moves
-        self.last_plan = plan
-        t3 = time.perf_counter()
-        # Step 4: reroute and order pairs by destination.
+        return job, plan, hits
+
+    def _route(self, hidden_states, top_k_index, top_k_weights, plan, job, needs_backward: bool,
+               marks: dict[str, float], replay: "_Replay | None" = None):
+        """Steps 4-7 of ``plan``: reroute, dispatch, experts (masters, then replicas), combine. ``replay``: the
+        call is an activation-checkpoint recompute whose original graph runs the backward (only the tensors it
+        saves are recomputed: no relay, no gradient sink, replicas computed from the weights already here).
+        Returns (output ``[T, H]``, the dispatched rows, (t4, t5, t6, t7), the masters' seconds)."""
+        from ultraep.kernels import dispatch_layout, permute, reroute, reroute_table, unpermute
+
+        rt = self.runtime
+        R, S, me = self.topology.num_ranks, self.topology.num_slots, rt.rank
         phys = reroute(top_k_index, reroute_table(plan, me, device=top_k_index.device))
         lay = dispatch_layout(phys, R, S, num_rows=int(plan.routes_RRS[me].sum()))
         send = permute(hidden_states, lay)
@@ -291,35 +347,40 @@ class BalancedExperts(nn.Module):
         out_splits = [int(c) for c in C.sum(axis=1)]
         t4 = time.perf_counter()
         # Step 5: dispatch; relays forward the weights they received.
-        marks: dict[str, float] = {}  # backward timings of this call, filled by hooks and the all-to-alls
         with self.collective("token dispatch (all-to-all)"):
             recv = AllToAll.apply(send, out_splits, in_splits, rt.group,
                                   lambda: self._timed(marks, "dispatch_bwd_s", "token dispatch gradient (all-to-all)"))
         rt.event("dispatched", self.layer)
         t5 = time.perf_counter()
         # per-expert views of the masters (one stacking backward instead of a full-size zero fill per slot)
-        unbound = [p.unbind(0) for p in params]
-        if job is not None:
+        unbound = [p.unbind(0) for p in self.master_params()]
+        if job is not None and replay is None:
             job.relay()
             if needs_backward:
                 first = self.first_expert
                 recv = GradSink.apply(recv, job, *[u[e - first] for e in job.contributing() for u in unbound])
         # Step 6: experts on masters, then replicas.
-        y_recv, master_s = self._experts(recv, C, plan, job, unbound)
+        y_recv, master_s = self._experts(recv, C, plan, job, unbound, replay)
         t6 = time.perf_counter()
         # Step 7: return rows and combine.
         with self.collective("token combine (all-to-all)"):
             y_send = AllToAll.apply(y_recv, in_splits, out_splits, rt.group,
                                     lambda: self._timed(marks, "combine_bwd_s", "token combine gradient (all-to-all)"))
         out = unpermute(y_send, top_k_weights.to(y_send.dtype), lay)
+        if needs_backward and out.requires_grad:  # a checkpoint's recompute starts here on every rank
+            out = RecomputeAnchor.apply(out, out.new_empty(0))
         rt.event("combined", self.layer)
-        if job is not None:
+        if job is not None and replay is None:
             job.finish_sends()
-        t7 = time.perf_counter()
+        return out, send, (t4, t5, t6, time.perf_counter()), master_s
+
+    def _forward_timings(self, job, ts: tuple, master_s: float, pred) -> dict[str, float]:
+        """This rank's measured forward phases of one call (``ts``: t0..t7 of the steps) and the prediction."""
+        t0, t1, t2, t3, t4, t5, t6, t7 = ts
         ph = job.phases if job is not None else {}
         weight_s = ph.get("weight_post_s", 0.0) + ph.get("relay_s", 0.0) + ph.get("weight_wait_s", 0.0)
         replica_s = ph.get("replica_compute_s", 0.0)
-        timings.update(
+        timings = dict(
             load_s=t1 - t0, plan_s=t2 - t1, reroute_s=t4 - t3, dispatch_s=t5 - t4,
             master_compute_s=master_s, replica_compute_s=replica_s, experts_s=master_s + replica_s,
             transfer_s=weight_s, combine_s=t7 - t6, forward_s=t7 - t0, measured_s=t7 - t0,
@@ -333,19 +394,39 @@ class BalancedExperts(nn.Module):
             timings["weight_sync_hidden_s"] = max(0.0, flight - ph.get("weight_wait_s", 0.0))
             timings["replica_kept"] = 1.0 if job.kept else 0.0
             timings["transfer_bytes"] = float(job.bytes_sent)
-        if cached:  # this rank's replicas of this call: found resident, streamed, and the bytes not received
-            mine = int((plan.replicas.rank == me).sum())
-            timings.update(cache_hits=float(hits), cache_misses=float(mine - hits),
-                           cache_bytes_saved=float(hits * t.expert_bytes))
-        pred = decision.predicted
         timings["predicted_s"] = pred.total_s
         for k in PREDICTED:  # predicted next to measured, per term (the measured ones once the backward ran)
             timings[f"predicted.{k}"] = float(getattr(pred, k))
-        self._record = _LayerCall(plan, timings, job, t7, (step, mb), needs_backward, decision, marks)
+        return timings
+
+    # ------------------------------------------------------------------ activation checkpointing
+    def _recompute(self, hidden_states, top_k_index, top_k_weights):
+        """The forward of an activation-checkpoint recompute: the original call's plan, routes and replicas, with
+        no second load all-gather, plan or commit (docs/design.md, "Activation checkpointing").
+
+        * Non-reentrant checkpoint (``use_reentrant=False``, transformers' default): the original call's graph
+          runs the backward; the recompute only reproduces the tensors it saved, in the same order. Its replicas
+          compute from the weights the original job still holds (restored first if shared buffers were reused).
+        * Reentrant checkpoint: the original call ran without grad; this recompute's own graph runs the backward,
+          so it is a full forward of the original plan: its replica weights stream again (the original's buffers
+          may have been reused since) and its gradients reduce as any call's."""
+        rt = self.runtime
+        call = self.replays.take(self.name)
+        if call.had_grad:
+            job = call.job
+            if job is not None and not job.kept and job.generation != rt.buffers.generation:
+                job.restore_weights()  # a later layer reused the shared buffers (the backward would restore too)
+            out, *_ = self._route(hidden_states, top_k_index, top_k_weights, call.plan, job, True, {}, call)
+            return out.to(hidden_states.dtype)
+        needs_backward = torch.is_grad_enabled()
+        plan = transfers_for(call.plan)  # every replica streams: nothing is known to be resident any more
+        if self.cache is not None:  # and the streams overwrite the cache's buffers (on every rank alike)
+            self.cache.clear()
+        job, plan, _ = self._start_replicas(plan, call.epoch_R, False, needs_backward)
+        marks: dict[str, float] = {}
+        out, send, _, _ = self._route(hidden_states, top_k_index, top_k_weights, plan, job, needs_backward, marks)
         if needs_backward and out.requires_grad:
-            self._hook_backward(out, send)
-        else:
-            self.flush_record()
+            self._hook_backward(out, send, _LayerCall(plan, {}, job, 0.0, (rt.step, 0), True, None, marks, True))
         return out.to(hidden_states.dtype)
 
     def _cached_slots(self, plan, epoch_R: np.ndarray, like: list[torch.Tensor]):
@@ -361,10 +442,9 @@ class BalancedExperts(nn.Module):
         return [bufs[where[int(e)]] if e >= 0 else bufs[next(spare)] for e in row[:N]], hits
 
     # ------------------------------------------------------------------ backward bookkeeping
-    def _hook_backward(self, out, send) -> None:
+    def _hook_backward(self, out, send, call: "_LayerCall") -> None:
         """Hooks at the layer's backward start (which also posts the replica-gradient receives: a failed peer
         raises there like anywhere else) and end (the gradient of the dispatched rows), for its timings."""
-        call = self._record
         job = call.job
 
         def start(grad):
@@ -378,6 +458,7 @@ class BalancedExperts(nn.Module):
 
     def _backward_end(self, call: "_LayerCall") -> None:
         call.marks["bwd_end"] = time.perf_counter()
+        self.replays.drop(call.replay)  # its backward ran: no recompute needs this call any more
         if self._record is call:
             self.flush_record()
 
@@ -418,8 +499,9 @@ class BalancedExperts(nn.Module):
         self.runtime.record_layer(self, call.plan, t, call.job, call.decision, call.key)
 
     def _experts(self, recv: torch.Tensor, C: np.ndarray, plan, job: ReplicaJob | None,
-                 unbound: list) -> tuple[torch.Tensor, float]:
-        """Masters, then replicas, over the received rows; returns the outputs and the masters' seconds."""
+                 unbound: list, replay: "_Replay | None" = None) -> tuple[torch.Tensor, float]:
+        """Masters, then replicas, over the received rows; returns the outputs and the masters' seconds.
+        ``replay``: an activation-checkpoint recompute (the replicas compute from the weights ``job`` holds)."""
         t = plan.topology
         M, S = t.num_masters, t.num_slots
         counts_S = C.sum(axis=0)
@@ -439,8 +521,10 @@ class BalancedExperts(nn.Module):
         master_s = time.perf_counter() - t0
         if job is not None:
             job.counts = [int(c) for c in counts_S[M:]]  # rows per replica slot, in slot order
-            # shared parameters ride along: the replica rows' gradient of e.g. a post-expert norm reaches them
-            outs.append(ReplicaExperts.apply(x[at:], job, *params, *self.shared_params()))
+            if replay is not None:
+                outs.append(job.recompute(x[at:]))
+            else:  # shared parameters ride along: the replica rows' gradient of e.g. a post-expert norm reaches them
+                outs.append(ReplicaExperts.apply(x[at:], job, *params, *self.shared_params()))
         y_sorted = torch.cat(outs) if outs else x[:0]
         if not counts_S[:M].any() and torch.is_grad_enabled():
             # No row reached this rank's masters: tie them into the graph with a zero term so they still get a
@@ -455,12 +539,14 @@ class BalancedExperts(nn.Module):
 class _LayerCall:
     """One forward of a layer waiting for its backward before it is recorded."""
 
-    __slots__ = ("plan", "timings", "job", "marks", "key", "needs_backward", "decision")
-
+    __slots__ = ("plan", "timings", "job", "marks", "key", "needs_backward", "decision", "recompute", "replay")
 
     def __init__(self, plan, timings: dict, job: ReplicaJob | None, t_fwd_end: float, key: tuple[int, int],
-                 needs_backward: bool, decision, marks: dict[str, float]) -> None:
+                 needs_backward: bool, decision, marks: dict[str, float], recompute: bool = False,
+                 replay: "_Replay | None" = None) -> None:
         self.plan, self.timings, self.job, self.key = plan, timings, job, key
+        self.replay = replay
+        self.recompute = recompute  # a reentrant checkpoint's recompute: its backward runs, it is not recorded
         self.needs_backward, self.decision = needs_backward, decision
         self.marks = marks
         self.marks["fwd_end"] = t_fwd_end

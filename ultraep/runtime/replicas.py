@@ -45,6 +45,15 @@ TAG_WEIGHTS = 11  # point-to-point tags: weight and gradient messages never matc
 TAG_GRADS = 12
 
 
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    """Saved-tensor pack hook that keeps the tensor as autograd would (detached: no reference cycle)."""
+    return t.detach()
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _peers(*msg_lists) -> list[int]:
     return sorted({int(p) for msgs in msg_lists for p, _ in msgs})
 
@@ -350,7 +359,10 @@ class ReplicaJob:
         t0 = time.perf_counter()
         fwd, mod = self.layer.adapter.forward, self.layer.container
         if build_graph:
-            with torch.enable_grad():
+            # the replica graph keeps its own tensors, out of any saved-tensor hooks around the layer: under a
+            # non-reentrant activation checkpoint its backward (a nested torch.autograd.grad, a graph task of its
+            # own) would otherwise start a second recompute of the whole region, collectives included
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _same):
                 xr = x_rep.detach().requires_grad_(True)
                 ws = [[w.detach().requires_grad_(True) for w in slot] for slot in self.slots]
                 y = self._run(fwd, mod, xr, ws)
@@ -362,6 +374,14 @@ class ReplicaJob:
         self._event("replica_compute")
         self._add("replica_compute_s", time.perf_counter() - t0)
         return out
+
+    def recompute(self, x_rep: torch.Tensor) -> torch.Tensor:
+        """An activation-checkpoint recompute of this job's replica forward (the original call's graph runs the
+        backward): the outputs from the weights the slots still hold. It saves nothing, as the original forward
+        saved nothing under the checkpoint (its replica graph keeps its own tensors, see :meth:`compute`)."""
+        fwd, mod = self.layer.adapter.forward, self.layer.container
+        with torch.no_grad():
+            return self._run(fwd, mod, x_rep, self.slots)
 
     def _run(self, fwd, mod, x, slots) -> torch.Tensor:
         outs = [fwd(mod, xs, slots[i]) if xs.shape[0] else xs.new_zeros(xs.shape) for i, xs in self._chunks(x)]

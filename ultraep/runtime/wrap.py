@@ -9,6 +9,7 @@ with no recognised experts raises with the list of supported ones (never a silen
 from __future__ import annotations
 
 import logging
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from ultraep.models.adapters import UnsupportedModelError, adapter_for, prepare, supported
 from ultraep.config import BalancerConfig
+from ultraep.runtime import data_parallel
 from ultraep.runtime.layer import BalancedExperts
 from ultraep.errors import UltraEPError
 from ultraep.runtime.replica_cache import ReplicaCache
@@ -43,13 +45,20 @@ class EPRuntime:
 
     def __init__(self, config: BalancerConfig, group, recorder=None) -> None:
         self.config = config
-        self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        backend = dist.get_backend(group)
+        # The layers' collectives (load all-gathers, token all-to-alls) run on a communicator of their own, never
+        # on the user's group: DistributedDataParallel all-reduces its gradient buckets on that group from
+        # autograd hooks while the layers' backward (and an activation-checkpoint recompute) exchange tokens, and
+        # the two orders of issue need not agree across ranks — on a shared communicator they would pair one
+        # rank's all-to-all with another's all-reduce.
+        timeout = _timeout_of(group)  # a peer that stops answering fails the layers as it fails the user's group
+        self.group = dist.new_group(ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
         # Replica weights and gradients travel point-to-point on a group of their own, so they never queue
         # behind the token all-to-alls (NCCL serialises one communicator's operations on one stream).
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        self.transfer_group = dist.new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=True)
+        self.transfer_group = dist.new_group(ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
         self.buffers = ReplicaBuffers(0)
         self.recorder = recorder
         self.layers: list = []
@@ -63,6 +72,12 @@ class EPRuntime:
         self.history: list[tuple] = []
         #: when a list: (event, layer) in the order the balanced layers' steps ran (tests pin the order)
         self.events: list[tuple[str, int]] | None = None
+        #: the wrapped model (for the replicated-parameter check and FSDP detection); set by ``wrap``
+        self.model_ref = lambda: None
+        #: what the masters' gradients are multiplied by in backward: 1 / R where the data-parallel wrapper
+        #: averages (``config.master_grads``), set at every forward
+        self.master_grad_scale = 1.0
+        self._fsdp: tuple[int, bool] = (-1, False)  # (step it was looked up at, whether FSDP manages the model)
 
     def event(self, name: str, layer: int) -> None:
         if self.events is not None:
@@ -117,8 +132,15 @@ class EPRuntime:
 
     # ------------------------------------------------------------------ step bookkeeping
     def next_step(self, loss: float | None = None, step_time_s: float | None = None) -> None:
-        """Close the current training step (call once per optimizer step); records the step if recording."""
+        """Close the current training step (call once per optimizer step, after it); records the step if
+        recording. At the first step and every ``config.sync_check_every`` steps it checks that the parameters
+        outside the experts are the same on every rank (one small all-gather)."""
         self.flush_records()
+        for layer in self.layers:
+            layer.replays.clear()  # every backward of the step ran: no recompute can still need a call's plan
+        every = self.config.sync_check_every
+        if every and self.step % every == 0:
+            self.check_replicated()
         if self.recorder is not None:
             self.safe(self.recorder.record_step, self.step, loss=loss, step_time_s=step_time_s,
                        warmup=self.step == 0)
@@ -133,6 +155,37 @@ class EPRuntime:
     def enter_layer(self, layer: int) -> None:
         if layer == 0:
             self.microbatch += 1
+        self.check_fsdp()
+        if data_parallel.in_ddp_forward():
+            data_parallel.check_ddp_ignores_masters(self.layers)
+        self.master_grad_scale = 1.0 / self.world_size if self._master_grads_mean() else 1.0
+
+    def _master_grads_mean(self) -> bool:
+        """Whether the masters' gradients are averaged over the group (``config.master_grads``; 'auto': inside a
+        DDP forward, or on a model FSDP manages — looked up once per step)."""
+        mode = self.config.master_grads
+        if mode != "auto":
+            return mode == "mean"
+        return data_parallel.in_ddp_forward() or self._fsdp[1]
+
+    def check_fsdp(self) -> None:
+        """Look up once per step whether FSDP manages the model, and refuse FSDP2 managing a master."""
+        if self._fsdp[0] == self.step:
+            return
+        model = self.model_ref()
+        found = model is not None and data_parallel.has_fsdp(model)
+        if found:
+            data_parallel.refuse_sharded_masters(model, self.layers)
+        self._fsdp = (self.step, found)
+
+    def check_replicated(self) -> None:
+        """Raise :class:`~ultraep.runtime.data_parallel.ParameterDivergenceError` (on every rank) when a parameter
+        outside the experts differs across ranks (``config.sync_check_every``). Collective."""
+        model = self.model_ref()
+        if model is None:
+            return
+        masters = {id(p) for layer in self.layers for p in layer.master_params()}
+        data_parallel.check_replicated(model, masters, self.group, self.step)
 
 
     # ------------------------------------------------------------------ telemetry (never breaks training)
@@ -185,6 +238,19 @@ class EPRuntime:
             self.safe(rec.record_transfer_times, step, mb, layer.layer, job.transfer_seconds())
 
 
+def _timeout_of(group):
+    """The collective timeout of ``group`` (None: the backend's default), for the groups the runtime opens beside it."""
+    import torch
+
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
+
+
 def _available_bytes(device) -> int:
     """Memory free for new tensors on ``device`` (CUDA: the driver's free bytes; CPU: MemAvailable)."""
     import torch
@@ -233,8 +299,9 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
         config = BalancerConfig()
     elif isinstance(config, dict):
         config = BalancerConfig.model_validate(config)
-    if getattr(model, _ATTR, None) is not None:
+    if getattr(data_parallel.model_of(model), _ATTR, None) is not None:
         raise UltraEPError("model", "is already wrapped by ultraep")
+    data_parallel.refuse_wrapped(model)
     prepare(model)  # MoE blocks whose experts need an exact rewrite into the experts-container form
     found = [(name, mod) for name, mod in model.named_modules() if adapter_for(mod) is not None]
     if not found:
@@ -261,14 +328,17 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
     runtime.reserve_replica_memory()
     runtime.build_engine()
     object.__setattr__(model, _ATTR, runtime)
+    runtime.model_ref = weakref.ref(model)
+    # DistributedDataParallel(model) leaves the masters alone: no broadcast from rank 0, no gradient averaging
+    data_parallel.ignore_masters_in_ddp(model, runtime.layers)
     if runtime.rank == 0:
         log.info("%s", runtime.report)
     return model
 
 
 def runtime_of(model: nn.Module) -> EPRuntime:
-    """The :class:`EPRuntime` of a wrapped model."""
-    rt = getattr(model, _ATTR, None)
+    """The :class:`EPRuntime` of a wrapped model (or of its ``DistributedDataParallel`` wrapper)."""
+    rt = getattr(data_parallel.model_of(model), _ATTR, None)
     if rt is None:
         raise UltraEPError("model", "is not wrapped by ultraep (call ultraep.wrap first)")
     return rt
@@ -293,7 +363,31 @@ def unwrap(model: nn.Module) -> nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, layer.container)
     object.__delattr__(model, _ATTR)
+    have = getattr(model, "_ddp_params_and_buffers_to_ignore", None)
+    if isinstance(have, data_parallel.MasterNames):  # the user's own names stay
+        if have.user:
+            model._ddp_params_and_buffers_to_ignore = have.user
+        else:
+            del model._ddp_params_and_buffers_to_ignore
     from ultraep.models.rewrite import restore
 
     restore(model)  # blocks prepare() rewrote get their original classes back (same storage)
     return model
+
+
+def expert_params(model: nn.Module) -> set[nn.Parameter]:
+    """The masters of every balanced layer of a wrapped ``model`` (or its DDP wrapper): pass them to
+    ``fully_shard(..., ignored_params=...)``, or leave them out of anything that treats parameters as replicated."""
+    return {p for layer in runtime_of(model).layers for p in layer.master_params()}
+
+
+def no_sync(model: nn.Module):
+    """Gradient accumulation in one context: DDP's ``no_sync()`` (or FSDP2's ``set_requires_gradient_sync``) and
+    the runtime's :meth:`EPRuntime.no_sync`. Run every microbatch but the last of a step inside it, the last
+    outside (as with DDP alone)::
+
+        for i, mb in enumerate(microbatches):
+            with ultraep.no_sync(ddp_model) if i < len(microbatches) - 1 else contextlib.nullcontext():
+                (loss_fn(ddp_model(mb)) / len(microbatches)).backward()
+    """
+    return data_parallel.accumulating(model, runtime_of(model))
