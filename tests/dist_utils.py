@@ -1,5 +1,8 @@
 """Multi-rank test helper: ``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on gloo
-ranks started with the fork start method (``ultraep.launch``) and fails the test with a rank's traceback."""
+ranks started with the fork start method (``ultraep.launch``) and fails the test with a rank's traceback.
+
+Every run is also checked against NCCL's point-to-point rules (``nccl_harness``): whatever passes here on
+gloo issues its point-to-point operations in an order NCCL runs without a deadlock."""
 
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ def run_ranks_unchecked(fn, world_size: int, *args, timeout: float = 300.0):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 300.0):
-    return run_ranks_unchecked(fn, world_size, *args, timeout=timeout)
+    from nccl_harness import run_ranks_nccl
+
+    return run_ranks_nccl(fn, world_size, *args, timeout=timeout)
 
 
 def master_grad_error(rt, ref, rank: int, relative: bool = False) -> float:

@@ -88,12 +88,71 @@ def test_real_gloo_ranks_recorded_and_checked():
     assert run_ranks_nccl(_gloo_exchange, 2, True, timeout=60) == [1.0, 0.0]
 
 
-@pytest.mark.xfail(raises=NcclOrderingError, strict=True, reason="issue 34: receives posted before sends")
-@pytest.mark.parametrize("policy", ["eplb", "feplb"])
-def test_bidirectional_replicas_at_four_ranks_follow_nccl_rules(policy):
+@pytest.mark.parametrize("policy,scope", [("eplb", "pair"), ("feplb", "pair"), ("eplb", "communicator")])
+def test_bidirectional_replicas_at_four_ranks_follow_nccl_rules(policy, scope):
     """eplb and feplb place replicas of rank A's experts on rank B and of B's on A (issue 34 measured 5/6 and
-    3/6 such pairs): the weight sync and the gradient reduction must not hang on NCCL, and stay exact."""
-    results = run_ranks_nccl(_equivalence, 4, "qwen3-moe", CONFIGS[policy], 2)
+    3/6 such pairs): the weight sync and the gradient reduction must not hang on NCCL, and stay exact — also
+    under the stricter rule of one stream per communicator."""
+    results = run_ranks_nccl(_equivalence, 4, "qwen3-moe", CONFIGS[policy], 2, scope=scope)
     for r in results:
         assert r["logits"] < 1e-5 and r["grad"] < 1e-5 * max(1.0, r["scale"]), r
     assert max(max(r["replicas"]) for r in results) > 0
+
+
+def _equivalence_relays(rank, world, family, config, steps, one_token: bool = False):
+    """:func:`test_runtime._equivalence`, also counting the relay messages this rank forwarded; with
+    ``one_token`` every rank's batch repeats one token id routed top-1 (one expert takes all the load, so
+    it is replicated on most ranks: relay trees)."""
+    import functools
+
+    import test_runtime
+    from ultraep.runtime.replicas import ReplicaJob
+
+    if one_token:  # (this rank's process only: ranks are forked)
+        test_runtime._batch = lambda rank, step=0: torch.zeros((2, 12), dtype=torch.int64)
+        test_runtime.build_model = functools.partial(test_runtime.build_model, top_k=1)
+
+    relayed = [0]
+    relay = ReplicaJob.relay
+
+    def counting(job):
+        relayed[0] += len(job.schedule.sends1)
+        return relay(job)
+
+    ReplicaJob.relay = counting
+    return {**_equivalence(rank, world, family, config, steps), "relayed": relayed[0]}
+
+
+EIGHT = {
+    # two scale-up domains of 4: replicas stay inside each, both domains balance at once
+    "two-domains-kept": {"policy": "quota", "num_redundant_slots": 2, "domain_size": 4},
+    "two-domains-restore": {"policy": "eplb", "num_redundant_slots": 2, "domain_size": 4,
+                            "eplb": {"interval": 1, "window": 1}, "replica_memory_budget": 0},
+    # one domain of 8 with the relay tree forced: stage-0 sends to relays, stage-1 forwards (tiles)
+    "relays": {"policy": "quota", "num_redundant_slots": 2, "quota": {"relay": "always"},
+               "replica_transport": "tiles"},
+}
+
+
+@pytest.mark.parametrize("case", list(EIGHT))
+def test_exactness_at_eight_ranks_under_nccl_rules(case):
+    steps = 2 if EIGHT[case]["policy"] == "eplb" else 1
+    results = run_ranks_nccl(_equivalence_relays, 8, "qwen3-moe", EIGHT[case], steps, case == "relays",
+                             scope="communicator")
+    for r in results:
+        assert r["logits"] < 1e-5 and r["grad"] < 1e-5 * max(1.0, r["scale"]), r
+    assert max(max(r["replicas"]) for r in results) > 0
+    if case == "relays":
+        assert sum(r["relayed"] for r in results) > 0, "the plan used no relay"
+    if case.endswith("restore"):
+        assert results[0]["restorations"] >= 1
+
+
+@pytest.mark.parametrize("transport", ["direct", "tiles"])
+def test_no_sync_at_four_ranks_under_nccl_rules(transport):
+    """Deferred replica gradients (three microbatches under ``no_sync``, the fourth reduces them all) with
+    replicas in both directions between ranks: exact, and in an order NCCL runs."""
+    from test_replica_cache import _accumulate
+
+    for _, grad, logits, gb in run_ranks_nccl(_accumulate, 4, True, 4, True, transport, scope="communicator"):
+        assert grad < 1e-4 and logits < 1e-5, (grad, logits)

@@ -362,15 +362,12 @@ class BalancedExperts(nn.Module):
 
     # ------------------------------------------------------------------ backward bookkeeping
     def _hook_backward(self, out, send) -> None:
-        """Hooks at the layer's backward start (which also posts the replica-gradient receives: a failed peer
-        raises there like anywhere else) and end (the gradient of the dispatched rows), for its timings."""
+        """Hooks at the layer's backward start and end (the gradient of the dispatched rows), for its timings.
+        (The replica-gradient receives are posted with the sends, by the replicas' backward: docs/design.md.)"""
         call = self._record
-        job = call.job
 
         def start(grad):
             call.marks["bwd_start"] = time.perf_counter()
-            if job is not None:
-                job.post_grad_recvs()
 
         out.register_hook(start)
         if send.requires_grad:

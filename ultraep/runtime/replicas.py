@@ -8,18 +8,26 @@ rank, the replicas' rows on another) makes the layer cost ``max_r(master) + max_
 ``max_r(master + replica)``, re-creating the imbalance the plan removed. So every transfer is *posted*
 early and *waited* late, only where waiting is free:
 
-    forward  Step 1 (right after the plan, before the token dispatch): every rank posts its receives of
-                    replica weights and the stage-0 sends of its masters (:meth:`ReplicaJob.post_weights`).
-             Step 2 (after the dispatch, a barrier anyway): a relay forwards what it received
+    forward  Step 1 (right after the plan, before the token dispatch): every rank issues batch W0 — its
+                    stage-0 receives of replica weights and the stage-0 sends of its masters
+                    (:meth:`ReplicaJob.post_weights`).
+             Step 2 (after the dispatch, a barrier anyway): batch W1 — a relay forwards what it received,
+                    and the ranks it feeds post those stage-1 receives in the same batch
                     (:meth:`ReplicaJob.relay`).
              Step 3 masters compute while the weights travel; the replica slots wait for their weights
                     only right before they compute (:meth:`ReplicaJob.wait_weights`).
-    backward Step 4 (start of the layer's backward): the masters' ranks post the gradient receives.
-             Step 5 each replica's weight gradient is packed and sent as soon as the replica backward made it
-                    (replicas run their backward first: their autograd node is the newest).
-             Step 6 :class:`GradSink` — the node every expert's backward feeds, right before the dispatch
+    backward Step 4 each replica's weight gradient is packed as soon as the replica backward made it
+                    (replicas run their backward first: their autograd node is the newest), and batch G
+                    issues those sends together with this rank's receives of its masters' gradients.
+             Step 5 :class:`GradSink` — the node every expert's backward feeds, right before the dispatch
                     all-to-all's backward (a barrier) — waits for the gradients and returns them as the
                     masters' gradient contribution, added in replica-rank order (deterministic).
+
+Every batch is one point-to-point group in a canonical order (:mod:`ultraep.runtime.transport`), issued at
+the same step on every rank, and no receive waits on a send the peer issues in a later batch: NCCL, which
+runs a pair's operations in issue order and ignores tags, cannot deadlock on it (docs/design.md, "Point-to-
+point order"). That is why the gradient receives go out with the sends (Step 4) rather than alone at the
+start of the backward, and why stage-1 receives go out with the relays' sends (Step 2) rather than in W0.
 
 Replica weights and activations live from forward to backward when they fit the runtime's replica memory
 budget (``BalancerConfig.replica_memory_budget``; per-layer buffers, mode ``kept``); beyond it the layers share
@@ -36,17 +44,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ultraep.runtime.comm import Pending, post
+from ultraep.runtime.transport import Transfer, TransferHandle
 
 if TYPE_CHECKING:  # pragma: no cover
     from ultraep.runtime.layer import BalancedExperts
 
-TAG_WEIGHTS = 11  # point-to-point tags: weight and gradient messages never match each other
+TAG_WEIGHTS = 11  # gloo matches by tag too; NCCL ignores tags, so the canonical order alone must match
 TAG_GRADS = 12
 
 
 def _peers(*msg_lists) -> list[int]:
-    return sorted({int(p) for msgs in msg_lists for p, _ in msgs})
+    return sorted({int(m[0]) for msgs in msg_lists for m in msgs})
 
 
 class ReplicaBuffers:
@@ -216,13 +224,11 @@ class ReplicaJob:
         self.generation = -1
         self.bytes_sent = 0
         self.phases: dict[str, float] = {}
-        self._weights: Pending | None = None
-        self._relay: Pending | None = None
-        self._grads_in: Pending | None = None
-        self._grads_out: Pending | None = None
+        self._weights: TransferHandle | None = None  # batch W0
+        self._relay: TransferHandle | None = None  # batch W1
+        self._grads: TransferHandle | None = None  # batch G
         self._grad_arena: torch.Tensor | None = None
         self._grad_bufs: dict[int, list[list[torch.Tensor]]] = {}  # direct: expert -> [replica][J] fp32
-        self._recv_groups: list[range] = []  # request indices of each received message, in schedule order
         self._recv_seconds: dict[tuple[int, int, int], float] = {}
         self._graph = None  # kept mode: (x, weights, y) of the replica forward, for its backward
 
@@ -234,48 +240,65 @@ class ReplicaJob:
 
     # ------------------------------------------------------------------ weights (forward)
     def post_weights(self) -> None:
-        """Step 1: post every receive of replica weights and this rank's stage-0 sends; never waits."""
+        """Step 1: issue batch W0 — every stage-0 receive of replica weights and this rank's stage-0 sends;
+        never waits. Keys: ``(stage, expert, tensor)`` per tensor (direct), ``(stage, first expert)`` per tile
+        message."""
         from ultraep.kernels import pack_sends
 
         t0 = time.perf_counter()
         sched, lay = self.schedule, self.layout
         first = self.layer.first_expert
-        if self.direct:
+        tr = Transfer(self.rt.transfer_group, TAG_WEIGHTS)
+        if self.direct:  # (no relays: every receive is stage 0)
             ws = [p.detach() for p in self.params]
-            recvs = [(m.peer, t) for m in sched.recvs for e in m.experts for t in self.slots[sched.slot_E[e] - self.M]]
-            sends = [(m.peer, w[e - first]) for m in sched.sends0 for e in m.experts for w in ws]
-            J = len(ws)
-            at, self._recv_groups = 0, []
             for m in sched.recvs:
-                self._recv_groups.append(range(at, at + J * len(m.experts)))
-                at += J * len(m.experts)
+                for e in m.experts:
+                    for j, t in enumerate(self.slots[sched.slot_E[e] - self.M]):
+                        tr.add_recv(m.peer, t, (0, e, j))
+            for m in sched.sends0:
+                for e in m.experts:
+                    for j, w in enumerate(ws):
+                        tr.add_send(m.peer, w[e - first], (0, e, j))
         else:
             sending = {e for m in sched.sends0 for e in m.experts}
             masters = {e: [p.detach()[e - first] for p in self.params] for e in sending}
             self.arena = lay.empty(sched.arena_tiles, device=self.params[0].device)
-            P = lay.tiles_per_expert
-            recvs = [(m.peer, self.arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in sched.recvs]
-            sends = [(m.peer, buf) for m, buf in pack_sends(sched, masters, lay)]
-            self._recv_groups = [range(i, i + 1) for i in range(len(recvs))]
-        with self.layer.collective("replica weight sync (post)", _peers(sends, recvs)):
-            self._weights = post(sends, recvs, self.rt.transfer_group, tag=TAG_WEIGHTS)
-        self._num_recv0 = sum(1 for m in sched.recvs if m.stage == 0)
-        self.bytes_sent = sum(int(b.numel() * b.element_size()) for _, b in sends)
+            for m in sched.recvs:
+                if m.stage == 0:
+                    tr.add_recv(m.peer, self._arena_of(m), (0, m.experts[0]))
+            for m, buf in pack_sends(sched, masters, lay):
+                tr.add_send(m.peer, buf, (0, m.experts[0]))
+        with self.layer.collective("replica weight sync (post)", _peers(tr._sends, tr._recvs)):
+            self._weights = tr.execute()
+        self.bytes_sent = sum(int(t.numel() * t.element_size()) for _, _, t in tr._sends)
         self._event("weight_sync_posted")
         self._add("weight_post_s", time.perf_counter() - t0)
 
+    def _arena_of(self, m) -> torch.Tensor:
+        """The arena tiles of received message ``m``."""
+        P = self.layout.tiles_per_expert
+        return self.arena[m.first_tile:m.first_tile + len(m.experts) * P]
+
     def relay(self) -> None:
-        """Step 2 (relay ranks only): forward the stage-0 tiles this rank received to its children."""
+        """Step 2: issue batch W1 — a relay forwards the stage-0 tiles it received to its children, and every
+        rank fed by a relay posts those stage-1 receives here, not in W0: in W0 they would hold the pair (on
+        NCCL) until the relay's send, which the relay issues only after its own W0 completed."""
         from ultraep.kernels import forward_sends
 
-        if not self.schedule.sends1:
+        stage1 = [m for m in self.schedule.recvs if m.stage == 1]
+        if not self.schedule.sends1 and not stage1:
             return
         t0 = time.perf_counter()
         with self.layer.collective("replica weight sync (relay stage)", [m.peer for m in self.schedule.recvs]):
-            self._weights.wait(range(self._num_recv0))
-            sends = [(m.peer, buf) for m, buf in forward_sends(self.schedule, self.arena)]
-            self._relay = post(sends, [], self.rt.transfer_group, tag=TAG_WEIGHTS)
-        self.bytes_sent += sum(int(b.numel()) for _, b in sends)
+            tr = Transfer(self.rt.transfer_group, TAG_WEIGHTS)
+            for m in stage1:
+                tr.add_recv(m.peer, self._arena_of(m), (1, m.experts[0]))
+            if self.schedule.sends1:
+                self._weights.wait_recvs()
+                for m, buf in forward_sends(self.schedule, self.arena):
+                    tr.add_send(m.peer, buf, (1, m.experts[0]))
+            self._relay = tr.execute()
+        self.bytes_sent += sum(int(t.numel()) for _, _, t in tr._sends)
         self._add("relay_s", time.perf_counter() - t0)
 
     def wait_weights(self) -> None:
@@ -283,10 +306,12 @@ class ReplicaJob:
         from ultraep.kernels import unpack_received
 
         t0 = time.perf_counter()
-        w = self._weights
+        handles = [h for h in (self._weights, self._relay) if h is not None]
         with self.layer.collective("replica weight sync (wait)", [m.peer for m in self.schedule.recvs]):
-            w.poll()
-            w.wait(range(w.num_recvs))
+            for h in handles:
+                h.poll()
+            for h in handles:
+                h.wait_recvs()
         self._event("weight_sync_waited")
         t1 = time.perf_counter()
         if self.schedule.recvs and not self.direct:
@@ -296,19 +321,28 @@ class ReplicaJob:
         if not self.kept:
             self.rt.buffers.generation += 1
             self.generation = self.rt.buffers.generation
-        sec = [max(w.seconds(i) for i in g) if len(g) else 0.0 for g in self._recv_groups]
-        self._recv_seconds = self._recv_seconds or {(m.peer, m.stage, e): sec[i]
-                                                    for i, m in enumerate(self.schedule.recvs) for e in m.experts}
-        flight = max(sec, default=0.0)
-        self._add("weight_sync_flight_s", flight)
+        sec: dict = {}
+        for h in handles:
+            sec.update(h.recv_seconds())
+        per_msg = {}  # (peer, stage, expert) -> seconds: of its slowest tensor (direct) or of its message (tiles)
+        for (peer, key), s in sec.items():
+            if self.direct:
+                k = (peer, 0, key[1])
+                per_msg[k] = max(per_msg.get(k, 0.0), s)
+        if not self.direct:
+            for m in self.schedule.recvs:
+                for e in m.experts:
+                    per_msg[(m.peer, m.stage, e)] = sec[(m.peer, (m.stage, m.experts[0]))]
+        self._recv_seconds = self._recv_seconds or per_msg
+        self._add("weight_sync_flight_s", max(sec.values(), default=0.0))
         self._add("weight_wait_s", time.perf_counter() - t0)
 
     def finish_sends(self) -> None:
         """Complete this rank's weight sends (after the combine: every receiver has long waited)."""
-        for p in (self._weights, self._relay):
-            if p is not None:
+        for h in (self._weights, self._relay):
+            if h is not None:
                 with self.layer.collective("replica weight sync (send)", []):
-                    p.wait(range(p.num_recvs, len(p.reqs)))
+                    h.wait_sends()
         self._weights = self._relay = None
         self.arena = None
 
@@ -368,28 +402,26 @@ class ReplicaJob:
         return torch.cat(outs) if outs else x.new_zeros(x.shape)
 
     # ------------------------------------------------------------------ backward
-    def post_grad_recvs(self) -> None:
-        """Step 4: post the receives of replica gradients for this rank's masters (idempotent)."""
-        if self._grads_in is not None:
-            return
+    def _grad_recvs(self, tr: Transfer) -> None:
+        """Add to ``tr`` the receives of replica gradients for this rank's masters (keys as the senders')."""
         gs, lay = self.grad_schedule, self.grad_layout
         dev = self.params[0].device
         if self.direct:
-            recvs = []
             for m in gs.recvs:  # replica ranks ascending, experts ascending: the summation order
                 for e in m.experts:
                     bufs = [torch.empty(s.shape, dtype=torch.float32, device=dev) for s in lay.specs]
                     self._grad_bufs.setdefault(e, []).append(bufs)
-                    recvs += [(m.peer, b) for b in bufs]
+                    for j, b in enumerate(bufs):
+                        tr.add_recv(m.peer, b, (e, j))
         else:
             self._grad_arena = lay.empty(gs.arena_tiles, device=dev)
             P = lay.tiles_per_expert
-            recvs = [(m.peer, self._grad_arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in gs.recvs]
-        with self.layer.collective("replica gradient reduction (post)", _peers(recvs)):
-            self._grads_in = post([], recvs, self.rt.transfer_group, tag=TAG_GRADS)
+            for m in gs.recvs:
+                tr.add_recv(m.peer, self._grad_arena[m.first_tile:m.first_tile + len(m.experts) * P],
+                            (m.experts[0],))
 
     def backward(self, grad: torch.Tensor, shared: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, list]:
-        """Step 5: replica backward (restore + recompute in mode ``restore``), then post the weight gradients
+        """Step 4: replica backward (restore + recompute in mode ``restore``), then post the weight gradients
         to the masters' ranks. Returns the gradient of the replica rows and of the ``shared`` parameters the
         replica forward also read (e.g. a post-expert norm; None where unused or frozen): they stay on this rank."""
         from ultraep.kernels import pack_grad_sends
@@ -397,11 +429,9 @@ class ReplicaJob:
         if self.kept:
             xr, ws, y = self._graph
             self._graph = None
-            self.post_grad_recvs()
         else:
             if self.rt.buffers.generation != self.generation:
                 self.restore_weights()
-            self.post_grad_recvs()  # after the restore: point-to-point order stays the same on every rank
             t0 = time.perf_counter()
             with torch.enable_grad():
                 xr = self.x_rep.requires_grad_(True)
@@ -442,14 +472,19 @@ class ReplicaJob:
         for e in (e for m in gs.sends for e in m.experts if e not in eg):  # deferred by a call whose backward
             eg[e] = [torch.zeros(s.shape, dtype=torch.float32, device=grad.device)  # never ran: zero (flush only)
                      for s in self.grad_layout.specs]
-        if self.direct:  # each gradient tensor as its own fp32 message, experts ascending per master rank
-            sends = [(m.peer, g.float()) for m in gs.sends for e in m.experts for g in eg[e]]
+        tr = Transfer(self.rt.transfer_group, TAG_GRADS)  # batch G: these sends and this rank's receives
+        if self.direct:  # each gradient tensor as its own fp32 message
+            for m in gs.sends:
+                for e in m.experts:
+                    for j, g in enumerate(eg[e]):
+                        tr.add_send(m.peer, g.float(), (e, j))
         else:
-            sends = [(m.peer, buf) for m, buf in pack_grad_sends(
-                gs, {e: eg[e] for m in gs.sends for e in m.experts}, self.grad_layout)]
-        self.grad_bytes_sent = sum(int(b.numel() * b.element_size()) for _, b in sends)
-        with self.layer.collective("replica gradient reduction (send)", _peers(sends)):
-            self._grads_out = post(sends, [], self.rt.transfer_group, tag=TAG_GRADS)
+            for m, buf in pack_grad_sends(gs, {e: eg[e] for m in gs.sends for e in m.experts}, self.grad_layout):
+                tr.add_send(m.peer, buf, (m.experts[0],))
+        self._grad_recvs(tr)
+        self.grad_bytes_sent = sum(int(t.numel() * t.element_size()) for _, _, t in tr._sends)
+        with self.layer.collective("replica gradient reduction (post)", _peers(tr._sends, tr._recvs)):
+            self._grads = tr.execute()
         self._event("grad_sent")
         t3 = time.perf_counter()
         self._add("replica_backward_s", t2 - t1)
@@ -457,16 +492,17 @@ class ReplicaJob:
         return gx, g_shared
 
     def reduce_grads(self) -> list[torch.Tensor]:
-        """Step 6: wait for the replicas' gradients of this rank's masters; return, for every expert in
+        """Step 5: wait for the replicas' gradients of this rank's masters; return, for every expert in
         ``contributing()`` and each of its J tensors, the sum of its replicas' gradients (replica-rank order,
         fp32, cast to the parameter's dtype)."""
         from ultraep.kernels import reduce_received
 
-        self.post_grad_recvs()  # a no-op unless the layer's backward started without the output hook
+        if self._grads is None:  # pragma: no cover - the replicas' backward (Step 4) runs before the sink
+            raise RuntimeError("replica gradient reduction: the sink ran before the replicas' backward")
         t0 = time.perf_counter()
         with self.layer.collective("replica gradient reduction (wait)", _peers([(m.peer, None) for m in
                                                                                  self.grad_schedule.recvs])):
-            self._grads_in.wait()
+            self._grads.wait_recvs()
         self._event("grad_reduced")
         t1 = time.perf_counter()
         sums: dict[int, list[torch.Tensor]] = {}
@@ -482,7 +518,7 @@ class ReplicaJob:
                     for e in self.contributing()}
             reduce_received(self.grad_schedule, self._grad_arena, sums, self.grad_layout)
         out = [a.to(p.dtype) for e in self.contributing() for a, p in zip(sums[e], self.params)]
-        self._grads_in, self._grad_arena, self._grad_bufs = None, None, {}
+        self._grad_arena, self._grad_bufs = None, {}
         self._add("grad_wait_s", t1 - t0)
         self._add("grad_reduce_s", time.perf_counter() - t1)
         return out
@@ -492,10 +528,10 @@ class ReplicaJob:
         return sorted(self.grad_schedule.contributions)
 
     def finish_grad_sends(self) -> None:
-        if self._grads_out is not None:
+        if self._grads is not None:
             with self.layer.collective("replica gradient reduction (send)", []):
-                self._grads_out.wait()
-            self._grads_out = None
+                self._grads.wait_sends()
+            self._grads = None
 
 
 class ReplicaExperts(torch.autograd.Function):
