@@ -26,7 +26,6 @@ unbalanced model's.
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -35,6 +34,7 @@ import torch
 from torch import nn
 
 from ultraep.runtime import phases
+from ultraep.runtime.clock import clamp0, clock_for
 from ultraep.runtime.comm import AllToAll, all_gather_bytes, gather_load
 from ultraep.errors import CollectiveFailedError, PendingGradientsError, PlanDivergenceError
 from ultraep.runtime.replica_cache import MasterEpoch, ReplicaCache
@@ -129,12 +129,12 @@ class BalancedExperts(nn.Module):
                 f"masters={self.first_expert}..{self.first_expert + t.num_masters - 1}, slots={t.num_slots}")
 
     @contextmanager
-    def _timed(self, marks: dict[str, float], key: str, phase: str):
+    def _timed(self, clock, marks: dict, key: str, phase: str):
         """:meth:`collective` that also notes the seconds it took under ``marks[key]`` (backward all-to-alls)."""
-        t0 = time.perf_counter()
+        t0 = clock.now()
         with self.collective(phase):
             yield
-        marks[key] = marks.get(key, 0.0) + time.perf_counter() - t0
+        marks[key] = marks.get(key, 0.0) + (clock.now() - t0)
 
     @contextmanager
     def collective(self, phase: str, peers: list[int] | None = None):
@@ -190,9 +190,11 @@ class BalancedExperts(nn.Module):
         rt = self.runtime
         t = self.topology
         R, me, S, E = t.num_ranks, rt.rank, t.num_slots, t.num_experts
-        self.flush_record()  # the previous call's record, if its backward never came
-        timings: dict[str, float] = {}
-        t0 = time.perf_counter()
+        if self._record is not None and self._record.clock.ready():
+            self.flush_record()  # the previous call's record, if its backward never came
+        clk = clock_for(hidden_states)  # CUDA events on CUDA, read when the call is recorded
+        timings: dict = {}
+        t0 = clk.now()
         rt.enter_layer(self.layer)
         # Step 1: exact load, and every rank's timings of this layer's last complete call.
         counts = torch.bincount(top_k_index.reshape(-1).to(torch.int64), minlength=E)
@@ -207,6 +209,7 @@ class BalancedExperts(nn.Module):
             mine[_HEAD:] = torch.as_tensor(np.round(obs[2] * 1e9).astype(np.int64))
         with self.collective("load all-gather"):
             gathered = gather_load(torch.cat([counts[:E], mine.to(counts.device)]), rt.group)
+        self.flush_record()  # (CUDA: the previous call's events completed, the all-gather synchronised)
         load, extra = gathered[:, :E], gathered[:, E:]
         if extra[:, 0].any():
             from ultraep.models.adapters import UnsupportedModelError
@@ -215,7 +218,7 @@ class BalancedExperts(nn.Module):
             raise UnsupportedModelError(
                 f"{self.name}.top_k_index", f"rank(s) {bad} routed {int(extra[:, 0].sum())} slot(s) to expert ids "
                 f"above {E}: ids must be < num_experts = {E}, or {E} for a dropped slot", E)
-        t1 = time.perf_counter()
+        t1 = clk.now()
         eng = rt.engine
         if obs is not None and extra[:, 1].all():  # every rank measured the same call: calibrate identically
             measured, total = phases.reduce_phases(extra[:, _HEAD:].astype(np.float64) * 1e-9)
@@ -250,7 +253,7 @@ class BalancedExperts(nn.Module):
                     f"layer {self.layer} ({self.name}): ranks {bad} computed a different plan than rank 0 "
                     f"(digests {[d.decode() for d in digests]}); refusing to exchange tokens"
                 )
-        t2 = time.perf_counter()
+        t2 = clk.now()
         rt.event("planned", self.layer)
         # Step 3: post the replica weight sync (the same on every rank: plans are identical).
         params = self.master_params()
@@ -272,7 +275,7 @@ class BalancedExperts(nn.Module):
                 kept, hits = self._cached_slots(plan, epoch_R, like)
             else:
                 kept = rt.buffers.private(self.layer, like, t.num_redundant_slots)
-            job = ReplicaJob(self, plan, kept, grads, self.deferred)
+            job = ReplicaJob(self, plan, kept, grads, self.deferred, clock=clk)
             if grads == "defer":
                 self.deferred.add_plan(plan, epoch_R)
             job.needs_backward = needs_backward
@@ -281,7 +284,7 @@ class BalancedExperts(nn.Module):
             job.post_weights()
             plan = job.plan  # with a transfer for every replica: what actually moves
         self.last_plan = plan
-        t3 = time.perf_counter()
+        t3 = clk.now()
         # Step 4: reroute and order pairs by destination.
         phys = reroute(top_k_index, reroute_table(plan, me, device=top_k_index.device))
         lay = dispatch_layout(phys, R, S, num_rows=int(plan.routes_RRS[me].sum()))
@@ -289,14 +292,14 @@ class BalancedExperts(nn.Module):
         in_splits = lay.input_split_sizes()
         C = plan.routes_RRS[:, me, :]  # [R, S] rows each source sends to each of my slots
         out_splits = [int(c) for c in C.sum(axis=1)]
-        t4 = time.perf_counter()
+        t4 = clk.now()
         # Step 5: dispatch; relays forward the weights they received.
         marks: dict[str, float] = {}  # backward timings of this call, filled by hooks and the all-to-alls
         with self.collective("token dispatch (all-to-all)"):
             recv = AllToAll.apply(send, out_splits, in_splits, rt.group,
-                                  lambda: self._timed(marks, "dispatch_bwd_s", "token dispatch gradient (all-to-all)"))
+                                  lambda: self._timed(clk, marks, "dispatch_bwd_s", "token dispatch gradient (all-to-all)"))
         rt.event("dispatched", self.layer)
-        t5 = time.perf_counter()
+        t5 = clk.now()
         # per-expert views of the masters (one stacking backward instead of a full-size zero fill per slot)
         unbound = [p.unbind(0) for p in params]
         if job is not None:
@@ -305,17 +308,17 @@ class BalancedExperts(nn.Module):
                 first = self.first_expert
                 recv = GradSink.apply(recv, job, *[u[e - first] for e in job.contributing() for u in unbound])
         # Step 6: experts on masters, then replicas.
-        y_recv, master_s = self._experts(recv, C, plan, job, unbound)
-        t6 = time.perf_counter()
+        y_recv, master_s = self._experts(recv, C, plan, job, unbound, clk)
+        t6 = clk.now()
         # Step 7: return rows and combine.
         with self.collective("token combine (all-to-all)"):
             y_send = AllToAll.apply(y_recv, in_splits, out_splits, rt.group,
-                                    lambda: self._timed(marks, "combine_bwd_s", "token combine gradient (all-to-all)"))
+                                    lambda: self._timed(clk, marks, "combine_bwd_s", "token combine gradient (all-to-all)"))
         out = unpermute(y_send, top_k_weights.to(y_send.dtype), lay)
         rt.event("combined", self.layer)
         if job is not None:
             job.finish_sends()
-        t7 = time.perf_counter()
+        t7 = clk.now()
         ph = job.phases if job is not None else {}
         weight_s = ph.get("weight_post_s", 0.0) + ph.get("relay_s", 0.0) + ph.get("weight_wait_s", 0.0)
         replica_s = ph.get("replica_compute_s", 0.0)
@@ -330,7 +333,7 @@ class BalancedExperts(nn.Module):
             flight = ph.get("weight_sync_flight_s", 0.0)
             timings["weight_sync_flight_s"] = flight
             timings["weight_unpack_s"] = ph.get("weight_unpack_s", 0.0)
-            timings["weight_sync_hidden_s"] = max(0.0, flight - ph.get("weight_wait_s", 0.0))
+            timings["weight_sync_hidden_s"] = clamp0(flight - ph.get("weight_wait_s", 0.0))
             timings["replica_kept"] = 1.0 if job.kept else 0.0
             timings["transfer_bytes"] = float(job.bytes_sent)
         if cached:  # this rank's replicas of this call: found resident, streamed, and the bytes not received
@@ -341,7 +344,7 @@ class BalancedExperts(nn.Module):
         timings["predicted_s"] = pred.total_s
         for k in PREDICTED:  # predicted next to measured, per term (the measured ones once the backward ran)
             timings[f"predicted.{k}"] = float(getattr(pred, k))
-        self._record = _LayerCall(plan, timings, job, t7, (step, mb), needs_backward, decision, marks)
+        self._record = _LayerCall(plan, timings, job, t7, (step, mb), needs_backward, decision, marks, clk)
         if needs_backward and out.requires_grad:
             self._hook_backward(out, send)
         else:
@@ -367,15 +370,15 @@ class BalancedExperts(nn.Module):
         call = self._record
 
         def start(grad):
-            call.marks["bwd_start"] = time.perf_counter()
+            call.marks["bwd_start"] = call.clock.now()
 
         out.register_hook(start)
         if send.requires_grad:
             send.register_hook(lambda grad: self._backward_end(call))
 
     def _backward_end(self, call: "_LayerCall") -> None:
-        call.marks["bwd_end"] = time.perf_counter()
-        if self._record is call:
+        call.marks["bwd_end"] = call.clock.now()
+        if self._record is call and call.clock.ready():  # (CUDA: else at the next call, never a sync here)
             self.flush_record()
 
     def flush_record(self) -> None:
@@ -383,9 +386,11 @@ class BalancedExperts(nn.Module):
         call, self._record = self._record, None
         if call is None:
             return
-        t, m = call.timings, call.marks
+        read = call.clock.read  # device times become seconds here, never on the hot path
+        t = {k: read(v) for k, v in call.timings.items()}
+        m = {k: read(v) for k, v in call.marks.items()}
         if call.job is not None:
-            ph = call.job.phases
+            ph = {k: read(v) for k, v in call.job.phases.items()}
             for k in ("restore_s", "recompute_s", "replica_backward_s", "grad_post_s", "grad_wait_s",
                       "grad_reduce_s"):
                 if k in ph:
@@ -415,7 +420,7 @@ class BalancedExperts(nn.Module):
         self.runtime.record_layer(self, call.plan, t, call.job, call.decision, call.key)
 
     def _experts(self, recv: torch.Tensor, C: np.ndarray, plan, job: ReplicaJob | None,
-                 unbound: list) -> tuple[torch.Tensor, float]:
+                 unbound: list, clk) -> tuple[torch.Tensor, float]:
         """Masters, then replicas, over the received rows; returns the outputs and the masters' seconds."""
         t = plan.topology
         M, S = t.num_masters, t.num_slots
@@ -424,7 +429,7 @@ class BalancedExperts(nn.Module):
         slot_of_row = np.repeat(np.tile(np.arange(S), C.shape[0]), C.ravel())
         order = torch.as_tensor(np.argsort(slot_of_row, kind="stable"), device=recv.device)
         x = recv.index_select(0, order)
-        t0 = time.perf_counter()
+        t0 = clk.now()
         outs, at = [], 0
         params = self.master_params()
         for s in range(M):
@@ -433,7 +438,7 @@ class BalancedExperts(nn.Module):
                 outs.append(self.adapter.forward(self.container, x[at:at + c], [u[s] for u in unbound]))
             at += c
         self.runtime.event("master_compute", self.layer)
-        master_s = time.perf_counter() - t0
+        master_s = clk.now() - t0
         if job is not None:
             job.counts = [int(c) for c in counts_S[M:]]  # rows per replica slot, in slot order
             # shared parameters ride along: the replica rows' gradient of e.g. a post-expert norm reaches them
@@ -452,12 +457,13 @@ class BalancedExperts(nn.Module):
 class _LayerCall:
     """One forward of a layer waiting for its backward before it is recorded."""
 
-    __slots__ = ("plan", "timings", "job", "marks", "key", "needs_backward", "decision")
+    __slots__ = ("plan", "timings", "job", "marks", "key", "needs_backward", "decision", "clock")
 
 
     def __init__(self, plan, timings: dict, job: ReplicaJob | None, t_fwd_end: float, key: tuple[int, int],
-                 needs_backward: bool, decision, marks: dict[str, float]) -> None:
+                 needs_backward: bool, decision, marks: dict, clock) -> None:
         self.plan, self.timings, self.job, self.key = plan, timings, job, key
+        self.clock = clock
         self.needs_backward, self.decision = needs_backward, decision
         self.marks = marks
         self.marks["fwd_end"] = t_fwd_end

@@ -37,13 +37,13 @@ recomputes the replica forward in its backward (mode ``restore``).
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from ultraep.runtime.clock import HostClock
 from ultraep.runtime.transport import Transfer, TransferHandle
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -177,7 +177,7 @@ class ReplicaJob:
     """
 
     def __init__(self, layer: "BalancedExperts", plan, kept_slots: list[list[torch.Tensor]] | None,
-                 grads: str = "reduce", deferred: DeferredGrads | None = None) -> None:
+                 grads: str = "reduce", deferred: DeferredGrads | None = None, clock=None) -> None:
         """``kept_slots``: this layer's own ``[N][J]`` buffers for replica slots ``M..S-1`` (mode ``kept``; slot
         ``M + i`` computes with ``kept_slots[i]``, which may already hold its weights), or None (shared buffers).
 
@@ -188,6 +188,7 @@ class ReplicaJob:
 
         self.layer = layer
         self.rt = layer.runtime
+        self.clock = clock if clock is not None else HostClock()  # the layer call's (CUDA events on CUDA)
         t = plan.topology
         # ``plan.transfers`` are exactly the replicas this call streams (the engine planned with the layer's
         # replica cache: resident replicas are reused in place, every other one is sent)
@@ -232,7 +233,7 @@ class ReplicaJob:
         self._recv_seconds: dict[tuple[int, int, int], float] = {}
         self._graph = None  # kept mode: (x, weights, y) of the replica forward, for its backward
 
-    def _add(self, key: str, seconds: float) -> None:
+    def _add(self, key: str, seconds) -> None:
         self.phases[key] = self.phases.get(key, 0.0) + seconds
 
     def _event(self, name: str) -> None:
@@ -245,7 +246,7 @@ class ReplicaJob:
         message."""
         from ultraep.kernels import pack_sends
 
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         sched, lay = self.schedule, self.layout
         first = self.layer.first_expert
         tr = Transfer(self.rt.transfer_group, TAG_WEIGHTS)
@@ -272,7 +273,7 @@ class ReplicaJob:
             self._weights = tr.execute()
         self.bytes_sent = sum(int(t.numel() * t.element_size()) for _, _, t in tr._sends)
         self._event("weight_sync_posted")
-        self._add("weight_post_s", time.perf_counter() - t0)
+        self._add("weight_post_s", self.clock.now() - t0)
 
     def _arena_of(self, m) -> torch.Tensor:
         """The arena tiles of received message ``m``."""
@@ -288,7 +289,7 @@ class ReplicaJob:
         stage1 = [m for m in self.schedule.recvs if m.stage == 1]
         if not self.schedule.sends1 and not stage1:
             return
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         with self.layer.collective("replica weight sync (relay stage)", [m.peer for m in self.schedule.recvs]):
             tr = Transfer(self.rt.transfer_group, TAG_WEIGHTS)
             for m in stage1:
@@ -299,13 +300,13 @@ class ReplicaJob:
                     tr.add_send(m.peer, buf, (1, m.experts[0]))
             self._relay = tr.execute()
         self.bytes_sent += sum(int(t.numel()) for _, _, t in tr._sends)
-        self._add("relay_s", time.perf_counter() - t0)
+        self._add("relay_s", self.clock.now() - t0)
 
     def wait_weights(self) -> None:
         """Step 3: block until this rank's replica weights arrived, then unpack them into the slots."""
         from ultraep.kernels import unpack_received
 
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         handles = [h for h in (self._weights, self._relay) if h is not None]
         with self.layer.collective("replica weight sync (wait)", [m.peer for m in self.schedule.recvs]):
             for h in handles:
@@ -313,11 +314,11 @@ class ReplicaJob:
             for h in handles:
                 h.wait_recvs()
         self._event("weight_sync_waited")
-        t1 = time.perf_counter()
+        t1 = self.clock.now()
         if self.schedule.recvs and not self.direct:
             unpack_received(self.schedule, self.arena, {self.M + i: self.slots[i] for i in range(len(self.slots))},
                             self.layout)
-        self._add("weight_unpack_s", time.perf_counter() - t1)
+        self._add("weight_unpack_s", self.clock.now() - t1)
         if not self.kept:
             self.rt.buffers.generation += 1
             self.generation = self.rt.buffers.generation
@@ -335,7 +336,7 @@ class ReplicaJob:
                     per_msg[(m.peer, m.stage, e)] = sec[(m.peer, (m.stage, m.experts[0]))]
         self._recv_seconds = self._recv_seconds or per_msg
         self._add("weight_sync_flight_s", max(sec.values(), default=0.0))
-        self._add("weight_wait_s", time.perf_counter() - t0)
+        self._add("weight_wait_s", self.clock.now() - t0)
 
     def finish_sends(self) -> None:
         """Complete this rank's weight sends (after the combine: every receiver has long waited)."""
@@ -363,13 +364,13 @@ class ReplicaJob:
     # ------------------------------------------------------------------ weights (backward restore)
     def restore_weights(self) -> None:
         """Mode ``restore``: a later layer overwrote the shared buffers; stream the replicas again (blocking)."""
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         self.post_weights()
         self.relay()
         self.wait_weights()
         self.finish_sends()
         self.rt.buffers.restorations += 1
-        self._add("restore_s", time.perf_counter() - t0)
+        self._add("restore_s", self.clock.now() - t0)
 
     # ------------------------------------------------------------------ compute
     def _chunks(self, x: torch.Tensor):
@@ -381,7 +382,7 @@ class ReplicaJob:
     def compute(self, x_rep: torch.Tensor, build_graph: bool) -> torch.Tensor:
         """Replica rows ``[Nr, H]`` → outputs ``[Nr, H]``; with ``build_graph`` the autograd graph of this
         forward is kept for the backward (mode ``kept``: no recompute)."""
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         fwd, mod = self.layer.adapter.forward, self.layer.container
         if build_graph:
             with torch.enable_grad():
@@ -394,7 +395,7 @@ class ReplicaJob:
             with torch.no_grad():
                 out = self._run(fwd, mod, x_rep, self.slots)
         self._event("replica_compute")
-        self._add("replica_compute_s", time.perf_counter() - t0)
+        self._add("replica_compute_s", self.clock.now() - t0)
         return out
 
     def _run(self, fwd, mod, x, slots) -> torch.Tensor:
@@ -432,14 +433,14 @@ class ReplicaJob:
         else:
             if self.rt.buffers.generation != self.generation:
                 self.restore_weights()
-            t0 = time.perf_counter()
+            t0 = self.clock.now()
             with torch.enable_grad():
                 xr = self.x_rep.requires_grad_(True)
                 ws = [[w.detach().requires_grad_(True) for w in slot] for slot in self.slots]
                 y = self._run(self.layer.adapter.forward, self.layer.container, xr, ws)
             self.x_rep = None
-            self._add("recompute_s", time.perf_counter() - t0)
-        t1 = time.perf_counter()
+            self._add("recompute_s", self.clock.now() - t0)
+        t1 = self.clock.now()
         flat_ws = [w for slot in ws for w in slot]
         train = [p for p in shared if p.requires_grad]
         if y.requires_grad:
@@ -453,7 +454,7 @@ class ReplicaJob:
         wgrads = {self.M + i: [gw if gw is not None else torch.zeros_like(w)
                                for gw, w in zip(g[1 + i * J:1 + (i + 1) * J], ws[i])] for i in range(len(ws))}
         self._event("replica_backward")
-        t2 = time.perf_counter()
+        t2 = self.clock.now()
         eg = {e: wgrads[s] for e, s in self.slot_of.items()}  # this call's gradient of each replica here
         if self.grads_mode == "defer":
             for e, gw in eg.items():
@@ -486,7 +487,7 @@ class ReplicaJob:
         with self.layer.collective("replica gradient reduction (post)", _peers(tr._sends, tr._recvs)):
             self._grads = tr.execute()
         self._event("grad_sent")
-        t3 = time.perf_counter()
+        t3 = self.clock.now()
         self._add("replica_backward_s", t2 - t1)
         self._add("grad_post_s", t3 - t2)
         return gx, g_shared
@@ -499,12 +500,12 @@ class ReplicaJob:
 
         if self._grads is None:  # pragma: no cover - the replicas' backward (Step 4) runs before the sink
             raise RuntimeError("replica gradient reduction: the sink ran before the replicas' backward")
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         with self.layer.collective("replica gradient reduction (wait)", _peers([(m.peer, None) for m in
                                                                                  self.grad_schedule.recvs])):
             self._grads.wait_recvs()
         self._event("grad_reduced")
-        t1 = time.perf_counter()
+        t1 = self.clock.now()
         sums: dict[int, list[torch.Tensor]] = {}
         if self.direct:
             for e, parts in self._grad_bufs.items():
@@ -520,7 +521,7 @@ class ReplicaJob:
         out = [a.to(p.dtype) for e in self.contributing() for a, p in zip(sums[e], self.params)]
         self._grad_arena, self._grad_bufs = None, {}
         self._add("grad_wait_s", t1 - t0)
-        self._add("grad_reduce_s", time.perf_counter() - t1)
+        self._add("grad_reduce_s", self.clock.now() - t1)
         return out
 
     def contributing(self) -> list[int]:
