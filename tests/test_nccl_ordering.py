@@ -68,6 +68,27 @@ def test_communicator_scope_serialises_every_peer():
         check([r0, r1, r2], scope="communicator")
 
 
+def _two_relays(stage1_in_w0: bool):
+    """Rank 2 masters two experts and sends each to a relay (ranks 0 and 1, stage 0); each relay forwards its
+    expert to the other relay (stage 1). A relay waits for its W0 before it forwards."""
+    traces = []
+    for me, other in ((0, 1), (1, 0)):
+        w0 = [_op(0, "recv", 2, batch=0, label="post_weights")]
+        w1 = [_op(2, "send", other, batch=1, label="relay")]
+        (w0 if stage1_in_w0 else w1).insert(0, _op(1, "recv", other, batch=0 if stage1_in_w0 else 1))
+        uids0, uids1 = tuple(e[1] for e in w0), tuple(e[1] for e in w1)
+        traces.append(w0 + [("wait", uids0)] + w1 + [("wait", uids1)])
+    traces.append([_op(0, "send", 0, batch=0), _op(1, "send", 1, batch=0), ("wait", (0, 1))])
+    return traces
+
+
+def test_stage_one_receives_go_with_the_relay_sends_not_in_the_first_batch():
+    with pytest.raises(NcclOrderingError, match="deadlock"):
+        check(_two_relays(stage1_in_w0=True))
+    check(_two_relays(stage1_in_w0=False))
+    check(_two_relays(stage1_in_w0=False), scope="communicator")
+
+
 def _gloo_exchange(rank, world, batched: bool):
     import torch.distributed as dist
 
