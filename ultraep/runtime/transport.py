@@ -32,6 +32,19 @@ import torch
 import torch.distributed as dist
 
 
+def open_transfer_group(ranks: list[int], backend: str):
+    """The process group replica transfers travel on, beside the token all-to-alls' group (on NCCL, one
+    communicator's operations share a stream: transfers must not queue behind the all-to-alls).
+
+    On NCCL its communicator is created here, by a one-element all-reduce every rank joins: a batch of
+    point-to-point operations that is a group's *first* operation must include every rank of the group
+    (``torch.distributed.batch_isend_irecv``), and a layer call's batches rarely do."""
+    group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+    if backend == "nccl":  # pragma: no cover - needs GPUs (make gpu-check)
+        dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=group)
+    return group
+
+
 class SideStream:
     """The stream transfers are issued on (CUDA), or nothing to do (CPU). Small on purpose: the three
     calls are all a CUDA transfer needs, and a test drives them with a fake stream module."""

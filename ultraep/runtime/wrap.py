@@ -21,6 +21,7 @@ from ultraep.runtime.layer import BalancedExperts
 from ultraep.errors import UltraEPError
 from ultraep.runtime.replica_cache import ReplicaCache
 from ultraep.runtime.replicas import ReplicaBuffers
+from ultraep.runtime.transport import open_transfer_group
 
 log = logging.getLogger("ultraep")
 
@@ -49,7 +50,7 @@ class EPRuntime:
         # Replica weights and gradients travel point-to-point on a group of their own, so they never queue
         # behind the token all-to-alls (NCCL serialises one communicator's operations on one stream).
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        self.transfer_group = dist.new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=True)
+        self.transfer_group = open_transfer_group(ranks, dist.get_backend(group))
         self.buffers = ReplicaBuffers(0)
         self.recorder = recorder
         self.layers: list = []
