@@ -201,14 +201,15 @@ class BalancedExperts(nn.Module):
         obs, self._observation = self._observation, None
         K = len(phases.RANK_PHASES)
         mine = torch.zeros(_HEAD + K, dtype=torch.int64)
-        mine[0] = int(counts[E:].sum())  # ids beyond the sentinel: every rank refuses together
         mine[2] = self.epoch.current(self.master_params())  # the replica cache's master epoch of this rank
         mine[3] = int(self.cache is not None and not rt.buffers.busy(self.layer))  # its buffers are free to use
         if obs is not None:
             mine[1] = 1
             mine[_HEAD:] = torch.as_tensor(np.round(obs[2] * 1e9).astype(np.int64))
-        with self.collective("load all-gather"):
-            gathered = gather_load(torch.cat([counts[:E], mine.to(counts.device)]), rt.group)
+        vec = torch.cat([counts[:E], mine.to(counts.device)])
+        vec[E] = counts[E:].sum()  # ids beyond the sentinel (every rank refuses together), summed on the device
+        with self.collective("load all-gather"):  # the layer call's one host synchronisation
+            gathered = gather_load(vec, rt.group)
         self.flush_record()  # (CUDA: the previous call's events completed, the all-gather synchronised)
         load, extra = gathered[:, :E], gathered[:, E:]
         if extra[:, 0].any():
@@ -289,7 +290,7 @@ class BalancedExperts(nn.Module):
         phys = reroute(top_k_index, reroute_table(plan, me, device=top_k_index.device))
         lay = dispatch_layout(phys, R, S, num_rows=int(plan.routes_RRS[me].sum()))
         send = permute(hidden_states, lay)
-        in_splits = lay.input_split_sizes()
+        in_splits = [int(c) for c in plan.routes_RRS[me].sum(axis=1)]  # = the layout's, without a host sync
         C = plan.routes_RRS[:, me, :]  # [R, S] rows each source sends to each of my slots
         out_splits = [int(c) for c in C.sum(axis=1)]
         t4 = clk.now()
