@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ultraep.runtime.clock import HostClock
+from ultraep.runtime.replica_transport import DirectTransport, TiledTransport
 from ultraep.runtime.transport import Transfer, TransferHandle
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -211,14 +212,16 @@ class ReplicaJob:
         self.grad_schedule = GradReduceSchedule.from_replicas(pairs, t.home_E, self.me, self.grad_layout)
         self.grad_bytes_sent = 0
         self.kept = kept_slots is not None
-        # Transport. On CPU (gloo) every expert tensor travels as its own message, straight from the master's
-        # parameter into the replica slot (weights) and from the replica's gradient into a receive buffer
-        # (fp32 gradients): no pack, no unpack, no arena — host copies would sit on the critical path. On GPUs
-        # (and whenever a relay forwards tiles) experts travel tile-packed, one message per peer.
+        self.slots = kept_slots if self.kept else self.rt.buffers.shared(like, t.num_redundant_slots)
+        # Transport (replica_transport.py): per-tensor messages on CPU (gloo) without relays, else tile-packed
         relays = bool((plan.transfers.stage > 0).any())
         mode = self.rt.config.replica_transport
         self.direct = not relays and (mode == "direct" or (mode == "auto" and not self.params[0].is_cuda))
-        self.slots = kept_slots if self.kept else self.rt.buffers.shared(like, t.num_redundant_slots)
+        dev = self.params[0].device
+        self.transport = (DirectTransport(self.schedule, self.grad_schedule, self.grad_layout, self.slots, self.M, dev)
+                          if self.direct else
+                          TiledTransport(self.schedule, self.layout, self.grad_schedule, self.grad_layout, self.slots,
+                                         self.M, dev))
         self.counts: list[int] = []
         self.needs_backward = False
         self.x_rep: torch.Tensor | None = None
@@ -228,8 +231,6 @@ class ReplicaJob:
         self._weights: TransferHandle | None = None  # batch W0
         self._relay: TransferHandle | None = None  # batch W1
         self._grads: TransferHandle | None = None  # batch G
-        self._grad_arena: torch.Tensor | None = None
-        self._grad_bufs: dict[int, list[list[torch.Tensor]]] = {}  # direct: expert -> [replica][J] fp32
         self._recv_seconds: dict[tuple[int, int, int], float] = {}
         self._graph = None  # kept mode: (x, weights, y) of the replica forward, for its backward
 
@@ -242,70 +243,36 @@ class ReplicaJob:
     # ------------------------------------------------------------------ weights (forward)
     def post_weights(self) -> None:
         """Step 1: issue batch W0 — every stage-0 receive of replica weights and this rank's stage-0 sends;
-        never waits. Keys: ``(stage, expert, tensor)`` per tensor (direct), ``(stage, first expert)`` per tile
-        message."""
-        from ultraep.kernels import pack_sends
-
+        never waits."""
         t0 = self.clock.now()
-        sched, lay = self.schedule, self.layout
         first = self.layer.first_expert
+        sending = {e for m in self.schedule.sends0 for e in m.experts}
         tr = Transfer(self.rt.transfer_group, TAG_WEIGHTS)
-        if self.direct:  # (no relays: every receive is stage 0)
-            ws = [p.detach() for p in self.params]
-            for m in sched.recvs:
-                for e in m.experts:
-                    for j, t in enumerate(self.slots[sched.slot_E[e] - self.M]):
-                        tr.add_recv(m.peer, t, (0, e, j))
-            for m in sched.sends0:
-                for e in m.experts:
-                    for j, w in enumerate(ws):
-                        tr.add_send(m.peer, w[e - first], (0, e, j))
-        else:
-            sending = {e for m in sched.sends0 for e in m.experts}
-            masters = {e: [p.detach()[e - first] for p in self.params] for e in sending}
-            self.arena = lay.empty(sched.arena_tiles, device=self.params[0].device)
-            for m in sched.recvs:
-                if m.stage == 0:
-                    tr.add_recv(m.peer, self._arena_of(m), (0, m.experts[0]))
-            for m, buf in pack_sends(sched, masters, lay):
-                tr.add_send(m.peer, buf, (0, m.experts[0]))
+        self.transport.add_weights(tr, {e: [p.detach()[e - first] for p in self.params] for e in sending})
         with self.layer.collective("replica weight sync (post)", _peers(tr._sends, tr._recvs)):
             self._weights = tr.execute()
         self.bytes_sent = sum(int(t.numel() * t.element_size()) for _, _, t in tr._sends)
         self._event("weight_sync_posted")
         self._add("weight_post_s", self.clock.now() - t0)
 
-    def _arena_of(self, m) -> torch.Tensor:
-        """The arena tiles of received message ``m``."""
-        P = self.layout.tiles_per_expert
-        return self.arena[m.first_tile:m.first_tile + len(m.experts) * P]
-
     def relay(self) -> None:
-        """Step 2: issue batch W1 — a relay forwards the stage-0 tiles it received to its children, and every
-        rank fed by a relay posts those stage-1 receives here, not in W0: in W0 they would hold the pair (on
-        NCCL) until the relay's send, which the relay issues only after its own W0 completed."""
-        from ultraep.kernels import forward_sends
-
-        stage1 = [m for m in self.schedule.recvs if m.stage == 1]
-        if not self.schedule.sends1 and not stage1:
+        """Step 2: issue batch W1 — a relay forwards the stage-0 tiles it received to its children (after its
+        W0 completed), and every rank fed by a relay posts those stage-1 receives in the same batch."""
+        sched = self.schedule
+        if not sched.sends1 and not any(m.stage == 1 for m in sched.recvs):
             return
         t0 = self.clock.now()
-        with self.layer.collective("replica weight sync (relay stage)", [m.peer for m in self.schedule.recvs]):
-            tr = Transfer(self.rt.transfer_group, TAG_WEIGHTS)
-            for m in stage1:
-                tr.add_recv(m.peer, self._arena_of(m), (1, m.experts[0]))
-            if self.schedule.sends1:
+        with self.layer.collective("replica weight sync (relay stage)", [m.peer for m in sched.recvs]):
+            if sched.sends1:
                 self._weights.wait_recvs()
-                for m, buf in forward_sends(self.schedule, self.arena):
-                    tr.add_send(m.peer, buf, (1, m.experts[0]))
+            tr = Transfer(self.rt.transfer_group, TAG_WEIGHTS)
+            self.transport.add_relay(tr)
             self._relay = tr.execute()
         self.bytes_sent += sum(int(t.numel()) for _, _, t in tr._sends)
         self._add("relay_s", self.clock.now() - t0)
 
     def wait_weights(self) -> None:
         """Step 3: block until this rank's replica weights arrived, then unpack them into the slots."""
-        from ultraep.kernels import unpack_received
-
         t0 = self.clock.now()
         handles = [h for h in (self._weights, self._relay) if h is not None]
         with self.layer.collective("replica weight sync (wait)", [m.peer for m in self.schedule.recvs]):
@@ -315,9 +282,7 @@ class ReplicaJob:
                 h.wait_recvs()
         self._event("weight_sync_waited")
         t1 = self.clock.now()
-        if self.schedule.recvs and not self.direct:
-            unpack_received(self.schedule, self.arena, {self.M + i: self.slots[i] for i in range(len(self.slots))},
-                            self.layout)
+        self.transport.unpack()
         self._add("weight_unpack_s", self.clock.now() - t1)
         if not self.kept:
             self.rt.buffers.generation += 1
@@ -325,16 +290,7 @@ class ReplicaJob:
         sec: dict = {}
         for h in handles:
             sec.update(h.recv_seconds())
-        per_msg = {}  # (peer, stage, expert) -> seconds: of its slowest tensor (direct) or of its message (tiles)
-        for (peer, key), s in sec.items():
-            if self.direct:
-                k = (peer, 0, key[1])
-                per_msg[k] = max(per_msg.get(k, 0.0), s)
-        if not self.direct:
-            for m in self.schedule.recvs:
-                for e in m.experts:
-                    per_msg[(m.peer, m.stage, e)] = sec[(m.peer, (m.stage, m.experts[0]))]
-        self._recv_seconds = self._recv_seconds or per_msg
+        self._recv_seconds = self._recv_seconds or self.transport.message_seconds(sec)
         self._add("weight_sync_flight_s", max(sec.values(), default=0.0))
         self._add("weight_wait_s", self.clock.now() - t0)
 
@@ -345,7 +301,7 @@ class ReplicaJob:
                 with self.layer.collective("replica weight sync (send)", []):
                     h.wait_sends()
         self._weights = self._relay = None
-        self.arena = None
+        self.transport.release_weights()
 
     def transfer_seconds(self) -> list[float]:
         """Measured seconds of each of ``plan.transfers`` this rank received (posting to first seen
@@ -403,30 +359,10 @@ class ReplicaJob:
         return torch.cat(outs) if outs else x.new_zeros(x.shape)
 
     # ------------------------------------------------------------------ backward
-    def _grad_recvs(self, tr: Transfer) -> None:
-        """Add to ``tr`` the receives of replica gradients for this rank's masters (keys as the senders')."""
-        gs, lay = self.grad_schedule, self.grad_layout
-        dev = self.params[0].device
-        if self.direct:
-            for m in gs.recvs:  # replica ranks ascending, experts ascending: the summation order
-                for e in m.experts:
-                    bufs = [torch.empty(s.shape, dtype=torch.float32, device=dev) for s in lay.specs]
-                    self._grad_bufs.setdefault(e, []).append(bufs)
-                    for j, b in enumerate(bufs):
-                        tr.add_recv(m.peer, b, (e, j))
-        else:
-            self._grad_arena = lay.empty(gs.arena_tiles, device=dev)
-            P = lay.tiles_per_expert
-            for m in gs.recvs:
-                tr.add_recv(m.peer, self._grad_arena[m.first_tile:m.first_tile + len(m.experts) * P],
-                            (m.experts[0],))
-
     def backward(self, grad: torch.Tensor, shared: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, list]:
         """Step 4: replica backward (restore + recompute in mode ``restore``), then post the weight gradients
         to the masters' ranks. Returns the gradient of the replica rows and of the ``shared`` parameters the
         replica forward also read (e.g. a post-expert norm; None where unused or frozen): they stay on this rank."""
-        from ultraep.kernels import pack_grad_sends
-
         if self.kept:
             xr, ws, y = self._graph
             self._graph = None
@@ -474,15 +410,8 @@ class ReplicaJob:
             eg[e] = [torch.zeros(s.shape, dtype=torch.float32, device=grad.device)  # never ran: zero (flush only)
                      for s in self.grad_layout.specs]
         tr = Transfer(self.rt.transfer_group, TAG_GRADS)  # batch G: these sends and this rank's receives
-        if self.direct:  # each gradient tensor as its own fp32 message
-            for m in gs.sends:
-                for e in m.experts:
-                    for j, g in enumerate(eg[e]):
-                        tr.add_send(m.peer, g.float(), (e, j))
-        else:
-            for m, buf in pack_grad_sends(gs, {e: eg[e] for m in gs.sends for e in m.experts}, self.grad_layout):
-                tr.add_send(m.peer, buf, (m.experts[0],))
-        self._grad_recvs(tr)
+        self.transport.add_grad_sends(tr, eg)
+        self.transport.add_grad_recvs(tr)
         self.grad_bytes_sent = sum(int(t.numel() * t.element_size()) for _, _, t in tr._sends)
         with self.layer.collective("replica gradient reduction (post)", _peers(tr._sends, tr._recvs)):
             self._grads = tr.execute()
@@ -496,8 +425,6 @@ class ReplicaJob:
         """Step 5: wait for the replicas' gradients of this rank's masters; return, for every expert in
         ``contributing()`` and each of its J tensors, the sum of its replicas' gradients (replica-rank order,
         fp32, cast to the parameter's dtype)."""
-        from ultraep.kernels import reduce_received
-
         if self._grads is None:  # pragma: no cover - the replicas' backward (Step 4) runs before the sink
             raise RuntimeError("replica gradient reduction: the sink ran before the replicas' backward")
         t0 = self.clock.now()
@@ -506,20 +433,8 @@ class ReplicaJob:
             self._grads.wait_recvs()
         self._event("grad_reduced")
         t1 = self.clock.now()
-        sums: dict[int, list[torch.Tensor]] = {}
-        if self.direct:
-            for e, parts in self._grad_bufs.items():
-                acc = parts[0]
-                for more in parts[1:]:  # in replica-rank order: deterministic
-                    acc = [a + b for a, b in zip(acc, more)]
-                sums[e] = acc
-        elif self.contributing():
-            dev = self.params[0].device
-            sums = {e: [torch.zeros(s.shape, dtype=torch.float32, device=dev) for s in self.grad_layout.specs]
-                    for e in self.contributing()}
-            reduce_received(self.grad_schedule, self._grad_arena, sums, self.grad_layout)
+        sums = self.transport.reduce(self.contributing())
         out = [a.to(p.dtype) for e in self.contributing() for a, p in zip(sums[e], self.params)]
-        self._grad_arena, self._grad_bufs = None, {}
         self._add("grad_wait_s", t1 - t0)
         self._add("grad_reduce_s", self.clock.now() - t1)
         return out
