@@ -54,10 +54,6 @@ TAG_WEIGHTS = 11  # gloo matches by tag too; NCCL ignores tags, so the canonical
 TAG_GRADS = 12
 
 
-def _peers(*msg_lists) -> list[int]:
-    return sorted({int(m[0]) for msgs in msg_lists for m in msgs})
-
-
 class ReplicaBuffers:
     """Replica weight buffers of one runtime: per-layer sets within the memory budget, one shared set beyond.
 
@@ -156,6 +152,18 @@ class DeferredGrads:
             for a, g in zip(have, grads):
                 a.add_(g)
 
+    def merge(self, grads: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+        """This call's replica gradients ``{expert: [J]}`` plus everything pending (then nothing is pending):
+        what a flushing backward sends."""
+        _, pending = self.take()
+        for e, gw in grads.items():
+            if e in pending:
+                for a, g in zip(pending[e], gw):
+                    a.add_(g)
+            else:
+                pending[e] = gw
+        return pending
+
     def take(self) -> tuple[set[tuple[int, int]], dict[int, list[torch.Tensor]]]:
         """The pending pairs and this rank's sums; afterwards nothing is pending."""
         out = (self.pairs, self.sums)
@@ -249,9 +257,9 @@ class ReplicaJob:
         sending = {e for m in self.schedule.sends0 for e in m.experts}
         tr = Transfer(self.rt.transfer_group, TAG_WEIGHTS)
         self.transport.add_weights(tr, {e: [p.detach()[e - first] for p in self.params] for e in sending})
-        with self.layer.collective("replica weight sync (post)", _peers(tr._sends, tr._recvs)):
+        with self.layer.collective("replica weight sync (post)", tr.peers()):
             self._weights = tr.execute()
-        self.bytes_sent = sum(int(t.numel() * t.element_size()) for _, _, t in tr._sends)
+        self.bytes_sent = tr.send_bytes()
         self._event("weight_sync_posted")
         self._add("weight_post_s", self.clock.now() - t0)
 
@@ -268,7 +276,7 @@ class ReplicaJob:
             tr = Transfer(self.rt.transfer_group, TAG_WEIGHTS)
             self.transport.add_relay(tr)
             self._relay = tr.execute()
-        self.bytes_sent += sum(int(t.numel()) for _, _, t in tr._sends)
+        self.bytes_sent += tr.send_bytes()
         self._add("relay_s", self.clock.now() - t0)
 
     def wait_weights(self) -> None:
@@ -397,14 +405,7 @@ class ReplicaJob:
                 self.deferred.add(e, gw)
             eg = {}
         elif self.grads_mode == "flush":
-            _, pending = self.deferred.take()
-            for e, gw in eg.items():
-                if e in pending:
-                    for a, g in zip(pending[e], gw):
-                        a.add_(g)
-                else:
-                    pending[e] = gw
-            eg = pending
+            eg = self.deferred.merge(eg)
         gs = self.grad_schedule
         for e in (e for m in gs.sends for e in m.experts if e not in eg):  # deferred by a call whose backward
             eg[e] = [torch.zeros(s.shape, dtype=torch.float32, device=grad.device)  # never ran: zero (flush only)
@@ -412,8 +413,8 @@ class ReplicaJob:
         tr = Transfer(self.rt.transfer_group, TAG_GRADS)  # batch G: these sends and this rank's receives
         self.transport.add_grad_sends(tr, eg)
         self.transport.add_grad_recvs(tr)
-        self.grad_bytes_sent = sum(int(t.numel() * t.element_size()) for _, _, t in tr._sends)
-        with self.layer.collective("replica gradient reduction (post)", _peers(tr._sends, tr._recvs)):
+        self.grad_bytes_sent = tr.send_bytes()
+        with self.layer.collective("replica gradient reduction (post)", tr.peers()):
             self._grads = tr.execute()
         self._event("grad_sent")
         t3 = self.clock.now()
@@ -428,8 +429,8 @@ class ReplicaJob:
         if self._grads is None:  # pragma: no cover - the replicas' backward (Step 4) runs before the sink
             raise RuntimeError("replica gradient reduction: the sink ran before the replicas' backward")
         t0 = self.clock.now()
-        with self.layer.collective("replica gradient reduction (wait)", _peers([(m.peer, None) for m in
-                                                                                 self.grad_schedule.recvs])):
+        with self.layer.collective("replica gradient reduction (wait)",
+                                   sorted({m.peer for m in self.grad_schedule.recvs})):
             self._grads.wait_recvs()
         self._event("grad_reduced")
         t1 = self.clock.now()

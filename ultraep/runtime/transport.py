@@ -105,6 +105,13 @@ class Transfer:
     def __len__(self) -> int:
         return len(self._recvs) + len(self._sends)
 
+    def peers(self) -> list[int]:
+        """Every peer of the batch (ascending): the ranks a failure here is reported against."""
+        return sorted({p for p, _, _ in self._recvs + self._sends})
+
+    def send_bytes(self) -> int:
+        return sum(int(t.numel() * t.element_size()) for _, _, t in self._sends)
+
     def execute(self) -> "TransferHandle":
         """Issue the batch (receives then sends, each sorted by (peer, key)); never waits."""
         recvs = sorted(self._recvs, key=lambda m: (m[0], m[1]))
