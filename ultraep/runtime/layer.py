@@ -297,8 +297,8 @@ class BalancedExperts(nn.Module):
         # Step 5: dispatch; relays forward the weights they received.
         marks: dict[str, float] = {}  # backward timings of this call, filled by hooks and the all-to-alls
         with self.collective("token dispatch (all-to-all)"):
-            recv = AllToAll.apply(send, out_splits, in_splits, rt.group,
-                                  lambda: self._timed(clk, marks, "dispatch_bwd_s", "token dispatch gradient (all-to-all)"))
+            recv = AllToAll.apply(send, out_splits, in_splits, rt.group, lambda: self._timed(
+                clk, marks, "dispatch_bwd_s", "token dispatch gradient (all-to-all)"))
         rt.event("dispatched", self.layer)
         t5 = clk.now()
         # per-expert views of the masters (one stacking backward instead of a full-size zero fill per slot)
@@ -313,8 +313,8 @@ class BalancedExperts(nn.Module):
         t6 = clk.now()
         # Step 7: return rows and combine.
         with self.collective("token combine (all-to-all)"):
-            y_send = AllToAll.apply(y_recv, in_splits, out_splits, rt.group,
-                                    lambda: self._timed(clk, marks, "combine_bwd_s", "token combine gradient (all-to-all)"))
+            y_send = AllToAll.apply(y_recv, in_splits, out_splits, rt.group, lambda: self._timed(
+                clk, marks, "combine_bwd_s", "token combine gradient (all-to-all)"))
         out = unpermute(y_send, top_k_weights.to(y_send.dtype), lay)
         rt.event("combined", self.layer)
         if job is not None:
