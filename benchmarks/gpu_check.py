@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compile for the GPU (tests/conftest.py defaults it to 1)
+    # compile for the GPU (tests/conftest.py defaults it to 1); check CUDA through NVML, which creates no CUDA
+    # context, so the test processes can still fork their ranks (ultraep.launch) after asking for a GPU
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
     steps, not_run = steps_for(n)
     outcomes = []
     for step in steps:

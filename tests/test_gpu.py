@@ -29,8 +29,8 @@ from ultraep.models import build_model, preload
 
 preload()
 
-CUDA = torch.cuda.is_available()
-GPUS = torch.cuda.device_count() if CUDA else 0
+GPUS = torch.cuda.device_count()  # (through NVML where it can: no CUDA context before the ranks fork)
+CUDA = GPUS > 0
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda,
                                               pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")])]
 R, S = 3, 5  # odd: 3 ranks of 5 slots
