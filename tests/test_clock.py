@@ -130,3 +130,32 @@ def test_side_stream_is_nothing_on_cpu():
         pass
     side.after_wait()
     assert side.stream is None
+
+
+def test_transfer_handle_maps_messages_to_requests_as_the_backend_returns_them():
+    """gloo: one request per message; NCCL: one for the whole group (waiting on it waits on all); none: the
+    backend ordered the batch on the stream itself."""
+    from ultraep.runtime.transport import TransferHandle
+
+    class Work:
+        def __init__(self):
+            self.waits = 0
+
+        def wait(self):
+            self.waits += 1
+
+        def is_completed(self):
+            return False
+
+    keys_r, keys_s = [(1, (0, 3, 0)), (1, (0, 3, 1))], [(1, (0, 5, 0))]
+    per = [Work(), Work(), Work()]
+    h = TransferHandle(per, keys_r, keys_s, [], 0.0, None)
+    h.wait_recvs()
+    assert [w.waits for w in per] == [1, 1, 0] and h.num_recvs == 2
+    one = Work()
+    h = TransferHandle([one], keys_r, keys_s, [], 0.0, None)
+    h.wait()
+    assert one.waits == 1 and all(t == t for t in h.done_at)
+    h = TransferHandle([], keys_r, keys_s, [], 0.0, None)
+    h.poll()
+    assert all(t == t for t in h.done_at) and set(h.recv_seconds()) == set(keys_r)

@@ -144,8 +144,10 @@ class TransferHandle:
     def __init__(self, works: list, recv_keys: list, send_keys: list, tensors: list, posted_at: float,
                  streams: SideStream | None) -> None:
         n = len(recv_keys) + len(send_keys)
+        # (no request at all: the backend ordered the batch on the current stream itself; it is done for
+        # everything issued after it, so a wait only notes the time)
         self.works = works
-        self.owner = list(range(n)) if len(works) == n else [0] * n
+        self.owner = list(range(n)) if len(works) == n else [0 if works else -1] * n
         self.recv_keys, self.send_keys = recv_keys, send_keys
         self.tensors = tensors  # alive until the messages complete
         self.posted_at = posted_at
@@ -161,7 +163,7 @@ class TransferHandle:
         """Note which messages have completed (never blocks)."""
         now = None
         for i, w in enumerate(self.owner):
-            if self.done_at[i] != self.done_at[i] and self.works[w].is_completed():
+            if self.done_at[i] != self.done_at[i] and (w < 0 or self.works[w].is_completed()):
                 now = now or time.perf_counter()
                 self.done_at[i] = now
 
@@ -169,8 +171,13 @@ class TransferHandle:
         t0 = time.perf_counter()
         for i in which:
             if self.done_at[i] != self.done_at[i]:
-                self.works[self.owner[i]].wait()
-                self.done_at[i] = time.perf_counter()
+                w = self.owner[i]
+                if w >= 0:
+                    self.works[w].wait()
+                now = time.perf_counter()
+                for k, o in enumerate(self.owner):  # every message of that request completed with it
+                    if o == w and self.done_at[k] != self.done_at[k]:
+                        self.done_at[k] = now
         if len(which) and self._streams is not None:
             self._streams.after_wait()
         self.waited_s += time.perf_counter() - t0
