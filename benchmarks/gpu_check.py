@@ -1,6 +1,7 @@
 """``make gpu-check``: everything that needs a GPU, in one command (issue 34).
 
-On a machine without CUDA it prints one line saying so and exits 0. With CUDA it runs, each step under a
+On a machine without CUDA it prints one line saying so and exits 0 (with GPUs but a CPU build of torch — the
+pin ``make setup`` installs — it says that and exits 1: not a silent pass). With CUDA it runs, each step under a
 time limit so the whole fits in 10 minutes on one H100:
 
 1. every CUDA-only test (``pytest -m cuda`` with ``TRITON_INTERPRET=0``, so Triton compiles for the GPU):
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -81,6 +83,18 @@ def append_section(text: str, path: Path = DOC) -> None:
     path.write_text(doc.rstrip("\n") + "\n" + text)
 
 
+def visible_gpus() -> int:
+    """GPUs ``nvidia-smi -L`` lists (0 without the tool): tells a machine without a GPU from one whose torch
+    was installed without CUDA (``make setup`` pins torch's CPU wheel)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
 def steps_for(num_gpus: int) -> tuple[list[Step], list[str]]:
     py = sys.executable
     steps = [
@@ -105,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
+        gpus = visible_gpus()
+        if gpus and torch.version.cuda is None:  # a GPU machine with the CPU wheel: not a pass
+            print(f"gpu-check: nvidia-smi sees {gpus} GPU(s) but this torch ({torch.__version__}) is a CPU build: "
+                  "install a CUDA build of the same version into .venv and run make gpu-check again.")
+            return 1
         print("gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False): nothing to check.")
         return 0
     n = torch.cuda.device_count()

@@ -49,3 +49,12 @@ def test_outcomes_become_a_dated_section_appended_under_one_heading(tmp_path):
     gpu_check.append_section(text, doc)
     got = doc.read_text()
     assert got.startswith("# Benchmarks\n") and got.count(gpu_check.HEADING) == 1 and got.count("### 2026") == 2
+
+
+def test_a_gpu_machine_with_the_cpu_wheel_is_not_a_pass(monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check, "visible_gpus", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert gpu_check.main([]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "sees 2 GPU(s)" in out[0] and "CPU build" in out[0]
