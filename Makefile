@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 EXTRAS := dev,kernels,hf,dashboard
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt Makefile | sha1sum | cut -c1-12)
 
-.PHONY: setup test demo dashboard bench clean
+.PHONY: setup test demo dashboard bench gpu-check clean
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ bench: setup
 	$(PY) benchmarks/bench_telemetry.py
 	$(PY) benchmarks/bench_kernels.py
 	$(PY) benchmarks/bench_dashboard.py
+
+# Everything that needs a GPU (CUDA-only tests, Triton kernels compiled vs their references, NCCL runs, kernel
+# timings), appended as a dated section to docs/benchmarks.md. Without CUDA: one line, exit 0.
+gpu-check: setup
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -26,6 +26,7 @@ force-balanced at the default shape. A second table gives quota's per-phase time
     .venv/bin/python benchmarks/bench_runtime.py --shapes default,mixtral --iters 3
     .venv/bin/python benchmarks/bench_runtime.py --shapes custom --tokens 2048 --hidden 1024 --ffn 1024
     .venv/bin/python benchmarks/bench_runtime.py --mode serve        # forward only (benchmarks/bench_serving.py)
+    .venv/bin/python benchmarks/bench_runtime.py --backend nccl      # 2 GPUs, NCCL (make gpu-check runs it)
 """
 
 from __future__ import annotations
@@ -106,13 +107,13 @@ def _experts(shape: Shape):
     return tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(cfg)
 
 
-def wrapped_layer(shape, config: dict):
+def wrapped_layer(shape, config: dict, device: torch.device | None = None):
     """``shape``'s experts container (seeded weights, the same for every run) wrapped with ``config``:
-    ``(balanced layer, its runtime)``."""
+    ``(balanced layer, its runtime)``, on ``device`` (default CPU)."""
     import ultraep
 
     torch.manual_seed(0)
-    experts = _experts(shape)
+    experts = _experts(shape).to(device or "cpu")
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(0, 0.02)
@@ -124,11 +125,12 @@ def wrapped_layer(shape, config: dict):
 
 def _setup(rank, shape: Shape, args, policy, skew):
     """One wrapped layer (the same expert weights for every policy) and this rank's batch."""
-    layer, rt = wrapped_layer(shape, {"policy": policy, "num_redundant_slots": shape.slots or args.slots})
+    dev = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
+    layer, rt = wrapped_layer(shape, {"policy": policy, "num_redundant_slots": shape.slots or args.slots}, dev)
     g = torch.Generator().manual_seed(7 + rank)
-    x = torch.randn(shape.tokens, shape.hidden, generator=g).requires_grad_(True)
-    idx = _routing(rank, shape.tokens, shape.top_k, shape.experts, skew, args.seed)
-    w = torch.softmax(torch.randn(shape.tokens, shape.top_k, generator=g), -1)
+    x = torch.randn(shape.tokens, shape.hidden, generator=g).to(dev).requires_grad_(True)
+    idx = _routing(rank, shape.tokens, shape.top_k, shape.experts, skew, args.seed).to(dev)
+    w = torch.softmax(torch.randn(shape.tokens, shape.top_k, generator=g), -1).to(dev)
     # an optimizer step after every iteration (untimed): training changes the masters every step, so every
     # replica is streamed again, as in a real run (without it the replica cache would reuse them)
     opt = torch.optim.SGD(layer.parameters(), lr=1e-6)
@@ -142,12 +144,16 @@ def _body(rank, world, shape: Shape, args, policies):
     runs = [(name, *_setup(rank, shape, args, policy, skew)) for name, policy, skew in policies]
     out = {name: {"times": [], "phases": [], "chosen": []} for name, *_ in runs}
     orders = carryover_orders(len(runs))
+    # on GPUs the work is asynchronous: the wall time of a call ends when the device finished it
+    sync = torch.cuda.synchronize if args.backend == "nccl" else (lambda: None)
     for it in range(args.warmup + args.iters):
         for k in orders[it % len(orders)]:
             name, layer, rt, (x, idx, w), opt = runs[k]
+            sync()
             torch.distributed.barrier()
             t0 = time.perf_counter()
             layer(x, idx, w).pow(2).mean().backward()
+            sync()
             t = time.perf_counter() - t0
             opt.step()
             layer.zero_grad(set_to_none=True)
@@ -166,7 +172,7 @@ def _body(rank, world, shape: Shape, args, policies):
 
 
 def _run_shape(shape: Shape, args, policies) -> dict:
-    out = launch(_body, 2, shape, args, policies, backend="gloo", threads_per_rank=1)
+    out = launch(_body, 2, shape, args, policies, backend=args.backend, threads_per_rank=1)
     res = {}
     for name, _, _ in policies:
         per_rank = [o[name] for o in out]
@@ -196,7 +202,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
+                    help="gloo: CPU ranks (the runs of record); nccl: one GPU per rank (needs 2 GPUs)")
     args = ap.parse_args()
+    if args.backend == "nccl" and torch.cuda.device_count() < 2:
+        ap.error(f"--backend nccl: needs 2 CUDA GPUs, this machine has "
+                 f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
     from rich.console import Console
     from rich.table import Table
 

@@ -113,3 +113,12 @@ def test_the_builder_finds_cycles_through_function_level_imports_and_skips_type_
     assert cycle[1].path == "pkg/b.py" and cycle[1].line == 6
     # counted with TYPE_CHECKING imports, c joins the cycle
     assert ig.strongly_connected(ig.adjacency(edges, ig.KINDS)) == [["pkg.a", "pkg.b", "pkg.sub.c"]]
+
+
+def test_the_transport_rooms_import_nothing_above_them(edges):
+    """Issue 34 (and 33's "transport as its own room"): the point-to-point batches, the direct / tiled
+    transports and the clock know nothing of the job, the layer or the runtime, not even for type checking."""
+    low = {"ultraep.runtime.transport", "ultraep.runtime.replica_transport", "ultraep.runtime.clock"}
+    high = {"ultraep.runtime.replicas", "ultraep.runtime.layer", "ultraep.runtime.wrap"}
+    assert low <= set(ig.project_modules())
+    assert [(e.src, e.dst, e.kind) for e in edges if e.src in low and e.dst in high] == []

@@ -166,6 +166,7 @@ def test_all_pairs_dropped_and_errors():
         dispatch_layout(torch.zeros(3, 2), R, S)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_dispatch_cuda_auto_runs_triton_and_matches():
     phys = phys_ids(4096, 8, seed=1, drop=0.05)

@@ -145,6 +145,7 @@ def test_empty_input_and_table_errors():
     assert all(int(c[e, i]) == flat[int(gid[e, i])] for e in range(E) for i in range(gid.shape[1]) if gid[e, i] >= 0)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_reroute_cuda_auto_runs_triton_and_matches():
     ids = [topk_ids(4096, 8, seed=r) for r in range(R)]

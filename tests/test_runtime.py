@@ -251,6 +251,30 @@ def test_unsupported_model_lists_supported_ones():
     assert "has no experts container" in msg and "MixtralExperts" in msg and "Qwen3MoeExperts" in msg
 
 
+def _ids_above_sentinel(rank, world):
+    """Rank 1 routes two slots to expert id E + 1 (beyond the sentinel E): every rank refuses together."""
+    import ultraep
+    from ultraep.models.adapters import UnsupportedModelError
+
+    holder = torch.nn.Module()
+    holder.experts = build_model("qwen3-moe").model.layers[0].mlp.experts
+    ultraep.wrap(holder, CONFIGS["quota"])
+    E = 8
+    idx = torch.randint(0, E, (5, 2), generator=torch.Generator().manual_seed(rank))
+    if rank == 1:
+        idx[1:3, 0] = E + 1
+    try:
+        holder.experts(torch.randn(5, 32), idx, torch.rand(5, 2))
+    except UnsupportedModelError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ids_above_the_sentinel_are_refused_on_every_rank():
+    for msg in run_ranks(_ids_above_sentinel, 2):
+        assert "rank(s) [1] routed 2 slot(s) to expert ids above 8" in msg, msg
+
+
 def _divergence(rank, world):
     import ultraep
     import ultraep.runtime.layer as ep

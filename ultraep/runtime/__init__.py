@@ -7,7 +7,10 @@ Modules, each with one job (dependencies point down the list):
 * :mod:`.layer` — :class:`~ultraep.runtime.layer.BalancedExperts`, what runs in place of an experts container;
 * :mod:`.replicas` — replica weights posted early and waited late, gradients reduced back without a barrier;
 * :mod:`.replica_cache` — replicas kept valid until their master changes;
-* :mod:`.comm` — the collectives and posted point-to-point messages;
+* :mod:`.replica_transport` — what a job's weights and gradients become as messages (direct or tiled);
+* :mod:`.transport` — point-to-point batches NCCL cannot deadlock on (one group, a canonical order);
+* :mod:`.comm` — the collectives (load all-gather, token all-to-alls);
+* :mod:`.clock` — phase timings: ``perf_counter`` on CPU, CUDA events read at record time on CUDA;
 * :mod:`.data_parallel` — living inside DDP / FSDP2: the masters kept out of them, ``no_sync``, the
   replicated-parameter check;
 * :mod:`.recompute` — which call an activation-checkpoint recompute replays.

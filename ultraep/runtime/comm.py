@@ -5,17 +5,12 @@ Legend: R ranks, E experts, N rows, H hidden size.
 * :func:`gather_load`: every rank's per-expert counts ``[E]`` → the exact load matrix ``[R, E]`` on all ranks.
 * :class:`AllToAll`: ``all_to_all_single`` with split sizes, differentiable (backward is the reverse
   exchange). Split sizes come from the plan, so no count exchange is needed.
-* :func:`exchange`: a batch of point-to-point sends and receives, all posted before any is waited on, so
-  two ranks that send to each other never deadlock whatever order they list their messages in.
-* :func:`post` / :class:`Pending`: the same batch posted without waiting; the caller waits later, where
-  waiting is free (the balanced layer posts replica weights before the token dispatch and waits right
-  before the replicas compute). :meth:`Pending.poll` notes when each message was first seen complete, so
-  the runtime can tell how much of a transfer was hidden behind compute.
+
+Point-to-point batches (replica weights and gradients) are :mod:`ultraep.runtime.transport`'s.
 """
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from typing import Sequence
 
@@ -77,71 +72,3 @@ class AllToAll(torch.autograd.Function):
         with ctx.guard() if ctx.guard is not None else nullcontext():
             g = _a2a(grad, in_splits, out_splits, ctx.group)
         return g, None, None, None, None
-
-
-def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], group=None,
-             tag: int = 0) -> None:
-    """Send each ``(peer, tensor)`` of ``sends`` and fill each ``(peer, tensor)`` of ``recvs`` (group ranks).
-
-    Messages between the same pair of ranks are matched in the order listed on both sides.
-    """
-    if not sends and not recvs:
-        return
-    to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    reqs = []
-    for peer, buf in recvs:
-        reqs.append(dist.irecv(buf, src=to_global(peer), group=group, tag=tag))
-    for peer, buf in sends:
-        reqs.append(dist.isend(buf.contiguous(), dst=to_global(peer), group=group, tag=tag))
-    for r in reqs:
-        r.wait()
-
-
-class Pending:
-    """Posted point-to-point messages: ``recvs`` then ``sends``, each with its posting time.
-
-    ``done_at[i]`` is the ``perf_counter`` time message i was first seen complete (by :meth:`poll` or
-    :meth:`wait`), ``nan`` until then.
-    """
-
-    def __init__(self, reqs: list, posted_at: float, num_recvs: int, buffers: list) -> None:
-        self.reqs = reqs
-        self.buffers = buffers  # alive until the messages complete
-        self.posted_at = posted_at
-        self.num_recvs = num_recvs
-        self.done_at = [float("nan")] * len(reqs)
-        self.waited_s = 0.0  # exposed: time spent blocked in wait()
-
-    def poll(self) -> None:
-        """Note which messages have completed (never blocks)."""
-        now = None
-        for i, r in enumerate(self.reqs):
-            if self.done_at[i] != self.done_at[i] and r.is_completed():
-                now = now or time.perf_counter()
-                self.done_at[i] = now
-
-    def wait(self, which: Sequence[int] | None = None) -> None:
-        """Block until the messages ``which`` (indices; default all) are complete."""
-        t0 = time.perf_counter()
-        for i in (range(len(self.reqs)) if which is None else which):
-            if self.done_at[i] != self.done_at[i]:
-                self.reqs[i].wait()
-                self.done_at[i] = time.perf_counter()
-        self.waited_s += time.perf_counter() - t0
-
-    def seconds(self, i: int) -> float:
-        """Posting to first-seen-complete of message i (an upper bound of its transfer time)."""
-        return self.done_at[i] - self.posted_at
-
-
-def post(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], group=None,
-         tag: int = 0) -> Pending:
-    """Post every receive, then every send, without waiting (see :func:`exchange` for matching rules)."""
-    to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    t0 = time.perf_counter()
-    bufs = [buf for _, buf in recvs] + [buf.contiguous() for _, buf in sends]
-    peers = [peer for peer, _ in recvs] + [peer for peer, _ in sends]
-    reqs = [dist.irecv(b, src=to_global(p), group=group, tag=tag) for p, b in zip(peers[:len(recvs)], bufs)]
-    reqs += [dist.isend(b, dst=to_global(p), group=group, tag=tag)
-             for p, b in zip(peers[len(recvs):], bufs[len(recvs):])]
-    return Pending(reqs, t0, len(recvs), bufs)

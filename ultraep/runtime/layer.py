@@ -26,7 +26,6 @@ unbalanced model's.
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -36,6 +35,7 @@ from torch import nn
 
 from ultraep.plan.transfers import transfers_for
 from ultraep.runtime import phases
+from ultraep.runtime.clock import clamp0, clock_for
 from ultraep.runtime.recompute import RecomputeAnchor, Replay as _Replay, Replays
 from ultraep.runtime.comm import AllToAll, all_gather_bytes, gather_load
 from ultraep.errors import CollectiveFailedError, PendingGradientsError, PlanDivergenceError
@@ -140,12 +140,12 @@ class BalancedExperts(nn.Module):
                 f"masters={self.first_expert}..{self.first_expert + t.num_masters - 1}, slots={t.num_slots}")
 
     @contextmanager
-    def _timed(self, marks: dict[str, float], key: str, phase: str):
+    def _timed(self, clock, marks: dict, key: str, phase: str):
         """:meth:`collective` that also notes the seconds it took under ``marks[key]`` (backward all-to-alls)."""
-        t0 = time.perf_counter()
+        t0 = clock.now()
         with self.collective(phase):
             yield
-        marks[key] = marks.get(key, 0.0) + time.perf_counter() - t0
+        marks[key] = marks.get(key, 0.0) + (clock.now() - t0)
 
     @contextmanager
     def collective(self, phase: str, peers: list[int] | None = None):
@@ -201,25 +201,27 @@ class BalancedExperts(nn.Module):
         if torch._C._current_graph_task_id() != -1:  # a forward inside a backward: an activation recompute
             return self._recompute(hidden_states, top_k_index, top_k_weights)
         rt = self.runtime
-        self.flush_record()  # the previous call's record, if its backward never came
-        t0 = time.perf_counter()
+        if self._record is not None and self._record.clock.ready():
+            self.flush_record()  # the previous call's record, if its backward never came
+        clk = clock_for(hidden_states)  # CUDA events on CUDA, read when the call is recorded
+        t0 = clk.now()
         rt.enter_layer(self.layer)
         load, extra, obs = self._gather_load(top_k_index)  # Step 1 (collective)
-        t1 = time.perf_counter()
+        t1 = clk.now()
         decision, epoch_R, cached = self._decide(load, extra, obs)  # Step 2 (plan-hash all-gather if asked)
-        t2 = time.perf_counter()
+        t2 = clk.now()
         rt.event("planned", self.layer)
         needs_backward = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
             p.requires_grad for p in self.master_params() + self.shared_params()))
-        job, plan, hits = self._start_replicas(decision.plan, epoch_R, cached, needs_backward)  # Step 3 (posts)
+        job, plan, hits = self._start_replicas(decision.plan, epoch_R, cached, needs_backward, clk)  # Step 3 (posts)
         self.last_plan = plan
-        t3 = time.perf_counter()
+        t3 = clk.now()
         replay = _Replay(plan, job, needs_backward, epoch_R) if self.training else None
         if replay is not None:  # an activation-checkpoint recompute of this call replays it (plan, routes, replicas)
             self.replays.keep(replay)
         marks: dict[str, float] = {}  # backward timings of this call, filled by hooks and the all-to-alls
         out, send, ts, master_s = self._route(hidden_states, top_k_index, top_k_weights, plan, job,  # Steps 4-7
-                                              needs_backward, marks)
+                                              needs_backward, marks, clk)
         t4, t5, t6, t7 = ts
         timings = self._forward_timings(job, (t0, t1, t2, t3, t4, t5, t6, t7), master_s, decision.predicted)
         if cached:  # this rank's replicas of this call: found resident, streamed, and the bytes not received
@@ -227,7 +229,7 @@ class BalancedExperts(nn.Module):
             timings.update(cache_hits=float(hits), cache_misses=float(mine - hits),
                            cache_bytes_saved=float(hits * self.topology.expert_bytes))
         key = (rt.step, max(rt.microbatch, 0))
-        self._record = _LayerCall(plan, timings, job, t7, key, needs_backward, decision, marks, replay=replay)
+        self._record = _LayerCall(plan, timings, job, t7, key, needs_backward, decision, marks, clk, replay=replay)
         if needs_backward and out.requires_grad:
             self._hook_backward(out, send, self._record)
         else:
@@ -244,14 +246,16 @@ class BalancedExperts(nn.Module):
         obs, self._observation = self._observation, None
         K = len(phases.RANK_PHASES)
         mine = torch.zeros(_HEAD + K, dtype=torch.int64)
-        mine[0] = int(counts[E:].sum())  # ids beyond the sentinel: every rank refuses together
         mine[2] = self.epoch.current(self.master_params())  # the replica cache's master epoch of this rank
         mine[3] = int(self.cache is not None and not rt.buffers.busy(self.layer))  # its buffers are free to use
         if obs is not None:
             mine[1] = 1
             mine[_HEAD:] = torch.as_tensor(np.round(obs[2] * 1e9).astype(np.int64))
-        with self.collective("load all-gather"):
-            gathered = gather_load(torch.cat([counts[:E], mine.to(counts.device)]), rt.group)
+        vec = torch.cat([counts[:E], mine.to(counts.device)])
+        vec[E] = counts[E:].sum()  # ids beyond the sentinel (every rank refuses together), summed on the device
+        with self.collective("load all-gather"):  # the layer call's one host synchronisation
+            gathered = gather_load(vec, rt.group)
+        self.flush_record()  # (CUDA: the previous call's events completed, the all-gather synchronised)
         load, extra = gathered[:, :E], gathered[:, E:]
         if extra[:, 0].any():
             from ultraep.models.adapters import UnsupportedModelError
@@ -300,7 +304,7 @@ class BalancedExperts(nn.Module):
                 )
         return decision, epoch_R, cached
 
-    def _start_replicas(self, plan, epoch_R, cached: bool, needs_backward: bool):
+    def _start_replicas(self, plan, epoch_R, cached: bool, needs_backward: bool, clk):
         """Step 3: the replica job of ``plan`` (or None), its weight sync posted (the same on every rank: plans
         are identical); returns (job, the plan with what actually moves, replicas found resident)."""
         rt, t = self.runtime, self.topology
@@ -319,7 +323,7 @@ class BalancedExperts(nn.Module):
                 kept, hits = self._cached_slots(plan, epoch_R, like)
             else:
                 kept = rt.buffers.private(self.layer, like, t.num_redundant_slots)
-            job = ReplicaJob(self, plan, kept, grads, self.deferred)
+            job = ReplicaJob(self, plan, kept, grads, self.deferred, clock=clk)
             if grads == "defer":
                 self.deferred.add_plan(plan, epoch_R)
             job.needs_backward = needs_backward
@@ -330,7 +334,7 @@ class BalancedExperts(nn.Module):
         return job, plan, hits
 
     def _route(self, hidden_states, top_k_index, top_k_weights, plan, job, needs_backward: bool,
-               marks: dict[str, float], replay: "_Replay | None" = None):
+               marks: dict, clk, replay: "_Replay | None" = None):
         """Steps 4-7 of ``plan``: reroute, dispatch, experts (masters, then replicas), combine. ``replay``: the
         call is an activation-checkpoint recompute whose original graph runs the backward (only the tensors it
         saves are recomputed: no relay, no gradient sink, replicas computed from the weights already here).
@@ -342,16 +346,16 @@ class BalancedExperts(nn.Module):
         phys = reroute(top_k_index, reroute_table(plan, me, device=top_k_index.device))
         lay = dispatch_layout(phys, R, S, num_rows=int(plan.routes_RRS[me].sum()))
         send = permute(hidden_states, lay)
-        in_splits = lay.input_split_sizes()
+        in_splits = [int(c) for c in plan.routes_RRS[me].sum(axis=1)]  # = the layout's, without a host sync
         C = plan.routes_RRS[:, me, :]  # [R, S] rows each source sends to each of my slots
         out_splits = [int(c) for c in C.sum(axis=1)]
-        t4 = time.perf_counter()
+        t4 = clk.now()
         # Step 5: dispatch; relays forward the weights they received.
         with self.collective("token dispatch (all-to-all)"):
-            recv = AllToAll.apply(send, out_splits, in_splits, rt.group,
-                                  lambda: self._timed(marks, "dispatch_bwd_s", "token dispatch gradient (all-to-all)"))
+            recv = AllToAll.apply(send, out_splits, in_splits, rt.group, lambda: self._timed(
+                clk, marks, "dispatch_bwd_s", "token dispatch gradient (all-to-all)"))
         rt.event("dispatched", self.layer)
-        t5 = time.perf_counter()
+        t5 = clk.now()
         # per-expert views of the masters (one stacking backward instead of a full-size zero fill per slot)
         unbound = [p.unbind(0) for p in self.master_params()]
         if job is not None and replay is None:
@@ -360,21 +364,21 @@ class BalancedExperts(nn.Module):
                 first = self.first_expert
                 recv = GradSink.apply(recv, job, *[u[e - first] for e in job.contributing() for u in unbound])
         # Step 6: experts on masters, then replicas.
-        y_recv, master_s = self._experts(recv, C, plan, job, unbound, replay)
-        t6 = time.perf_counter()
+        y_recv, master_s = self._experts(recv, C, plan, job, unbound, clk, replay)
+        t6 = clk.now()
         # Step 7: return rows and combine.
         with self.collective("token combine (all-to-all)"):
-            y_send = AllToAll.apply(y_recv, in_splits, out_splits, rt.group,
-                                    lambda: self._timed(marks, "combine_bwd_s", "token combine gradient (all-to-all)"))
+            y_send = AllToAll.apply(y_recv, in_splits, out_splits, rt.group, lambda: self._timed(
+                clk, marks, "combine_bwd_s", "token combine gradient (all-to-all)"))
         out = unpermute(y_send, top_k_weights.to(y_send.dtype), lay)
         if needs_backward and out.requires_grad:  # a checkpoint's recompute starts here on every rank
             out = RecomputeAnchor.apply(out, out.new_empty(0))
         rt.event("combined", self.layer)
         if job is not None and replay is None:
             job.finish_sends()
-        return out, send, (t4, t5, t6, time.perf_counter()), master_s
+        return out, send, (t4, t5, t6, clk.now()), master_s
 
-    def _forward_timings(self, job, ts: tuple, master_s: float, pred) -> dict[str, float]:
+    def _forward_timings(self, job, ts: tuple, master_s, pred) -> dict:
         """This rank's measured forward phases of one call (``ts``: t0..t7 of the steps) and the prediction."""
         t0, t1, t2, t3, t4, t5, t6, t7 = ts
         ph = job.phases if job is not None else {}
@@ -391,7 +395,7 @@ class BalancedExperts(nn.Module):
             flight = ph.get("weight_sync_flight_s", 0.0)
             timings["weight_sync_flight_s"] = flight
             timings["weight_unpack_s"] = ph.get("weight_unpack_s", 0.0)
-            timings["weight_sync_hidden_s"] = max(0.0, flight - ph.get("weight_wait_s", 0.0))
+            timings["weight_sync_hidden_s"] = clamp0(flight - ph.get("weight_wait_s", 0.0))
             timings["replica_kept"] = 1.0 if job.kept else 0.0
             timings["transfer_bytes"] = float(job.bytes_sent)
         timings["predicted_s"] = pred.total_s
@@ -416,17 +420,21 @@ class BalancedExperts(nn.Module):
             job = call.job
             if job is not None and not job.kept and job.generation != rt.buffers.generation:
                 job.restore_weights()  # a later layer reused the shared buffers (the backward would restore too)
-            out, *_ = self._route(hidden_states, top_k_index, top_k_weights, call.plan, job, True, {}, call)
+            clk = job.clock if job is not None else clock_for(hidden_states)
+            out, *_ = self._route(hidden_states, top_k_index, top_k_weights, call.plan, job, True, {}, clk, call)
             return out.to(hidden_states.dtype)
         needs_backward = torch.is_grad_enabled()
         plan = transfers_for(call.plan)  # every replica streams: nothing is known to be resident any more
         if self.cache is not None:  # and the streams overwrite the cache's buffers (on every rank alike)
             self.cache.clear()
-        job, plan, _ = self._start_replicas(plan, call.epoch_R, False, needs_backward)
-        marks: dict[str, float] = {}
-        out, send, _, _ = self._route(hidden_states, top_k_index, top_k_weights, plan, job, needs_backward, marks)
+        clk = clock_for(hidden_states)
+        job, plan, _ = self._start_replicas(plan, call.epoch_R, False, needs_backward, clk)
+        marks: dict = {}
+        out, send, _, _ = self._route(hidden_states, top_k_index, top_k_weights, plan, job, needs_backward, marks,
+                                      clk)
         if needs_backward and out.requires_grad:
-            self._hook_backward(out, send, _LayerCall(plan, {}, job, 0.0, (rt.step, 0), True, None, marks, True))
+            self._hook_backward(out, send, _LayerCall(plan, {}, job, clk.now(), (rt.step, 0), True, None, marks,
+                                                      clk, recompute=True))
         return out.to(hidden_states.dtype)
 
     def _cached_slots(self, plan, epoch_R: np.ndarray, like: list[torch.Tensor]):
@@ -443,23 +451,20 @@ class BalancedExperts(nn.Module):
 
     # ------------------------------------------------------------------ backward bookkeeping
     def _hook_backward(self, out, send, call: "_LayerCall") -> None:
-        """Hooks at the layer's backward start (which also posts the replica-gradient receives: a failed peer
-        raises there like anywhere else) and end (the gradient of the dispatched rows), for its timings."""
-        job = call.job
+        """Hooks at the layer's backward start and end (the gradient of the dispatched rows), for its timings.
+        (The replica-gradient receives are posted with the sends, by the replicas' backward: docs/design.md.)"""
 
         def start(grad):
-            call.marks["bwd_start"] = time.perf_counter()
-            if job is not None:
-                job.post_grad_recvs()
+            call.marks["bwd_start"] = call.clock.now()
 
         out.register_hook(start)
         if send.requires_grad:
             send.register_hook(lambda grad: self._backward_end(call))
 
     def _backward_end(self, call: "_LayerCall") -> None:
-        call.marks["bwd_end"] = time.perf_counter()
+        call.marks["bwd_end"] = call.clock.now()
         self.replays.drop(call.replay)  # its backward ran: no recompute needs this call any more
-        if self._record is call:
+        if self._record is call and call.clock.ready():  # (CUDA: else at the next call, never a sync here)
             self.flush_record()
 
     def flush_record(self) -> None:
@@ -467,9 +472,11 @@ class BalancedExperts(nn.Module):
         call, self._record = self._record, None
         if call is None:
             return
-        t, m = call.timings, call.marks
+        read = call.clock.read  # device times become seconds here, never on the hot path
+        t = {k: read(v) for k, v in call.timings.items()}
+        m = {k: read(v) for k, v in call.marks.items()}
         if call.job is not None:
-            ph = call.job.phases
+            ph = {k: read(v) for k, v in call.job.phases.items()}
             for k in ("restore_s", "recompute_s", "replica_backward_s", "grad_post_s", "grad_wait_s",
                       "grad_reduce_s"):
                 if k in ph:
@@ -499,7 +506,7 @@ class BalancedExperts(nn.Module):
         self.runtime.record_layer(self, call.plan, t, call.job, call.decision, call.key)
 
     def _experts(self, recv: torch.Tensor, C: np.ndarray, plan, job: ReplicaJob | None,
-                 unbound: list, replay: "_Replay | None" = None) -> tuple[torch.Tensor, float]:
+                 unbound: list, clk, replay: "_Replay | None" = None) -> tuple[torch.Tensor, float]:
         """Masters, then replicas, over the received rows; returns the outputs and the masters' seconds.
         ``replay``: an activation-checkpoint recompute (the replicas compute from the weights ``job`` holds)."""
         t = plan.topology
@@ -509,7 +516,7 @@ class BalancedExperts(nn.Module):
         slot_of_row = np.repeat(np.tile(np.arange(S), C.shape[0]), C.ravel())
         order = torch.as_tensor(np.argsort(slot_of_row, kind="stable"), device=recv.device)
         x = recv.index_select(0, order)
-        t0 = time.perf_counter()
+        t0 = clk.now()
         outs, at = [], 0
         params = self.master_params()
         for s in range(M):
@@ -518,7 +525,7 @@ class BalancedExperts(nn.Module):
                 outs.append(self.adapter.forward(self.container, x[at:at + c], [u[s] for u in unbound]))
             at += c
         self.runtime.event("master_compute", self.layer)
-        master_s = time.perf_counter() - t0
+        master_s = clk.now() - t0
         if job is not None:
             job.counts = [int(c) for c in counts_S[M:]]  # rows per replica slot, in slot order
             if replay is not None:
@@ -539,12 +546,14 @@ class BalancedExperts(nn.Module):
 class _LayerCall:
     """One forward of a layer waiting for its backward before it is recorded."""
 
-    __slots__ = ("plan", "timings", "job", "marks", "key", "needs_backward", "decision", "recompute", "replay")
+    __slots__ = ("plan", "timings", "job", "marks", "key", "needs_backward", "decision", "clock", "recompute",
+                 "replay")
 
-    def __init__(self, plan, timings: dict, job: ReplicaJob | None, t_fwd_end: float, key: tuple[int, int],
-                 needs_backward: bool, decision, marks: dict[str, float], recompute: bool = False,
+    def __init__(self, plan, timings: dict, job: ReplicaJob | None, t_fwd_end, key: tuple[int, int],
+                 needs_backward: bool, decision, marks: dict, clock, recompute: bool = False,
                  replay: "_Replay | None" = None) -> None:
         self.plan, self.timings, self.job, self.key = plan, timings, job, key
+        self.clock = clock
         self.replay = replay
         self.recompute = recompute  # a reentrant checkpoint's recompute: its backward runs, it is not recorded
         self.needs_backward, self.decision = needs_backward, decision

@@ -8,18 +8,26 @@ rank, the replicas' rows on another) makes the layer cost ``max_r(master) + max_
 ``max_r(master + replica)``, re-creating the imbalance the plan removed. So every transfer is *posted*
 early and *waited* late, only where waiting is free:
 
-    forward  Step 1 (right after the plan, before the token dispatch): every rank posts its receives of
-                    replica weights and the stage-0 sends of its masters (:meth:`ReplicaJob.post_weights`).
-             Step 2 (after the dispatch, a barrier anyway): a relay forwards what it received
+    forward  Step 1 (right after the plan, before the token dispatch): every rank issues batch W0 — its
+                    stage-0 receives of replica weights and the stage-0 sends of its masters
+                    (:meth:`ReplicaJob.post_weights`).
+             Step 2 (after the dispatch, a barrier anyway): batch W1 — a relay forwards what it received,
+                    and the ranks it feeds post those stage-1 receives in the same batch
                     (:meth:`ReplicaJob.relay`).
              Step 3 masters compute while the weights travel; the replica slots wait for their weights
                     only right before they compute (:meth:`ReplicaJob.wait_weights`).
-    backward Step 4 (start of the layer's backward): the masters' ranks post the gradient receives.
-             Step 5 each replica's weight gradient is packed and sent as soon as the replica backward made it
-                    (replicas run their backward first: their autograd node is the newest).
-             Step 6 :class:`GradSink` — the node every expert's backward feeds, right before the dispatch
+    backward Step 4 each replica's weight gradient is packed as soon as the replica backward made it
+                    (replicas run their backward first: their autograd node is the newest), and batch G
+                    issues those sends together with this rank's receives of its masters' gradients.
+             Step 5 :class:`GradSink` — the node every expert's backward feeds, right before the dispatch
                     all-to-all's backward (a barrier) — waits for the gradients and returns them as the
                     masters' gradient contribution, added in replica-rank order (deterministic).
+
+Every batch is one point-to-point group in a canonical order (:mod:`ultraep.runtime.transport`), issued at
+the same step on every rank, and no receive waits on a send the peer issues in a later batch: NCCL, which
+runs a pair's operations in issue order and ignores tags, cannot deadlock on it (docs/design.md, "Point-to-
+point order"). That is why the gradient receives go out with the sends (Step 4) rather than alone at the
+start of the backward, and why stage-1 receives go out with the relays' sends (Step 2) rather than in W0.
 
 Replica weights and activations live from forward to backward when they fit the runtime's replica memory
 budget (``BalancerConfig.replica_memory_budget``; per-layer buffers, mode ``kept``); beyond it the layers share
@@ -29,19 +37,20 @@ recomputes the replica forward in its backward (mode ``restore``).
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ultraep.runtime.comm import Pending, post
+from ultraep.runtime.clock import HostClock
+from ultraep.runtime.replica_transport import DirectTransport, TiledTransport
+from ultraep.runtime.transport import Transfer, TransferHandle
 
 if TYPE_CHECKING:  # pragma: no cover
     from ultraep.runtime.layer import BalancedExperts
 
-TAG_WEIGHTS = 11  # point-to-point tags: weight and gradient messages never match each other
+TAG_WEIGHTS = 11  # gloo matches by tag too; NCCL ignores tags, so the canonical order alone must match
 TAG_GRADS = 12
 
 
@@ -52,10 +61,6 @@ def _keep(t: torch.Tensor) -> torch.Tensor:
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def _peers(*msg_lists) -> list[int]:
-    return sorted({int(p) for msgs in msg_lists for p, _ in msgs})
 
 
 class ReplicaBuffers:
@@ -156,6 +161,18 @@ class DeferredGrads:
             for a, g in zip(have, grads):
                 a.add_(g)
 
+    def merge(self, grads: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+        """This call's replica gradients ``{expert: [J]}`` plus everything pending (then nothing is pending):
+        what a flushing backward sends."""
+        _, pending = self.take()
+        for e, gw in grads.items():
+            if e in pending:
+                for a, g in zip(pending[e], gw):
+                    a.add_(g)
+            else:
+                pending[e] = gw
+        return pending
+
     def take(self) -> tuple[set[tuple[int, int]], dict[int, list[torch.Tensor]]]:
         """The pending pairs and this rank's sums; afterwards nothing is pending."""
         out = (self.pairs, self.sums)
@@ -178,7 +195,7 @@ class ReplicaJob:
     """
 
     def __init__(self, layer: "BalancedExperts", plan, kept_slots: list[list[torch.Tensor]] | None,
-                 grads: str = "reduce", deferred: DeferredGrads | None = None) -> None:
+                 grads: str = "reduce", deferred: DeferredGrads | None = None, clock=None) -> None:
         """``kept_slots``: this layer's own ``[N][J]`` buffers for replica slots ``M..S-1`` (mode ``kept``; slot
         ``M + i`` computes with ``kept_slots[i]``, which may already hold its weights), or None (shared buffers).
 
@@ -189,6 +206,7 @@ class ReplicaJob:
 
         self.layer = layer
         self.rt = layer.runtime
+        self.clock = clock if clock is not None else HostClock()  # the layer call's (CUDA events on CUDA)
         t = plan.topology
         # ``plan.transfers`` are exactly the replicas this call streams (the engine planned with the layer's
         # replica cache: resident replicas are reused in place, every other one is sent)
@@ -211,31 +229,29 @@ class ReplicaJob:
         self.grad_schedule = GradReduceSchedule.from_replicas(pairs, t.home_E, self.me, self.grad_layout)
         self.grad_bytes_sent = 0
         self.kept = kept_slots is not None
-        # Transport. On CPU (gloo) every expert tensor travels as its own message, straight from the master's
-        # parameter into the replica slot (weights) and from the replica's gradient into a receive buffer
-        # (fp32 gradients): no pack, no unpack, no arena — host copies would sit on the critical path. On GPUs
-        # (and whenever a relay forwards tiles) experts travel tile-packed, one message per peer.
+        self.slots = kept_slots if self.kept else self.rt.buffers.shared(like, t.num_redundant_slots)
+        # Transport (replica_transport.py): per-tensor messages on CPU (gloo) without relays, else tile-packed
         relays = bool((plan.transfers.stage > 0).any())
         mode = self.rt.config.replica_transport
         self.direct = not relays and (mode == "direct" or (mode == "auto" and not self.params[0].is_cuda))
-        self.slots = kept_slots if self.kept else self.rt.buffers.shared(like, t.num_redundant_slots)
+        dev = self.params[0].device
+        self.transport = (DirectTransport(self.schedule, self.grad_schedule, self.grad_layout, self.slots, self.M, dev)
+                          if self.direct else
+                          TiledTransport(self.schedule, self.layout, self.grad_schedule, self.grad_layout, self.slots,
+                                         self.M, dev))
         self.counts: list[int] = []
         self.needs_backward = False
         self.x_rep: torch.Tensor | None = None
         self.generation = -1
         self.bytes_sent = 0
         self.phases: dict[str, float] = {}
-        self._weights: Pending | None = None
-        self._relay: Pending | None = None
-        self._grads_in: Pending | None = None
-        self._grads_out: Pending | None = None
-        self._grad_arena: torch.Tensor | None = None
-        self._grad_bufs: dict[int, list[list[torch.Tensor]]] = {}  # direct: expert -> [replica][J] fp32
-        self._recv_groups: list[range] = []  # request indices of each received message, in schedule order
+        self._weights: TransferHandle | None = None  # batch W0
+        self._relay: TransferHandle | None = None  # batch W1
+        self._grads: TransferHandle | None = None  # batch G
         self._recv_seconds: dict[tuple[int, int, int], float] = {}
         self._graph = None  # kept mode: (x, weights, y) of the replica forward, for its backward
 
-    def _add(self, key: str, seconds: float) -> None:
+    def _add(self, key: str, seconds) -> None:
         self.phases[key] = self.phases.get(key, 0.0) + seconds
 
     def _event(self, name: str) -> None:
@@ -243,83 +259,66 @@ class ReplicaJob:
 
     # ------------------------------------------------------------------ weights (forward)
     def post_weights(self) -> None:
-        """Step 1: post every receive of replica weights and this rank's stage-0 sends; never waits."""
-        from ultraep.kernels import pack_sends
-
-        t0 = time.perf_counter()
-        sched, lay = self.schedule, self.layout
+        """Step 1: issue batch W0 — every stage-0 receive of replica weights and this rank's stage-0 sends;
+        never waits."""
+        t0 = self.clock.now()
         first = self.layer.first_expert
-        if self.direct:
-            ws = [p.detach() for p in self.params]
-            recvs = [(m.peer, t) for m in sched.recvs for e in m.experts for t in self.slots[sched.slot_E[e] - self.M]]
-            sends = [(m.peer, w[e - first]) for m in sched.sends0 for e in m.experts for w in ws]
-            J = len(ws)
-            at, self._recv_groups = 0, []
-            for m in sched.recvs:
-                self._recv_groups.append(range(at, at + J * len(m.experts)))
-                at += J * len(m.experts)
-        else:
-            sending = {e for m in sched.sends0 for e in m.experts}
-            masters = {e: [p.detach()[e - first] for p in self.params] for e in sending}
-            self.arena = lay.empty(sched.arena_tiles, device=self.params[0].device)
-            P = lay.tiles_per_expert
-            recvs = [(m.peer, self.arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in sched.recvs]
-            sends = [(m.peer, buf) for m, buf in pack_sends(sched, masters, lay)]
-            self._recv_groups = [range(i, i + 1) for i in range(len(recvs))]
-        with self.layer.collective("replica weight sync (post)", _peers(sends, recvs)):
-            self._weights = post(sends, recvs, self.rt.transfer_group, tag=TAG_WEIGHTS)
-        self._num_recv0 = sum(1 for m in sched.recvs if m.stage == 0)
-        self.bytes_sent = sum(int(b.numel() * b.element_size()) for _, b in sends)
+        sending = {e for m in self.schedule.sends0 for e in m.experts}
+        tr = Transfer(self.rt.transfer_group, TAG_WEIGHTS)
+        self.transport.add_weights(tr, {e: [p.detach()[e - first] for p in self.params] for e in sending})
+        with self.layer.collective("replica weight sync (post)", tr.peers()):
+            self._weights = tr.execute()
+        self.bytes_sent = tr.send_bytes()
         self._event("weight_sync_posted")
-        self._add("weight_post_s", time.perf_counter() - t0)
+        self._add("weight_post_s", self.clock.now() - t0)
 
     def relay(self) -> None:
-        """Step 2 (relay ranks only): forward the stage-0 tiles this rank received to its children."""
-        from ultraep.kernels import forward_sends
-
-        if not self.schedule.sends1:
+        """Step 2: issue batch W1 — a relay forwards the stage-0 tiles it received to its children (after its
+        W0 completed), and every rank fed by a relay posts those stage-1 receives in the same batch."""
+        sched = self.schedule
+        if not sched.sends1 and not any(m.stage == 1 for m in sched.recvs):
             return
-        t0 = time.perf_counter()
-        with self.layer.collective("replica weight sync (relay stage)", [m.peer for m in self.schedule.recvs]):
-            self._weights.wait(range(self._num_recv0))
-            sends = [(m.peer, buf) for m, buf in forward_sends(self.schedule, self.arena)]
-            self._relay = post(sends, [], self.rt.transfer_group, tag=TAG_WEIGHTS)
-        self.bytes_sent += sum(int(b.numel()) for _, b in sends)
-        self._add("relay_s", time.perf_counter() - t0)
+        t0 = self.clock.now()
+        with self.layer.collective("replica weight sync (relay stage)", [m.peer for m in sched.recvs]):
+            if sched.sends1:
+                self._weights.wait_recvs()
+            tr = Transfer(self.rt.transfer_group, TAG_WEIGHTS)
+            self.transport.add_relay(tr)
+            self._relay = tr.execute()
+        self.bytes_sent += tr.send_bytes()
+        self._add("relay_s", self.clock.now() - t0)
 
     def wait_weights(self) -> None:
         """Step 3: block until this rank's replica weights arrived, then unpack them into the slots."""
-        from ultraep.kernels import unpack_received
-
-        t0 = time.perf_counter()
-        w = self._weights
+        t0 = self.clock.now()
+        handles = [h for h in (self._weights, self._relay) if h is not None]
         with self.layer.collective("replica weight sync (wait)", [m.peer for m in self.schedule.recvs]):
-            w.poll()
-            w.wait(range(w.num_recvs))
+            for h in handles:
+                h.poll()
+            for h in handles:
+                h.wait_recvs()
         self._event("weight_sync_waited")
-        t1 = time.perf_counter()
-        if self.schedule.recvs and not self.direct:
-            unpack_received(self.schedule, self.arena, {self.M + i: self.slots[i] for i in range(len(self.slots))},
-                            self.layout)
-        self._add("weight_unpack_s", time.perf_counter() - t1)
+        t1 = self.clock.now()
+        self.transport.unpack()
+        self._add("weight_unpack_s", self.clock.now() - t1)
         if not self.kept:
             self.rt.buffers.generation += 1
             self.generation = self.rt.buffers.generation
-        sec = [max(w.seconds(i) for i in g) if len(g) else 0.0 for g in self._recv_groups]
-        self._recv_seconds = self._recv_seconds or {(m.peer, m.stage, e): sec[i]
-                                                    for i, m in enumerate(self.schedule.recvs) for e in m.experts}
-        flight = max(sec, default=0.0)
-        self._add("weight_sync_flight_s", flight)
-        self._add("weight_wait_s", time.perf_counter() - t0)
+        sec: dict = {}
+        for h in handles:
+            sec.update(h.recv_seconds())
+        self._recv_seconds = self._recv_seconds or self.transport.message_seconds(sec)
+        self._add("weight_sync_flight_s", max(sec.values(), default=0.0))
+        self._add("weight_wait_s", self.clock.now() - t0)
 
     def finish_sends(self) -> None:
         """Complete this rank's weight sends (after the combine: every receiver has long waited)."""
-        for p in (self._weights, self._relay):
-            if p is not None:
+        for h in (self._weights, self._relay):
+            if h is not None:
                 with self.layer.collective("replica weight sync (send)", []):
-                    p.wait(range(p.num_recvs, len(p.reqs)))
+                    h.wait_sends()
         self._weights = self._relay = None
-        self.arena = None
+        self.transport.release_weights()
 
     def transfer_seconds(self) -> list[float]:
         """Measured seconds of each of ``plan.transfers`` this rank received (posting to first seen
@@ -338,13 +337,13 @@ class ReplicaJob:
     # ------------------------------------------------------------------ weights (backward restore)
     def restore_weights(self) -> None:
         """Mode ``restore``: a later layer overwrote the shared buffers; stream the replicas again (blocking)."""
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         self.post_weights()
         self.relay()
         self.wait_weights()
         self.finish_sends()
         self.rt.buffers.restorations += 1
-        self._add("restore_s", time.perf_counter() - t0)
+        self._add("restore_s", self.clock.now() - t0)
 
     # ------------------------------------------------------------------ compute
     def _chunks(self, x: torch.Tensor):
@@ -356,7 +355,7 @@ class ReplicaJob:
     def compute(self, x_rep: torch.Tensor, build_graph: bool) -> torch.Tensor:
         """Replica rows ``[Nr, H]`` → outputs ``[Nr, H]``; with ``build_graph`` the autograd graph of this
         forward is kept for the backward (mode ``kept``: no recompute)."""
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         fwd, mod = self.layer.adapter.forward, self.layer.container
         if build_graph:
             # the replica graph keeps its own tensors, out of any saved-tensor hooks around the layer: under a
@@ -372,7 +371,7 @@ class ReplicaJob:
             with torch.no_grad():
                 out = self._run(fwd, mod, x_rep, self.slots)
         self._event("replica_compute")
-        self._add("replica_compute_s", time.perf_counter() - t0)
+        self._add("replica_compute_s", self.clock.now() - t0)
         return out
 
     def recompute(self, x_rep: torch.Tensor) -> torch.Tensor:
@@ -388,48 +387,24 @@ class ReplicaJob:
         return torch.cat(outs) if outs else x.new_zeros(x.shape)
 
     # ------------------------------------------------------------------ backward
-    def post_grad_recvs(self) -> None:
-        """Step 4: post the receives of replica gradients for this rank's masters (idempotent)."""
-        if self._grads_in is not None:
-            return
-        gs, lay = self.grad_schedule, self.grad_layout
-        dev = self.params[0].device
-        if self.direct:
-            recvs = []
-            for m in gs.recvs:  # replica ranks ascending, experts ascending: the summation order
-                for e in m.experts:
-                    bufs = [torch.empty(s.shape, dtype=torch.float32, device=dev) for s in lay.specs]
-                    self._grad_bufs.setdefault(e, []).append(bufs)
-                    recvs += [(m.peer, b) for b in bufs]
-        else:
-            self._grad_arena = lay.empty(gs.arena_tiles, device=dev)
-            P = lay.tiles_per_expert
-            recvs = [(m.peer, self._grad_arena[m.first_tile:m.first_tile + len(m.experts) * P]) for m in gs.recvs]
-        with self.layer.collective("replica gradient reduction (post)", _peers(recvs)):
-            self._grads_in = post([], recvs, self.rt.transfer_group, tag=TAG_GRADS)
-
     def backward(self, grad: torch.Tensor, shared: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, list]:
-        """Step 5: replica backward (restore + recompute in mode ``restore``), then post the weight gradients
+        """Step 4: replica backward (restore + recompute in mode ``restore``), then post the weight gradients
         to the masters' ranks. Returns the gradient of the replica rows and of the ``shared`` parameters the
         replica forward also read (e.g. a post-expert norm; None where unused or frozen): they stay on this rank."""
-        from ultraep.kernels import pack_grad_sends
-
         if self.kept:
             xr, ws, y = self._graph
             self._graph = None
-            self.post_grad_recvs()
         else:
             if self.rt.buffers.generation != self.generation:
                 self.restore_weights()
-            self.post_grad_recvs()  # after the restore: point-to-point order stays the same on every rank
-            t0 = time.perf_counter()
+            t0 = self.clock.now()
             with torch.enable_grad():
                 xr = self.x_rep.requires_grad_(True)
                 ws = [[w.detach().requires_grad_(True) for w in slot] for slot in self.slots]
                 y = self._run(self.layer.adapter.forward, self.layer.container, xr, ws)
             self.x_rep = None
-            self._add("recompute_s", time.perf_counter() - t0)
-        t1 = time.perf_counter()
+            self._add("recompute_s", self.clock.now() - t0)
+        t1 = self.clock.now()
         flat_ws = [w for slot in ws for w in slot]
         train = [p for p in shared if p.requires_grad]
         if y.requires_grad:
@@ -443,68 +418,46 @@ class ReplicaJob:
         wgrads = {self.M + i: [gw if gw is not None else torch.zeros_like(w)
                                for gw, w in zip(g[1 + i * J:1 + (i + 1) * J], ws[i])] for i in range(len(ws))}
         self._event("replica_backward")
-        t2 = time.perf_counter()
+        t2 = self.clock.now()
         eg = {e: wgrads[s] for e, s in self.slot_of.items()}  # this call's gradient of each replica here
         if self.grads_mode == "defer":
             for e, gw in eg.items():
                 self.deferred.add(e, gw)
             eg = {}
         elif self.grads_mode == "flush":
-            _, pending = self.deferred.take()
-            for e, gw in eg.items():
-                if e in pending:
-                    for a, g in zip(pending[e], gw):
-                        a.add_(g)
-                else:
-                    pending[e] = gw
-            eg = pending
+            eg = self.deferred.merge(eg)
         gs = self.grad_schedule
         for e in (e for m in gs.sends for e in m.experts if e not in eg):  # deferred by a call whose backward
             eg[e] = [torch.zeros(s.shape, dtype=torch.float32, device=grad.device)  # never ran: zero (flush only)
                      for s in self.grad_layout.specs]
-        if self.direct:  # each gradient tensor as its own fp32 message, experts ascending per master rank
-            sends = [(m.peer, g.float()) for m in gs.sends for e in m.experts for g in eg[e]]
-        else:
-            sends = [(m.peer, buf) for m, buf in pack_grad_sends(
-                gs, {e: eg[e] for m in gs.sends for e in m.experts}, self.grad_layout)]
-        self.grad_bytes_sent = sum(int(b.numel() * b.element_size()) for _, b in sends)
-        with self.layer.collective("replica gradient reduction (send)", _peers(sends)):
-            self._grads_out = post(sends, [], self.rt.transfer_group, tag=TAG_GRADS)
+        tr = Transfer(self.rt.transfer_group, TAG_GRADS)  # batch G: these sends and this rank's receives
+        self.transport.add_grad_sends(tr, eg)
+        self.transport.add_grad_recvs(tr)
+        self.grad_bytes_sent = tr.send_bytes()
+        with self.layer.collective("replica gradient reduction (post)", tr.peers()):
+            self._grads = tr.execute()
         self._event("grad_sent")
-        t3 = time.perf_counter()
+        t3 = self.clock.now()
         self._add("replica_backward_s", t2 - t1)
         self._add("grad_post_s", t3 - t2)
         return gx, g_shared
 
     def reduce_grads(self) -> list[torch.Tensor]:
-        """Step 6: wait for the replicas' gradients of this rank's masters; return, for every expert in
+        """Step 5: wait for the replicas' gradients of this rank's masters; return, for every expert in
         ``contributing()`` and each of its J tensors, the sum of its replicas' gradients (replica-rank order,
         fp32, cast to the parameter's dtype)."""
-        from ultraep.kernels import reduce_received
-
-        self.post_grad_recvs()  # a no-op unless the layer's backward started without the output hook
-        t0 = time.perf_counter()
-        with self.layer.collective("replica gradient reduction (wait)", _peers([(m.peer, None) for m in
-                                                                                 self.grad_schedule.recvs])):
-            self._grads_in.wait()
+        if self._grads is None:  # pragma: no cover - the replicas' backward (Step 4) runs before the sink
+            raise RuntimeError("replica gradient reduction: the sink ran before the replicas' backward")
+        t0 = self.clock.now()
+        with self.layer.collective("replica gradient reduction (wait)",
+                                   sorted({m.peer for m in self.grad_schedule.recvs})):
+            self._grads.wait_recvs()
         self._event("grad_reduced")
-        t1 = time.perf_counter()
-        sums: dict[int, list[torch.Tensor]] = {}
-        if self.direct:
-            for e, parts in self._grad_bufs.items():
-                acc = parts[0]
-                for more in parts[1:]:  # in replica-rank order: deterministic
-                    acc = [a + b for a, b in zip(acc, more)]
-                sums[e] = acc
-        elif self.contributing():
-            dev = self.params[0].device
-            sums = {e: [torch.zeros(s.shape, dtype=torch.float32, device=dev) for s in self.grad_layout.specs]
-                    for e in self.contributing()}
-            reduce_received(self.grad_schedule, self._grad_arena, sums, self.grad_layout)
+        t1 = self.clock.now()
+        sums = self.transport.reduce(self.contributing())
         out = [a.to(p.dtype) for e in self.contributing() for a, p in zip(sums[e], self.params)]
-        self._grads_in, self._grad_arena, self._grad_bufs = None, None, {}
         self._add("grad_wait_s", t1 - t0)
-        self._add("grad_reduce_s", time.perf_counter() - t1)
+        self._add("grad_reduce_s", self.clock.now() - t1)
         return out
 
     def contributing(self) -> list[int]:
@@ -512,10 +465,10 @@ class ReplicaJob:
         return sorted(self.grad_schedule.contributions)
 
     def finish_grad_sends(self) -> None:
-        if self._grads_out is not None:
+        if self._grads is not None:
             with self.layer.collective("replica gradient reduction (send)", []):
-                self._grads_out.wait()
-            self._grads_out = None
+                self._grads.wait_sends()
+            self._grads = None
 
 
 class ReplicaExperts(torch.autograd.Function):

@@ -23,6 +23,7 @@ from ultraep.runtime.layer import BalancedExperts
 from ultraep.errors import UltraEPError
 from ultraep.runtime.replica_cache import ReplicaCache
 from ultraep.runtime.replicas import ReplicaBuffers
+from ultraep.runtime.transport import open_transfer_group
 
 log = logging.getLogger("ultraep")
 
@@ -58,7 +59,7 @@ class EPRuntime:
         self.group = dist.new_group(ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
         # Replica weights and gradients travel point-to-point on a group of their own, so they never queue
         # behind the token all-to-alls (NCCL serialises one communicator's operations on one stream).
-        self.transfer_group = dist.new_group(ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
+        self.transfer_group = open_transfer_group(ranks, backend, timeout)
         self.buffers = ReplicaBuffers(0)
         self.recorder = recorder
         self.layers: list = []

@@ -1,0 +1,60 @@
+"""``make gpu-check`` (benchmarks/gpu_check.py): one line and exit 0 without a GPU; with one, its steps, the
+dated section it appends and the line naming what it could not run (driven here with stand-in commands)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import gpu_check  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: make gpu-check runs for real")
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
+    p = subprocess.run([sys.executable, "benchmarks/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines() == [
+        "gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False): nothing to check."]
+    assert "gpu-check:" in (ROOT / "Makefile").read_text()
+
+
+def test_steps_say_what_one_gpu_cannot_run():
+    one, not_run = gpu_check.steps_for(1)
+    assert [s.name for s in one] == ["CUDA-only tests", "kernel timings"]
+    assert len(not_run) == 1 and "NCCL pair" in not_run[0]
+    two, not_run = gpu_check.steps_for(2)
+    assert two[-1].name == "bench_runtime on NCCL" and "--backend" in two[-1].cmd and not not_run
+    assert "-m" in one[0].cmd and "cuda" in one[0].cmd
+
+
+def test_outcomes_become_a_dated_section_appended_under_one_heading(tmp_path):
+    py = sys.executable
+    ok = gpu_check.run_step(gpu_check.Step("table", [py, "-c", "print('| a | 1 |')"], 30, show_output=True), {})
+    bad = gpu_check.run_step(gpu_check.Step("broken", [py, "-c", "import sys; print('boom'); sys.exit(3)"], 30), {})
+    slow = gpu_check.run_step(gpu_check.Step("slow", [py, "-c", "import time; time.sleep(5)"], 1), {})
+    assert ok.ok and not bad.ok and not slow.ok and "timed out after 1 s" in slow.tail
+    text = gpu_check.section([ok, bad, slow], ["one GPU only"], "1 x Fake GPU", "abc1234", "2026-11-25 17:00")
+    assert "### 2026-11-25 17:00 UTC: 1 x Fake GPU, commit abc1234" in text
+    assert "| table | passed |" in text and "| broken | FAILED |" in text and "boom" in text and "| a | 1 |" in text
+    assert text.rstrip().endswith("Not run: one GPU only.")
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n")
+    gpu_check.append_section(text, doc)
+    gpu_check.append_section(text, doc)
+    got = doc.read_text()
+    assert got.startswith("# Benchmarks\n") and got.count(gpu_check.HEADING) == 1 and got.count("### 2026") == 2
+
+
+def test_a_gpu_machine_with_the_cpu_wheel_is_not_a_pass(monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check, "visible_gpus", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert gpu_check.main([]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "sees 2 GPU(s)" in out[0] and "CPU build" in out[0]
