@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ultraep.cli.demo_check import is_match, step0_difference, step0_gradients
 from ultraep.errors import ConfigError
 from ultraep.policies.registry import BASELINE
 
@@ -128,7 +129,7 @@ def _rank_main(rank: int, world: int, settings: DemoSettings, policy: str, run_n
     opt = torch.optim.Adam(model.parameters(), lr=1e-3) if train else None
     masters = {id(p) for layer in rt.layers for p in layer.master_params()}
     losses, times, calls = [], [], []
-    grad_sum = None
+    grads0 = None
     progress = None
     if rank == 0:
         from rich.progress import Progress
@@ -154,7 +155,7 @@ def _rank_main(rank: int, world: int, settings: DemoSettings, policy: str, run_n
                         dist.all_reduce(p.grad)
                         p.grad /= world
                 if step == 0:
-                    grad_sum = _grad_checksum(model, rt, world)
+                    grads0 = step0_gradients(model, rt, rank)
                 opt.step()
             else:
                 with torch.no_grad():
@@ -173,23 +174,8 @@ def _rank_main(rank: int, world: int, settings: DemoSettings, policy: str, run_n
             progress.stop()
         recorder.close()
     return {"losses": losses, "times": times, "history": rt.history, "run_id": getattr(recorder, "run_id", None),
-            "calls": calls, "grad_sum": grad_sum,
+            "calls": calls, "grads0": grads0,
             "recording_errors": rt.recording_errors + int(getattr(recorder, "errors", 0) or 0)}
-
-
-def _grad_checksum(model, rt, world: int) -> list[float]:
-    """Step 0's gradients, summed per expert parameter over every rank's masters (the unbalanced model's
-    full expert gradient) and per other parameter: what must be equal when the math is equal."""
-    import torch.distributed as dist
-
-    out = []
-    for name, p in model.named_parameters():
-        g = p.grad.detach().double() if p.grad is not None else torch.zeros_like(p, dtype=torch.float64)
-        t = torch.stack([g.abs().sum(), g.pow(2).sum()])  # positive: a relative difference means something
-        if ".experts." in name:  # masters: the group sums them into the full parameter's figure
-            dist.all_reduce(t, group=rt.group)
-        out.extend(t.tolist())
-    return out
 
 
 def run_demo(settings: DemoSettings) -> int:
@@ -245,9 +231,9 @@ def _rel(a, b) -> np.ndarray:
 
 def _equality(con, settings: DemoSettings, results: dict) -> bool:
     """The honest equality verdict. The math is the same iff step 0 — before any optimizer step could amplify
-    a rounding difference — gives the same loss and the same gradients (relative <= 1e-6, fp32 summation
-    order). Later steps are compared with the band two equivalent unbalanced runs (``none`` and ``none``
-    with its gradient average rounded in another order) drift apart by in the same run."""
+    a rounding difference — gives the same loss and the same gradients, expert row by expert row
+    (:mod:`ultraep.cli.demo_check`). Later steps are compared with the band two equivalent unbalanced runs
+    (``none`` and ``none`` with its gradient average rounded in another order) drift apart by in the same run."""
     base = results[BASELINE][1][0]
     ok = True
     band = None
@@ -257,10 +243,9 @@ def _equality(con, settings: DemoSettings, results: dict) -> bool:
         if policy in (BASELINE, REORDERED):
             continue
         r = out[0]
-        step0 = max(float(_rel(base["losses"][:1], r["losses"][:1]).max()),
-                    float(_rel(base["grad_sum"], r["grad_sum"]).max()) if base["grad_sum"] and r["grad_sum"] else 0.0)
+        step0, worst = step0_difference(results[BASELINE][1], out)
         rel = _rel(base["losses"], r["losses"])
-        same = step0 <= 1e-6
+        same = is_match(step0)
         ok &= same
         early = slice(1, min(4, len(rel)))
         where = ""
@@ -270,7 +255,8 @@ def _equality(con, settings: DemoSettings, results: dict) -> bool:
                      "after step, so only step 0 can decide equality")
         verdict = ("match: balancing does not change the math" if same else
                    "MISMATCH: step 0 differs beyond fp32 summation order")
-        con.print(f"{policy}: step 0 loss and gradients vs none: max relative difference {step0:.1e}; losses in "
+        con.print(f"{policy}: step 0 loss and gradients (per expert row) vs none: max relative difference {step0:.1e} "
+                  f"({worst}); losses in "
                   f"steps 1-3: {rel[early].max() if len(rel) > 1 else 0.0:.1e}, by step {len(rel) - 1}: "
                   f"{rel.max():.1e}{where} -> {verdict}", soft_wrap=True)
     return ok
