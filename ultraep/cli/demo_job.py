@@ -46,6 +46,8 @@ class DemoSettings:
     slots: int = 2
     #: policies run on the same token stream, in order (``none`` first); default: none, then ``policy``
     compare: tuple[str, ...] = ()
+    #: tokens per rank per step (a multiple of the sequence length); None: the shape's default batch
+    tokens: int | None = None
 
     @property
     def runs(self) -> tuple[str, ...]:
@@ -57,8 +59,12 @@ class DemoSettings:
         """Model and batch size: big enough that expert compute dominates a step (1024 tokens per rank, top-2,
         H 512, I 1024: ~80 % of a step is expert compute), small enough for two runs in 3 minutes on 2 cores."""
         if self.quick:
-            return dict(num_experts=8, hidden=256, expert_hidden=512, layers=2, vocab=256, batch=2, seq=128)
-        return dict(num_experts=8, hidden=512, expert_hidden=1024, layers=2, vocab=512, batch=4, seq=256)
+            sh = dict(num_experts=8, hidden=256, expert_hidden=512, layers=2, vocab=256, batch=2, seq=128)
+        else:
+            sh = dict(num_experts=8, hidden=512, expert_hidden=1024, layers=2, vocab=512, batch=4, seq=256)
+        if self.tokens is not None:  # sized to the machine (ultraep.cli.demo_size) or --tokens
+            sh["batch"] = self.tokens // sh["seq"]
+        return sh
 
 
 def _structure(model, family: str, num_domains: int, vocab: int, strength: float, seed: int) -> None:
@@ -178,7 +184,9 @@ def _rank_main(rank: int, world: int, settings: DemoSettings, policy: str, run_n
             "recording_errors": rt.recording_errors + int(getattr(recorder, "errors", 0) or 0)}
 
 
-def run_demo(settings: DemoSettings) -> int:
+def run_demo(settings: DemoSettings, resize=None) -> int:
+    """``resize(settings) -> (settings, line)``: sizes tokens and steps after the settings are checked
+    (:func:`ultraep.cli.demo_size.resize`); the line is printed."""
     from rich.console import Console
 
     from ultraep.launch import launch
@@ -193,6 +201,10 @@ def run_demo(settings: DemoSettings) -> int:
     if settings.ranks < 2 or settings.shape["num_experts"] % settings.ranks:
         raise ConfigError("--ranks", f"must be >= 2 and divide {settings.shape['num_experts']} experts, "
                           f"got {settings.ranks}", settings.ranks)
+    seq = settings.shape["seq"]
+    if settings.tokens is not None and (settings.tokens < seq or settings.tokens % seq):
+        raise ConfigError("--tokens", f"must be a positive multiple of the sequence length {seq}, got {settings.tokens}",
+                          settings.tokens)
     if settings.steps < 4:
         raise ConfigError("--steps", f"must be >= 4, got {settings.steps}", settings.steps)
     unknown = [p for p in settings.runs if p not in available_policies()]
@@ -202,6 +214,9 @@ def run_demo(settings: DemoSettings) -> int:
     con = Console()
     if not con.is_terminal:  # logs and pipes: wide enough that tables and commands are not wrapped
         con = Console(width=140)
+    if resize is not None:
+        settings, line = resize(settings)
+        con.print(line, soft_wrap=True)
     preload()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     runs = list(settings.runs)
