@@ -7,7 +7,7 @@ the factor is the dtype's rounding unit times the headroom that reordered sums o
 need on every kernel path (AVX-512, AVX2, torch's portable ``default`` kernels, MKL held to AVX2):
 
 * fp32: 1e-5 (84 units of 2**-23): the worst case measured over the exactness tests on those paths was
-  below 3e-6 (docs/benchmarks.md, "Kernel paths"), so a real error — a NaN, a gradient on the wrong
+  6.0e-7 (docs/benchmarks.md, "Kernel paths": 17 times inside), so a real error — a NaN, a gradient on the wrong
   expert row, a replica gradient dropped — is far outside it and a different CPU is not.
 * fp64 1e-12, fp16 2e-3, bf16 1.6e-2: the same units (about 84, 2, 2 ulp of the largest value).
 
