@@ -1,7 +1,8 @@
 """The demo sized to the machine: a short probe of the expert GEMM, then tokens per rank and steps.
 
-``make demo`` must finish in about two minutes on a 2-core machine of any speed, with expert compute the
-bulk of a step (the regime the README describes, where balancing pays). A machine several times slower at
+``make demo`` must finish in about two minutes on a 2-core machine of any speed, in the regime the README
+describes: a step's time grows with its tokens (expert compute the largest part), so that balancing the
+experts pays as it does at the default size. A machine several times slower at
 GEMMs would otherwise take several times longer (issue 31: 4 min 17 s on an AVX2 EPYC).
 
 Step 1 (:func:`probe_gflops`): time the demo's expert GEMM (``[tokens, H] @ [H, 2I]``, fp32) on one
@@ -11,8 +12,8 @@ Step 2 (:func:`choose_size`, a pure function of that figure): predict a step of 
         efficiency the demo's layer reaches) plus the rest of the step (attention, embeddings, loss, Adam,
         collectives: a share of the expert compute plus a fixed part), and the whole demo as start-up plus
         every run's steps. Then take the largest tokens per rank (a multiple of the sequence length, at most
-        the default) whose demo fits the budget; below the smallest size that keeps expert compute >= 75 %
-        of a step, keep that size and take fewer steps instead.
+        the default) whose demo fits the budget; below the smallest size whose step is still >= 75 % work
+        that grows with the tokens (fixed per-step costs <= 25 %), keep that size and take fewer steps.
 
 The constants are fitted to runs of the demo (docs/benchmarks.md, "Demo sizing"); the prediction is printed
 next to the choice, and ``--tokens`` / ``--steps`` override it.
@@ -27,20 +28,21 @@ from dataclasses import dataclass
 
 #: seconds the whole demo may take after set-up (the README's promise)
 BUDGET_S = 120.0
-#: the smallest share of a step that expert compute must keep
-MIN_EXPERT_SHARE = 0.75
+#: the smallest share of a step that must grow with the tokens (expert compute and the rest that scales):
+#: below it the fixed per-step costs change the regime (balancing saves expert time, not fixed time)
+MIN_SCALING_SHARE = 0.75
 #: the fewest steps a run may take (10 warm-up steps, then at least 6 timed ones)
 MIN_STEPS = 16
 #: busiest rank's load over the mean under ``none`` (the demo's skew: 1.83-1.85 measured at 2 ranks)
 IMBALANCE = 1.85
-#: fraction of the probe's GFLOP/s the demo's expert forward + backward reaches, and the rest of a step that
-#: grows with the tokens as a fraction of the expert compute. Together (1 + OTHER_RATIO) / EFFICIENCY = 1.44:
-#: fitted to issue 31's machine, whose GEMM ran at 34 GFLOP/s on one thread and whose unbalanced step took
-#: 3.07 s at 1024 tokens per rank (71.5 GFLOP of busiest-rank expert work); this project's machine
-#: (0.92 s, docs/benchmarks.md) then implies a probe of about 118 GFLOP/s. The split between the two is
-#: an estimate (the demo's own timers put the busiest rank's expert compute at 59 % of none's step here).
-EFFICIENCY = 0.87
-OTHER_RATIO = 0.25
+#: the speed of the demo's expert forward + backward as a multiple of the probe's GFLOP/s, and the rest of a
+#: step that grows with the tokens (attention, embeddings, loss) as a fraction of the expert compute.
+#: (1 + OTHER_RATIO) / EFFICIENCY = 1.44 is fitted to issue 31's machine, whose GEMM ran at 34 GFLOP/s on one
+#: thread and whose unbalanced step took 3.07 s at 1024 tokens per rank (71.5 GFLOP of busiest-rank expert
+#: work); OTHER_RATIO to the demo's own timers, which put the busiest rank's expert compute at 58-59 % of
+#: none's step on this project's machine at 1024 and at 512 tokens (docs/benchmarks.md, "Demo sizing").
+EFFICIENCY = 1.125
+OTHER_RATIO = 0.62
 #: the rest of a step that does not grow with the tokens (Python, collectives' latency, Adam): an estimate
 FIXED_STEP_S = 0.05
 #: start-up: imports and preload (3 s measured), then per run the ranks' fork, model build and first step
@@ -84,6 +86,7 @@ class DemoSize:
     steps: int  #: steps per run
     step_s: float  #: predicted step time of the unbalanced run
     expert_share: float  #: predicted share of that step spent in expert compute (busiest rank)
+    scaling_share: float  #: predicted share of that step that grows with the tokens
     total_s: float  #: predicted seconds of the whole demo (start-up and every run)
 
 
@@ -97,7 +100,8 @@ def predict(gflops: float, tokens: int, steps: int, *, runs: int, hidden: int, e
     expert_s = flops / (gflops * 1e9 * EFFICIENCY)
     step_s = expert_s * (1.0 + OTHER_RATIO) + FIXED_STEP_S
     total = STARTUP_S + runs * (RUN_START_S + steps * step_s)
-    return DemoSize(tokens=tokens, steps=steps, step_s=step_s, expert_share=expert_s / step_s, total_s=total)
+    return DemoSize(tokens=tokens, steps=steps, step_s=step_s, expert_share=expert_s / step_s,
+                    scaling_share=1.0 - FIXED_STEP_S / step_s, total_s=total)
 
 
 def choose_size(gflops: float, *, runs: int, seq: int, max_tokens: int, default_steps: int, hidden: int,
@@ -107,14 +111,14 @@ def choose_size(gflops: float, *, runs: int, seq: int, max_tokens: int, default_
     least :data:`MIN_STEPS`) for a machine whose expert GEMM runs at ``gflops`` on one thread (Step 2).
 
     The largest tokens whose demo fits ``budget_s`` at ``default_steps``; where none fits, the smallest tokens
-    that keep expert compute >= :data:`MIN_EXPERT_SHARE` of a step, with the steps that fit (never below
+    whose step is still >= :data:`MIN_SCALING_SHARE` work that grows with the tokens, with the steps that fit (never below
     ``min_steps``: a machine too slow for even that gets the smallest demo, and the prediction says so).
     ``min_steps = default_steps`` holds the steps (``--steps`` given) and sizes the tokens only."""
     if seq <= 0 or max_tokens < seq or default_steps < 1:
         raise ValueError(f"need seq > 0, max_tokens >= seq and steps >= 1, got {seq}, {max_tokens}, {default_steps}")
     kw = dict(runs=runs, hidden=hidden, expert_hidden=expert_hidden, layers=layers, top_k=top_k, train=train)
     sizes = [predict(gflops, t, default_steps, **kw) for t in range(max_tokens, seq - 1, -seq)]
-    kept = [s for s in sizes if s.expert_share >= MIN_EXPERT_SHARE] or sizes[:1]
+    kept = [s for s in sizes if s.scaling_share >= MIN_SCALING_SHARE] or sizes[:1]
     for s in kept:  # largest first
         if s.total_s <= budget_s:
             return s
@@ -129,8 +133,9 @@ def size_line(gflops: float | None, size: DemoSize | None, tokens: int, steps: i
     if size is None:
         return f"size: {tokens} tokens/rank x {steps} steps per run, from --tokens and --steps (no probe)"
     return (f"size: machine probe {gflops:.1f} GFLOP/s (expert GEMM, 1 thread, {probe_s:.1f} s) -> {tokens} tokens/rank "
-            f"x {steps} steps per run (predicted: none's step {size.step_s:.2f} s, expert compute {100 * size.expert_share:.0f} % "
-            f"of it, whole demo ~{size.total_s:.0f} s; --tokens / --steps override)")
+            f"x {steps} steps per run (predicted: none's step {size.step_s:.2f} s, {100 * size.scaling_share:.0f} % of it growing "
+            f"with the tokens, expert compute {100 * size.expert_share:.0f} %; whole demo ~{size.total_s:.0f} s; "
+            f"--tokens / --steps override)")
 
 
 def resize(settings, *, tokens: int | None, steps: int | None):
