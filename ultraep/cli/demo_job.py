@@ -56,8 +56,9 @@ class DemoSettings:
 
     @property
     def shape(self) -> dict:
-        """Model and batch size: big enough that expert compute dominates a step (1024 tokens per rank, top-2,
-        H 512, I 1024: ~80 % of a step is expert compute), small enough for two runs in 3 minutes on 2 cores."""
+        """Model and batch size: 1024 tokens per rank by default (top-2, H 512, I 1024: the busiest rank's expert
+        compute is 58-59 % of an unbalanced step by the demo's own timers on this project's machine, the largest
+        part); ``tokens`` (sized to the machine by :mod:`ultraep.cli.demo_size`, or ``--tokens``) sets the batch."""
         if self.quick:
             sh = dict(num_experts=8, hidden=256, expert_hidden=512, layers=2, vocab=256, batch=2, seq=128)
         else:
