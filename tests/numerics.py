@@ -57,10 +57,12 @@ def worst(errors: Iterable[float]) -> float:
 
 def assert_within(errors: float | Mapping[str, float] | Iterable[float], dtype: torch.dtype = torch.float32,
                   what: str = "") -> None:
-    """Every figure of :func:`rel_error` is within ``tolerance(dtype)``; a NaN or inf fails."""
+    """Every figure of :func:`rel_error` is within ``tolerance(dtype)``; a NaN or inf fails, and so does an empty
+    collection (nothing compared is not a pass)."""
     tol = tolerance(dtype)
-    items = errors.items() if isinstance(errors, Mapping) else enumerate(
-        [errors] if isinstance(errors, (int, float)) else list(errors))
+    items = list(errors.items() if isinstance(errors, Mapping) else enumerate(
+        [errors] if isinstance(errors, (int, float)) else list(errors)))
+    assert items, f"{what + ': ' if what else ''}nothing was compared"
     bad = {k: v for k, v in items if not v <= tol}  # `not <=`: NaN fails
     assert not bad, f"{what + ': ' if what else ''}relative error above {tol:g} ({dtype}): {bad}"
 

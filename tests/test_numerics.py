@@ -81,6 +81,8 @@ def test_shapes_zero_and_dtypes():
     assert tolerance(torch.float32) == REL_TOL  # the tests and the demo's verdict judge alike
     with pytest.raises(ValueError, match="int64"):
         tolerance(torch.int64)
+    with pytest.raises(AssertionError, match="nothing was compared"):
+        assert_within({})
 
 
 # ------------------------------------------------------------------------------------- real gradients
