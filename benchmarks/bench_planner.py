@@ -26,10 +26,13 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+import benchmarks.common  # noqa: E402
 from benchmarks.common import row, time_calls, write_rows  # noqa: E402
 from ultraep import plan_layer  # noqa: E402
 from ultraep.topology import Topology  # noqa: E402
 from ultraep.sim.workload import synthetic_load  # noqa: E402
+
+benchmarks.common.THREADS = 1  # the rows' threads: the planners run on one core (NUMBA_NUM_THREADS=1)
 
 # DeepSeek-V3-like expert: 3 matrices of 7168 x 2048 in bf16.
 EXPERT_BYTES = 3 * 7168 * 2048 * 2

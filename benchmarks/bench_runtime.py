@@ -42,8 +42,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import benchmarks.common  # noqa: E402
 from benchmarks.common import carryover_orders, ratio_interval, row, write_rows  # noqa: E402
 from ultraep.launch import launch  # noqa: E402
+
+benchmarks.common.THREADS = 1  # the rows' threads: each rank runs one thread
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,12 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+import benchmarks.common  # noqa: E402
 from benchmarks.common import row, write_rows  # noqa: E402
 from ultraep.sim import build_cost_model, sim_params, simulate  # noqa: E402
 from ultraep.traces.synthetic import SyntheticSpec, synthetic_trace  # noqa: E402
+
+benchmarks.common.THREADS = 1  # the rows' threads: the planners run on one core (NUMBA_NUM_THREADS=1)
 
 R, E, SLOTS, TOPK, TOKENS = 64, 128, 2, 8, 8192
 WHAT = "simulate/qwen3-235b-ep64-gb200"

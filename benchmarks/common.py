@@ -1,9 +1,16 @@
 """Shared helpers for benchmark scripts: timing and long-form result rows.
 
 Every benchmark prints a table and writes long-form rows with the columns
-``what, provider, metric, unit, x, p50, p20, p80, machine, timestamp, version`` to
-``benchmarks/results/<bench>.csv`` (appending), which DuckDB reads directly:
+``what, provider, metric, unit, x, p50, p20, p80, machine, timestamp, version, cpu, isa, cores, threads, run``
+to ``benchmarks/results/<bench>.csv`` (appending; ignored by git), which DuckDB reads directly:
 ``SELECT * FROM read_csv_auto('benchmarks/results/*.csv')``.
+
+Numbers say where they came from: ``cpu`` is the CPU model, ``isa`` the vector ISA torch's kernels run
+(``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2, DEFAULT, ...), ``cores`` the cores this process
+may use, ``threads`` the threads the measured code ran on (:data:`THREADS`, set by a benchmark whose ranks
+run one thread each), ``run`` one id per invocation. The rows behind a figure the README quotes are
+committed: ``python benchmarks/common.py commit <bench>`` copies the latest run's rows to
+``benchmarks/results_committed/<bench>.csv``.
 """
 
 from __future__ import annotations
@@ -17,12 +24,40 @@ from pathlib import Path
 
 import numpy as np
 
-COLUMNS = ["what", "provider", "metric", "unit", "x", "p50", "p20", "p80", "machine", "timestamp", "version"]
+COLUMNS = ["what", "provider", "metric", "unit", "x", "p50", "p20", "p80", "machine", "timestamp", "version",
+           "cpu", "isa", "cores", "threads", "run"]
 RESULTS = Path(__file__).resolve().parent / "results"
+COMMITTED = Path(__file__).resolve().parent / "results_committed"
+#: one id per benchmark invocation: the rows a `commit` copies
+RUN = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
+#: threads the measured code runs on; None: this process's torch threads (a benchmark whose ranks run one
+#: thread each sets 1)
+THREADS: int | None = None
 
 
 def machine() -> str:
     return f"{platform.machine()}-{os.cpu_count()}cpu-{platform.python_version()}"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.lower().startswith(("model name", "cpu model", "hardware")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def where() -> dict:
+    """The machine columns of a row: CPU model, torch's vector ISA, usable cores, threads of the measurement."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu_model(), "isa": torch.backends.cpu.get_cpu_capability(), "cores": cores,
+            "threads": THREADS if THREADS is not None else torch.get_num_threads(), "run": RUN}
 
 
 def time_calls(fn, repeat: int, warmup: int = 3) -> np.ndarray:
@@ -81,13 +116,18 @@ def row(what, provider, metric, unit, x, values) -> dict:
         "what": what, "provider": provider, "metric": metric, "unit": unit, "x": x,
         "p50": float(np.percentile(v, 50)), "p20": float(np.percentile(v, 20)), "p80": float(np.percentile(v, 80)),
         "machine": machine(), "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "version": __version__,
+        "version": __version__, **where(),
     }
 
 
 def write_rows(bench: str, rows: list[dict]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{bench}.csv"
+    if path.exists():  # a file of older columns is kept beside, never appended to with other columns
+        with path.open() as fh:
+            header = fh.readline().strip().split(",")
+        if header != COLUMNS:
+            path.rename(path.with_name(f"{bench}.columns-{len(header)}.csv"))
     new = not path.exists()
     with path.open("a", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=COLUMNS)
@@ -95,3 +135,30 @@ def write_rows(bench: str, rows: list[dict]) -> Path:
             w.writeheader()
         w.writerows(rows)
     return path
+
+
+def commit(bench: str) -> Path:
+    """Copy the latest run's rows of ``results/<bench>.csv`` to ``results_committed/<bench>.csv`` (replacing it):
+    the rows behind the figures the README and docs/benchmarks.md quote, committed with them."""
+    src = RESULTS / f"{bench}.csv"
+    if not src.exists():
+        raise SystemExit(f"commit: no results for {bench!r} ({src}); run benchmarks/{bench}.py first")
+    with src.open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    latest = rows[-1]["run"] if rows else None
+    keep = [r for r in rows if r["run"] == latest]
+    COMMITTED.mkdir(parents=True, exist_ok=True)
+    out = COMMITTED / f"{bench}.csv"
+    with out.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(keep)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "commit":
+        raise SystemExit("usage: python benchmarks/common.py commit <bench>   (e.g. bench_planner)")
+    print(f"{commit(sys.argv[2])}: the latest run's rows, to commit with the figures they back")

@@ -24,20 +24,3 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0):
     from nccl_harness import run_ranks_nccl
 
     return run_ranks_nccl(fn, world_size, *args, timeout=timeout, scope="communicator")
-
-
-def master_grad_error(rt, ref, rank: int, relative: bool = False) -> float:
-    """Largest |master gradient − the reference expert's gradient summed over ranks| of a wrapped model ``rt``
-    (its runtime) against the unwrapped copy ``ref``: what a balanced layer must reproduce; with ``relative``,
-    divided by the reference's largest |gradient| of that parameter. Collective."""
-    import torch.distributed as dist
-
-    worst = 0.0
-    for layer in rt.layers:
-        M = layer.topology.num_masters
-        for n in layer.adapter.param_names:
-            g = getattr(ref.get_submodule(layer.name), n).grad.clone()
-            dist.all_reduce(g)
-            err = float((getattr(layer, n).grad - g[rank * M:(rank + 1) * M]).abs().max())
-            worst = max(worst, err / max(float(g.abs().max()), 1e-12) if relative else err)
-    return worst

@@ -13,6 +13,9 @@ from torch import nn
 
 from ultraep.models.adapters import UnsupportedModelError, adapter_for, register_experts
 
+# exactness against the CPU's kernels: CI runs these again under other kernel paths (.ci/run)
+pytestmark = pytest.mark.numerics
+
 
 def _mixtral_experts(E=8, H=16, I=8):
     import transformers as tf
@@ -202,10 +205,9 @@ def _shared_norm(rank, world, budget, drop_replica_grad):
     (sum(outs) * cot).sum().backward()
     (sum(refs) * cot).sum().backward()
 
-    def rel(a, b):
-        return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-12)
+    from numerics import rel_error as rel, worst
 
-    diffs = {"out": max(rel(o.detach(), r.detach()) for o, r in zip(outs, refs)), "x.grad": rel(xs.grad, xr.grad)}
+    diffs = {"out": worst(rel(o, r) for o, r in zip(outs, refs)), "x.grad": rel(xs.grad, xr.grad)}
     M = layer.topology.num_masters
     for n in layer.adapter.param_names:  # each master's gradient: the unwrapped one summed over ranks
         full = getattr(ref, n).grad.clone()
@@ -229,18 +231,21 @@ def test_trainable_post_expert_norm_balances_exactly_sum_over_ranks(budget):
     from dist_utils import run_ranks
 
     pytest.importorskip("transformers.models.muse_spark.modeling_muse_spark")
-    results = run_ranks(_shared_norm, 2, budget, False, timeout=60)
+    results = run_ranks(_shared_norm, 2, budget, False, timeout=180)
+    from numerics import assert_within, tolerance
+
     for diffs, kept, replicas, restorations in results:
-        assert max(diffs.values()) < 1e-5, diffs
+        assert_within(diffs)
         assert all(r > 0 for r in replicas), replicas
         if budget == 0:
             assert kept == [0.0, 0.0] and restorations >= 1, (kept, restorations)
         else:
             assert kept[0] == 1.0, kept  # the first call keeps its graph (the second shares buffers)
     if budget is None:
-        bad = run_ranks(_shared_norm, 2, budget, True, timeout=60)
-        assert max(d["post_expert_norm.weight"] for d, *_ in bad) > 1e-3, bad
-        assert max(max(v for k, v in d.items() if k != "post_expert_norm.weight") for d, *_ in bad) < 1e-5
+        bad = run_ranks(_shared_norm, 2, budget, True, timeout=180)
+        assert all(d["post_expert_norm.weight"] > 100 * tolerance() for d, *_ in bad), bad
+        for d, *_ in bad:
+            assert_within({k: v for k, v in d.items() if k != "post_expert_norm.weight"})
 
 
 def test_registered_container_with_extra_trainable_parameter_is_refused():
@@ -275,8 +280,10 @@ def _sentinel(rank, world):
     out, want = model.experts(xs, idx, ws), ref(xr, idx, wr)
     out.pow(2).sum().backward()
     want.pow(2).sum().backward()
-    return (float((out - want).abs().max()), float((xs.grad - xr.grad).abs().max()),
-            float((ws.grad - wr.grad).abs().max()), float(ws.grad[5].abs().max()))
+    from numerics import rel_error
+
+    return ({"out": rel_error(out, want), "x.grad": rel_error(xs.grad, xr.grad), "w.grad": rel_error(ws.grad, wr.grad)},
+            float(ws.grad[5].abs().max()))
 
 
 def test_sentinel_ids_are_dropped_exactly():
@@ -284,5 +291,8 @@ def test_sentinel_ids_are_dropped_exactly():
     routing-weight gradients equal the unwrapped container's, and a dropped slot's weight gets no gradient."""
     from dist_utils import run_ranks
 
-    for out, gx, gw, dropped_gw in run_ranks(_sentinel, 2, timeout=60):
-        assert out < 1e-5 and gx < 1e-5 and gw < 1e-5 and dropped_gw == 0.0
+    from numerics import assert_within
+
+    for diffs, dropped_gw in run_ranks(_sentinel, 2, timeout=180):
+        assert_within(diffs)  # relative to each reference's largest magnitude (was 1e-5 absolute: CPU-dependent)
+        assert dropped_gw == 0.0

@@ -109,7 +109,7 @@ def test_grad_reduce_kernel_matches_reference_with_an_expert_without_replicas(de
 # ---------------------------------------------------------------------------------------------- runtime
 def _layer_and_model(rank, world, device):
     """The balanced layer on a bare experts container, and a wrapped tiny model, against the unwrapped ones."""
-    from dist_utils import master_grad_error
+    from numerics import master_grad_errors, worst
 
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     cfg = {"policy": "quota", "num_redundant_slots": 2 if world > 1 else 0}  # one rank: no other rank to replicate on
@@ -137,13 +137,13 @@ def _layer_and_model(rank, world, device):
         rt.next_step()
         errs.append(float((out - want).abs().max()))
     timings = rt.layers[0].last_timings
-    return max(errs), master_grad_error(rt, ref, rank), all(isinstance(v, float) for v in timings.values()), \
+    return max(errs), worst(master_grad_errors(rt, ref, rank).values()), all(isinstance(v, float) for v in timings.values()), \
         timings.get("backward_s", -1.0)
 
 
 def _check_runtime(results):
     for logits, grad, floats, backward_s in results:
-        assert logits < 1e-4 and grad < 1e-4, (logits, grad)
+        assert logits < 1e-4 and grad < 1e-4, (logits, grad)  # (grad: relative to the reference's magnitude; NaN fails)
         assert floats and backward_s >= 0.0  # every phase read back as seconds
 
 

@@ -15,7 +15,11 @@ import torch
 import transformers  # noqa: F401 - imported before fork so ranks start fast
 
 from dist_utils import run_ranks
+from numerics import assert_within, master_grad_errors, param_grad_errors, rel_error
 from ultraep.models import FAMILIES, build_model, preload
+
+# exactness against the CPU's kernels: CI runs these again under other kernel paths (.ci/run)
+pytestmark = pytest.mark.numerics
 
 preload()
 
@@ -33,8 +37,6 @@ def _batch(rank: int, step: int = 0):
 
 
 def _equivalence(rank, world, family, config, steps):
-    import torch.distributed as dist
-
     import ultraep
 
     model = build_model(family, num_experts=8 if world <= 2 else 8)
@@ -50,22 +52,12 @@ def _equivalence(rank, world, family, config, steps):
         (out.float().pow(2).mean()).backward()
         (ref_out.float().pow(2).mean()).backward()
         rt.next_step()
-    logits_diff = float((out - ref_out).detach().abs().max())
-    grad_diff = 0.0
-    for layer in rt.layers:
-        refmod = ref.get_submodule(layer.name)
-        M = layer.topology.num_masters
-        for n in layer.adapter.param_names:
-            g = getattr(refmod, n).grad.clone()
-            dist.all_reduce(g)
-            grad_diff = max(grad_diff, float((getattr(layer, n).grad - g[rank * M:(rank + 1) * M]).abs().max()))
-            scale = float(g.abs().max())
-    # non-expert parameters: same local gradient as the reference (no data-parallel reduction here)
-    ref_params = dict(ref.named_parameters())
-    other = max(float((p.grad - ref_params[n].grad).abs().max()) for n, p in model.named_parameters()
-                if p.grad is not None and ".experts." not in n)
+    # every figure relative to the reference's largest magnitude (tests/numerics.py); non-expert parameters: the
+    # same local gradient as the reference (no data-parallel reduction here)
+    grads = master_grad_errors(rt, ref, rank)
+    other = param_grad_errors(model, ref, skip=lambda n: ".experts." in n)
     return {
-        "logits": logits_diff, "grad": grad_diff, "scale": scale, "other": other,
+        "logits": rel_error(out, ref_out), "grad": grads, "other": other,
         "replicas": [layer.last_plan.num_replicas for layer in rt.layers],
         "imbalance": [(layer.last_plan.imbalance_before, layer.last_plan.imbalance_after) for layer in rt.layers],
         "restorations": rt.buffers.restorations,
@@ -78,9 +70,7 @@ def test_wrapped_equals_unwrapped_two_ranks(family, policy):
     steps = 2 if policy == "eplb" else 1
     results = run_ranks(_equivalence, 2, family, CONFIGS[policy], steps)
     for r in results:
-        assert r["logits"] < 1e-5, r
-        assert r["grad"] < 1e-5 * max(1.0, r["scale"]), r
-        assert r["other"] < 1e-5, r
+        assert_within({"logits": r["logits"], **r["grad"], **r["other"]}, what=f"{family}/{policy}")
     if policy != "none":
         assert max(max(r["replicas"]) for r in results) > 0, f"{policy} made no replicas: {results[0]}"
         if policy == "quota":  # the exact-load planner never makes the busiest rank busier
@@ -100,7 +90,7 @@ def test_wrapped_equals_unwrapped_four_ranks(policy, memory):
            **({"replica_transport": "tiles"} if memory == "kept-tiles" else {})}
     results = run_ranks(_equivalence, 4, "qwen3-moe", cfg, steps)
     for r in results:
-        assert r["logits"] < 1e-5 and r["grad"] < 1e-5 * max(1.0, r["scale"]), r
+        assert_within({"logits": r["logits"], **r["grad"]}, what=f"{policy}/{memory}")
     assert max(max(r["replicas"]) for r in results) > 0
     if memory != "restore":  # replicas live from forward to backward: nothing restored
         assert all(r["restorations"] == 0 for r in results)
@@ -144,7 +134,10 @@ def test_training_loop_losses_match(policy):
     cfg = CONFIGS[policy] if policy in CONFIGS else {**CONFIGS["quota"], **variants[policy]}
     wrapped = run_ranks(_training, 2, "qwen3-moe", cfg, 4)
     plain = run_ranks(_training, 2, "qwen3-moe", None, 4)
-    np.testing.assert_allclose(wrapped, plain, rtol=1e-4, atol=1e-5)
+    # step 0 is exact (fp32 summation order); each Adam step after it amplifies last-bit differences, which
+    # 1e-4 of the loss covers over 3 steps. equal_nan=False: two NaN losses are not a match.
+    np.testing.assert_allclose(np.array(wrapped)[:, 0], np.array(plain)[:, 0], rtol=1e-5, atol=0, equal_nan=False)
+    np.testing.assert_allclose(wrapped, plain, rtol=1e-4, atol=0, equal_nan=False)
 
 
 class TinyExperts(torch.nn.Module):
@@ -206,15 +199,14 @@ def _custom(rank, world):
     g = ref[0].experts.w_in.grad.clone()
     dist.all_reduce(g)
     M = rt.layers[0].topology.num_masters
-    return (float((out - ref_out).detach().abs().max()),
-            float((model[0].experts.w_in.grad - g[rank * M:(rank + 1) * M]).abs().max()),
+    return (rel_error(out, ref_out), rel_error(model[0].experts.w_in.grad, g[rank * M:(rank + 1) * M]),
             [layer.last_plan.num_replicas for layer in rt.layers], str(rt.report))
 
 
 def test_custom_pytorch_block():
     res = run_ranks(_custom, 2)
     for logits, grad, replicas, report in res:
-        assert logits < 1e-5 and grad < 1e-4
+        assert_within({"logits": logits, "w_in.grad": grad})
         assert max(replicas) > 0
         assert "custom:TinyExperts" in report and "layer 1" in report
 

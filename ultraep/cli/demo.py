@@ -18,7 +18,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Run a real MoE model twice on local gloo ranks — no balancing, then the "
                        "chosen policy — record both runs, and print what balancing changed and what it cost.")
     p.add_argument("--ranks", type=int, default=default_ranks(), help="local ranks, one thread each (default: cores)")
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default 30; 16 with --quick)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default: sized to the machine, at most 30; "
+                   "16 with --quick)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank per step, a multiple of the sequence "
+                   "length (default: sized to the machine by a 1 s probe, at most 1024; 256 with --quick)")
     p.add_argument("--mode", default="train", help="train (forward, backward, optimizer) or prefill (forward)")
     p.add_argument("--policy", default="adaptive", help="policy of the balanced run (default adaptive)")
     p.add_argument("--model", default="qwen3-moe", help="qwen3-moe | mixtral | deepseek-v3 | gpt-oss")
@@ -34,14 +37,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ultraep.cli.demo_job import DemoSettings, run_demo
+    from ultraep.cli.demo_size import resize
     from ultraep.errors import ConfigError
     from ultraep.policies import BASELINE, available_policies
 
     if args.policy not in available_policies() or args.policy == BASELINE:  # the baseline runs anyway
         raise ConfigError("--policy", f"unknown or trivial policy {args.policy!r}; choose from "
                           + ", ".join(p for p in available_policies() if p != BASELINE), args.policy)
-    steps = args.steps if args.steps is not None else (16 if args.quick else 30)
     compare = tuple(p.strip() for p in args.compare.split(",") if p.strip()) if args.compare else ()
-    return run_demo(DemoSettings(model=args.model, policy=args.policy, mode=args.mode, ranks=args.ranks, steps=steps,
-                                 compare=compare,
-                                 out=args.out, quick=args.quick, seed=args.seed, slots=args.slots))
+    settings = DemoSettings(model=args.model, policy=args.policy, mode=args.mode, ranks=args.ranks, compare=compare,
+                            out=args.out, quick=args.quick, seed=args.seed, slots=args.slots, tokens=args.tokens,
+                            steps=args.steps if args.steps is not None else 30)
+    # tokens and steps the flags leave open are sized to the machine, once the flags are checked
+    return run_demo(settings, resize=lambda s: resize(s, tokens=args.tokens, steps=args.steps))
