@@ -116,12 +116,16 @@ class EPRuntime:
             layer.epoch.invalidate()
 
     # ------------------------------------------------------------------ step bookkeeping
-    def next_step(self, loss: float | None = None, step_time_s: float | None = None) -> None:
-        """Close the current training step (call once per optimizer step); records the step if recording."""
+    def next_step(self, loss: float | None = None, step_time_s: float | None = None,
+                  warmup: bool | None = None) -> None:
+        """Close the current training step (call once per optimizer step); records the step if recording.
+
+        ``warmup``: whether summaries should leave this step out (compiles, first allocations, first plans);
+        default: step 0 only. A caller that times its own warm-up (the demo) marks every step it leaves out."""
         self.flush_records()
         if self.recorder is not None:
             self.safe(self.recorder.record_step, self.step, loss=loss, step_time_s=step_time_s,
-                       warmup=self.step == 0)
+                       warmup=self.step == 0 if warmup is None else bool(warmup))
         self.step += 1
         self.microbatch = -1
 
