@@ -165,8 +165,9 @@ def fmt_s(v: float | None) -> str:
     return f"{v * 1e6:.3g} µs"
 
 
-def headline(a: Answer) -> str:
-    """The one sentence every surface leads with."""
+def headline(a: Answer, name=None) -> str:
+    """The one sentence every surface leads with (``name``: how to show a run id, e.g. a short label)."""
+    name = name or (lambda rid: rid)
     p50 = fmt_s(a.steps.p50_s)
     n = f"over {a.steps.timed_steps} timed step{'s' if a.steps.timed_steps != 1 else ''}"
     if a.basis == "untimed":
@@ -177,7 +178,7 @@ def headline(a: Answer) -> str:
         s = a.speedup
         verdict = "faster" if s >= 1 else "slower"
         return (f"step time p50 {p50} {n} against {fmt_s(a.baseline_p50_s)} without balancing "
-                f"(run {a.baseline_id}): measured speed-up {s:.2f}x ({verdict}).")
+                f"(run {name(a.baseline_id)}): measured speed-up {s:.2f}x ({verdict}).")
     if a.basis == "estimate":
         return (f"step time p50 {p50} {n}. No baseline run: an ESTIMATE ({a.estimate_source}) of the same "
                 f"steps without balancing is {fmt_s(a.estimated_none_s)}, an estimated speed-up of "
