@@ -254,13 +254,9 @@ def fmt_seconds(v) -> str:
 
 
 def fmt_bytes(v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "—"
-    v = float(v)
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(v) >= scale:
-            return f"{v / scale:.2f} {unit}"
-    return f"{int(v)} B"
+    from ultraep.telemetry.units import fmt_bytes as fmt
+
+    return fmt(v, digits=2)
 
 
 def fmt_int(v) -> str:

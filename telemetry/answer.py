@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from ultraep.telemetry import queries as Q
+from ultraep.telemetry.units import fmt_s
 
 #: the key of ``Recorder.open(extra=...)`` naming the run's baseline (a run id of the same directory)
 BASELINE_KEY = "baseline"
@@ -151,18 +152,6 @@ def answer(con, run_id: str, *, baseline: StepTimes | None = None, baseline_con=
     if delta is not None:
         return Answer(run_id, policy, st, "estimate", estimated_none_s=st.p50_s + delta, estimate_source=source)
     return Answer(run_id, policy, st, "unknown")
-
-
-def fmt_s(v: float | None) -> str:
-    """Seconds in the unit a person reads (``1.23 s``, ``45.6 ms``, ``789 µs``); ``—`` when unknown."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "—"
-    a = abs(v)
-    if a >= 1:
-        return f"{v:.2f} s"
-    if a >= 1e-3:
-        return f"{v * 1e3:.3g} ms" if a < 0.1 else f"{v * 1e3:.0f} ms"
-    return f"{v * 1e6:.3g} µs"
 
 
 def headline(a: Answer, name=None) -> str:

@@ -24,7 +24,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ultraep.telemetry.answer import Answer, fmt_s, headline
+from ultraep.telemetry.answer import Answer, headline
+from ultraep.telemetry.units import fmt_bytes as f_bytes
+from ultraep.telemetry.units import fmt_s
 
 WIDTH = 120
 #: a prediction error above this (median |measured / predicted - 1|) gets a sentence
@@ -76,16 +78,6 @@ def f_ratio(v, digits: int = 2) -> str:
 
 def f_pct(v) -> str:
     return "—" if _bad(v) else f"{100 * float(v):.0f} %"
-
-
-def f_bytes(v) -> str:
-    if _bad(v):
-        return "—"
-    v = float(v)
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(v) >= scale:
-            return f"{v / scale:.1f} {unit}"
-    return f"{int(v)} B"
 
 
 def f_int(v) -> str:
