@@ -1,8 +1,10 @@
 """Plotly figures for the dashboard: one function per chart, DataFrames in, figures out (no Streamlit).
 
-Conventions: before balancing is always :data:`BEFORE` (red), after is :data:`AFTER` (green); each policy
-has one colour everywhere (:func:`policy_color`); every axis names its quantity in the words of
-docs/design.md (Vocabulary) and its unit (tokens, MiB, ms, ratio).
+Conventions: before balancing is always :data:`BEFORE` (red), after is :data:`AFTER` (green); each policy,
+and each policy chosen by the adaptive engine ("quota via adaptive"), has its own colour, the same on every
+page (:func:`policy_color`); every axis names its quantity in the words of docs/design.md (Vocabulary) and
+its unit as a word (tokens, MiB, ms, ratio). Legends sit right of the plot, never on the title; runs are
+labelled by what tells them apart (:func:`run_labels`), with the full id on hover.
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ POLICY_COLORS = {
     "hybridep": "#9467bd",
     "adaptive": "#8c564b",
 }
+#: a candidate the adaptive engine chose ("quota via adaptive"): the light partner of its policy's colour
+VIA_COLORS = {
+    "none": "#c7c7c7",
+    "quota": "#aec7e8",
+    "eplb": "#ffbb78",
+    "feplb": "#9edae5",
+    "hybridep": "#c5b0d5",
+    "adaptive": "#c49c94",
+}
 _EXTRA = ["#e377c2", "#bcbd22", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd"]
 IMBALANCE_AXIS = "imbalance (max / mean rank load, 1 = perfect)"
 MIB = float(1 << 20)
@@ -30,12 +41,22 @@ HEAT = "YlOrRd"
 
 def policy_color(name) -> str:
     """The colour of a policy: fixed for the built-in ones, a stable pick for any other name. A candidate
-    an adaptive layer chose (``"quota via adaptive"``) takes the candidate's colour."""
-    name = str(name).split(" via ", 1)[0]
-    if name in POLICY_COLORS:
-        return POLICY_COLORS[name]
+    an adaptive layer chose (``"quota via adaptive"``) has a colour of its own, the light partner of the
+    candidate's, so "quota" and "quota via adaptive" never share one."""
+    name = str(name)
+    base, via, _ = name.partition(" via ")
+    table = VIA_COLORS if via else POLICY_COLORS
+    if base in table:
+        return table[base]
     h = int(hashlib.blake2b(name.encode(), digest_size=2).hexdigest(), 16)
     return _EXTRA[h % len(_EXTRA)]
+
+
+def run_labels(run_ids) -> dict[str, str]:
+    """``{run id: short label}``: the ids without the prefix they all share (``demo-...-quota`` -> ``quota``)."""
+    from ultraep.telemetry.units import short_labels
+
+    return short_labels(sorted({str(r) for r in run_ids}))[0]
 
 
 def _go():
@@ -45,11 +66,16 @@ def _go():
 
 
 def _layout(fig, *, x: str, y: str, title: str | None = None, height: int = 340, legend: bool = True):
+    """Common layout: the title top left in its own margin, the legend right of the plot (Plotly widens the
+    right margin for it), so legend and title never overlap however many entries the legend has."""
     fig.update_layout(
-        title=title, height=height, margin=dict(l=60, r=20, t=40 if title else 16, b=50),
+        title=dict(text=title, x=0, xanchor="left", y=0.98, yanchor="top", yref="container") if title else None,
+        height=height, margin=dict(l=60, r=20, t=44 if title else 16, b=50),
         xaxis_title=x, yaxis_title=y, showlegend=legend, template="plotly_white",
-        legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
+        legend=dict(orientation="v", yanchor="top", y=1, xanchor="left", x=1.02),
     )
+    fig.update_xaxes(automargin=True)
+    fig.update_yaxes(automargin=True)
     return fig
 
 
@@ -147,7 +173,7 @@ def rank_load_stacked(df, which: str, *, ymax: float | None = None, top: int = 1
         fig.update_yaxes(range=[0, ymax * 1.05])
     fig.update_xaxes(tickmode="array", tickvals=ranks)
     word = "before" if which == "before" else "after"
-    return _layout(fig, x="rank", y="tokens received ({token})", title=f"rank load {word} balancing")
+    return _layout(fig, x="rank", y="tokens received", title=f"rank load {word} balancing")
 
 
 def _expert_palette(n: int) -> list[str]:
@@ -180,7 +206,7 @@ def expert_lines(df, experts: list[int]):
         sub = df[df["expert"] == e]
         fig.add_scatter(x=sub["step"], y=sub["load_tokens"], mode="lines", name=f"expert {e}",
                         line=dict(color=palette[i]))
-    return _layout(fig, x="step (bin start)", y="load per step ({token})", title="hottest experts over time")
+    return _layout(fig, x="step (bin start)", y="tokens per step", title="hottest experts over time")
 
 
 def turnover(df):
@@ -252,10 +278,31 @@ def relative_error(df, title: str = "prediction error"):
     go = _go()
     fig = go.Figure()
     for pol, sub in df.groupby("policy", sort=True):
-        fig.add_scatter(x=sub["step"], y=100 * sub["rel_error"], mode="lines", name=str(pol),
-                        line=dict(color=policy_color(pol)))
+        fig.add_scatter(x=sub["step"], y=100 * sub["rel_error"], mode="lines+markers", name=str(pol),
+                        line=dict(color=policy_color(pol)), marker=dict(size=4))
     fig.add_hline(y=0, line_dash="dot", line_color="#999")
+    lo, hi, off = readable_range(100 * df["rel_error"]) if len(df) else (None, None, 0)
+    if lo is not None:
+        fig.update_yaxes(range=[lo, hi])
+    if off:
+        title = f"{title} ({off} point{'s' if off != 1 else ''} off the axis)"
     return _layout(fig, x="step (bin start)", y="measured / predicted − 1 (%)", title=title, height=280)
+
+
+def readable_range(values, q: float = 0.9) -> tuple[float | None, float | None, int]:
+    """A y range in which the steady state is readable: the central ``q`` of the values plus a margin (always
+    including 0), and how many values fall outside it. ``(None, None, 0)`` when every value fits anyway."""
+    import numpy as np
+
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if v.size < 4:
+        return None, None, 0
+    a, b = np.quantile(v, [(1 - q) / 2, (1 + q) / 2])
+    pad = max(5.0, 0.25 * (b - a))
+    lo, hi = min(0.0, a) - pad, max(0.0, b) + pad
+    off = int(((v < lo) | (v > hi)).sum())
+    return (lo, hi, off) if off else (None, None, 0)
 
 
 def switches(df):
@@ -309,20 +356,29 @@ def senders(df):
 
 # --------------------------------------------------------------------------- compare
 def compare_bars(df, value: str, axis: str, *, scale: float = 1.0, title: str | None = None):
+    """Bars of ``value`` per (run, policy): runs on the x axis by short label (full id on hover)."""
     go = _go()
     fig = go.Figure()
+    labels = run_labels(df["run_id"])
     for pol, sub in df.groupby("policy", sort=True):
-        fig.add_bar(x=sub["run_id"], y=scale * sub[value], name=str(pol), marker_color=policy_color(pol))
+        fig.add_bar(x=[labels[r] for r in sub["run_id"]], y=scale * sub[value], name=str(pol),
+                    marker_color=policy_color(pol), customdata=sub["run_id"],
+                    hovertemplate=f"%{{customdata}} · {pol}: %{{y:.3g}}<extra></extra>")
     fig.update_layout(barmode="group")
+    fig.update_xaxes(tickangle=0)
     return _layout(fig, x="run", y=axis, title=title)
 
 
 def compare_lines(df):
     go = _go()
     fig = go.Figure()
+    labels = run_labels(df["run_id"])
+    dashes = {r: ("solid", "dash", "dot", "dashdot")[i % 4] for i, r in enumerate(sorted(labels))}
     for (run, pol), sub in df.groupby(["run_id", "policy"], sort=True):
-        fig.add_scatter(x=sub["step"], y=sub["imbalance_after"], mode="lines", name=f"{run} · {pol}",
-                        line=dict(color=policy_color(pol)))
+        name = f"{labels[run]} · {pol}" if labels[run] != pol else pol
+        fig.add_scatter(x=sub["step"], y=sub["imbalance_after"], mode="lines", name=name,
+                        line=dict(color=policy_color(pol), dash=dashes[run]), hovertemplate=f"{run} · {pol}: step %{{x}}, "
+                        "imbalance %{y:.3f}<extra></extra>")
     fig.add_hline(y=1.0, line_dash="dot", line_color="#999")
     return _layout(fig, x="step (bin start)", y="imbalance after (max / mean)",
                    title="imbalance after balancing over time")

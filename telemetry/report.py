@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from ultraep.telemetry.answer import Answer, headline
 from ultraep.telemetry.units import fmt_bytes as f_bytes
-from ultraep.telemetry.units import fmt_s
+from ultraep.telemetry.units import fmt_s, short_labels
 
 WIDTH = 120
 #: a prediction error above this (median |measured / predicted - 1|) gets a sentence
@@ -54,20 +54,6 @@ class Section:
 
 
 # --------------------------------------------------------------------------- formatting
-def short_labels(run_ids: list[str]) -> tuple[dict[str, str], str | None]:
-    """Labels without the prefix every run id shares (cut at a ``-``), and that prefix (``None`` if none)."""
-    if len(run_ids) < 2:
-        return {r: r for r in run_ids}, None
-    prefix = run_ids[0]
-    for r in run_ids[1:]:
-        while not r.startswith(prefix):
-            prefix = prefix[:-1]
-    cut = prefix.rfind("-") + 1
-    if cut <= 0 or any(len(r) <= cut for r in run_ids):
-        return {r: r for r in run_ids}, None
-    return {r: r[cut:] for r in run_ids}, run_ids[0][:cut]
-
-
 def _bad(v) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 

@@ -1,5 +1,5 @@
-"""Figures in the units a person reads (``ultraep report``, the demo, the dashboard): seconds as s / ms / µs,
-bytes as B / KiB / MiB / GiB; ``—`` for an unknown value."""
+"""Figures and labels as a person reads them (``ultraep report``, the demo, the dashboard): seconds as s / ms /
+µs, bytes as B / KiB / MiB / GiB, ``—`` for an unknown value; run ids shortened to what tells them apart."""
 
 from __future__ import annotations
 
@@ -32,3 +32,17 @@ def fmt_bytes(v, digits: int = 1) -> str:
         if abs(v) >= scale:
             return f"{v / scale:.{digits}f} {unit}"
     return f"{int(v)} B"
+
+
+def short_labels(run_ids: list[str]) -> tuple[dict[str, str], str | None]:
+    """Labels without the prefix every run id shares (cut at a ``-``), and that prefix (``None`` if none)."""
+    if len(run_ids) < 2:
+        return {r: r for r in run_ids}, None
+    prefix = run_ids[0]
+    for r in run_ids[1:]:
+        while not r.startswith(prefix):
+            prefix = prefix[:-1]
+    cut = prefix.rfind("-") + 1
+    if cut <= 0 or any(len(r) <= cut for r in run_ids):
+        return {r: r for r in run_ids}, None
+    return {r: r[cut:] for r in run_ids}, run_ids[0][:cut]
