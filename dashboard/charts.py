@@ -79,6 +79,11 @@ def _layout(fig, *, x: str, y: str, title: str | None = None, height: int = 340,
     return fig
 
 
+def _colorbar(title: str, **kw) -> dict:
+    """A colour bar whose title runs along its right side, where no tick label can sit on it."""
+    return dict(title=dict(text=title, side="right"), **kw)
+
+
 def _nice_step(span: float, ticks: int = 10) -> int:
     raw = max(1.0, span / ticks)
     mag = 10 ** int(math.floor(math.log10(raw)))
@@ -139,7 +144,7 @@ def imbalance_heatmap(df, which: str, *, zmax: float | None = None):
     wide = df.pivot(index="layer", columns="step", values=f"imbalance_{which}")
     fig = go.Figure(go.Heatmap(
         z=wide.to_numpy(), x=wide.columns.to_numpy(), y=wide.index.to_numpy(), colorscale=HEAT,
-        zmin=1.0, zmax=zmax, colorbar=dict(title="imbalance"),
+        zmin=1.0, zmax=zmax, colorbar=_colorbar("imbalance"),
         hovertemplate="layer %{y}, step %{x}: imbalance %{z:.3f}<extra></extra>",
     ))
     fig.update_yaxes(autorange="reversed")
@@ -189,7 +194,7 @@ def expert_heatmap(df, value: str, *, colorbar: str, title: str, colorscale: str
     wide = df.pivot(index="expert", columns="step", values=value)
     fig = go.Figure(go.Heatmap(
         z=wide.to_numpy(), x=wide.columns.to_numpy(), y=wide.index.to_numpy(), colorscale=colorscale,
-        colorbar=dict(title=colorbar),
+        colorbar=_colorbar(colorbar),
         hovertemplate="expert %{y}, step %{x}: %{z:.1f}<extra></extra>",
     ))
     fig.update_yaxes(autorange="reversed")
@@ -216,8 +221,8 @@ def turnover(df):
                                hovertemplate="step %{x}: %{y:.2f} of the hot set changed; hottest expert "
                                              "%{customdata}<extra></extra>"))
     fig.update_yaxes(range=[-0.05, 1.05])
-    return _layout(fig, x="step (bin start)", y="hot-set turnover (share of top experts new)",
-                   title="drift of the hot experts", legend=False, height=260)
+    return _layout(fig, x="step (bin start)", y="share of hot set new",
+                   title="drift of the hot experts (turnover of the top experts)", legend=False, height=300)
 
 
 # --------------------------------------------------------------------------- policies
@@ -237,7 +242,7 @@ def decision_timeline(df):
     fig = go.Figure(go.Heatmap(
         z=z.to_numpy(dtype=float), x=z.columns.to_numpy(), y=z.index.to_numpy(), text=text.to_numpy(),
         colorscale=scale or [(0, "#ccc"), (1, "#ccc")], zmin=-0.5, zmax=n - 0.5, xgap=1, ygap=1,
-        colorbar=dict(title="policy", tickvals=list(range(n)), ticktext=policies),
+        colorbar=_colorbar("policy", tickvals=list(range(n)), ticktext=policies),
         hovertemplate="layer %{y}, step %{x}: %{text}<extra></extra>",
     ))
     fig.update_yaxes(autorange="reversed")
