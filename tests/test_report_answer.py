@@ -103,3 +103,33 @@ def test_baseline_flag_mistakes_are_one_line(runs, tmp_path, capsys):
     assert main(["report", str(runs / "solo-quota"), "--baseline", str(tmp_path / "other")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot be the baseline of solo-quota: its model is 'another-model'" in err
+
+
+def test_the_readmes_query_agrees_with_the_report(runs, capsys):
+    """README: `... FROM layer_balance WHERE NOT warmup GROUP BY layer` gives the report's per-layer means."""
+    con = open_run(runs)
+    readme = dict((r[0], r[1:]) for r in con.execute(
+        "SELECT layer, avg(imbalance_before), avg(imbalance_after) FROM layer_balance WHERE NOT warmup "
+        "AND run_id = 'demo-1-quota' GROUP BY layer ORDER BY layer").fetchall())
+    assert main(["report", str(runs), "--run-id", "demo-1-quota", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    for row in rep["layer_summary"]:
+        assert readme[row["layer"]] == pytest.approx((row["mean_before"], row["mean_after"]))
+    # the warm-up step is marked, not dropped: the view keeps every step
+    n = con.execute("SELECT count(*) FILTER (WHERE warmup), count(*) FROM layer_balance WHERE run_id = "
+                    "'demo-1-quota'").fetchone()
+    assert n == (2, 10)
+
+
+def test_run_summary_has_one_row_per_run(tmp_path):
+    for rank in range(2):  # two ranks of one run: `runs` has a row for each, run_summary one
+        with Recorder.open(tmp_path, "two", model="toy", world_size=2, rank=rank, flush_interval_s=None,
+                           extra={"baseline": "base"}, config=ultraep.BalancerConfig(policy="quota")) as rec:
+            rec.record_step(0, step_time_s=0.1, warmup=True)
+            rec.record_step(1, step_time_s=0.1 + rank)
+    con = open_run(tmp_path)
+    assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 2
+    assert con.execute("SELECT run_id, ranks_recording, policy, baseline, steps, warmup_steps, status "
+                       "FROM run_summary").fetchall() == [("two", 2, "quota", "base", 2, 1, "closed")]
+    st = answer.step_times(con)["two"]
+    assert st.p50_s == pytest.approx(1.1)  # the slowest rank's time of the step
