@@ -219,7 +219,8 @@ def speedup_text(a) -> str:
     """The speed-up as a metric value: measured, or marked as an estimate."""
     if a.speedup is None:
         return "baseline" if a.basis == "baseline" else "—"
-    return f"{a.speedup:.2f}x" + (" (estimate)" if a.basis == "estimate" else "")
+    return (f"{a.speedup:.2f}x" + (" (estimate)" if a.basis == "estimate" else "")
+            + (" (simulated)" if a.simulated else ""))
 
 
 def no_runs(ctx: Context) -> None:

@@ -61,6 +61,8 @@ class Answer:
     baseline_p50_s: float | None = None
     estimated_none_s: float | None = None
     estimate_source: str | None = None  # "cost model" | "load-scaled measurement"
+    #: a simulation's run (``kind="simulation"``): its step times are the cost model's, not measured
+    simulated: bool = False
 
     @property
     def speedup(self) -> float | None:
@@ -140,23 +142,33 @@ def answer(con, run_id: str, *, baseline: StepTimes | None = None, baseline_con=
     facts = run_facts(con, run_id)
     st = step_times(con, run_id).get(run_id) or StepTimes(run_id, 0, 0, None, None, None, None)
     policy = facts["policy"]
+    sim = facts["kind"] == "simulation"
     if st.p50_s is None:
-        return Answer(run_id, policy, st, "untimed")
+        return Answer(run_id, policy, st, "untimed", simulated=sim)
     if policy == BASELINE_POLICY:
-        return Answer(run_id, policy, st, "baseline")
+        return Answer(run_id, policy, st, "baseline", simulated=sim)
     if baseline is None and facts["baseline"]:
         baseline = step_times(baseline_con or con, facts["baseline"]).get(facts["baseline"])
     if baseline is not None and baseline.p50_s:
-        return Answer(run_id, policy, st, "measured", baseline_id=baseline.run_id, baseline_p50_s=baseline.p50_s)
+        return Answer(run_id, policy, st, "measured", baseline_id=baseline.run_id, baseline_p50_s=baseline.p50_s,
+                      simulated=sim)
     delta, source = none_estimate(con, run_id)
     if delta is not None:
-        return Answer(run_id, policy, st, "estimate", estimated_none_s=st.p50_s + delta, estimate_source=source)
-    return Answer(run_id, policy, st, "unknown")
+        return Answer(run_id, policy, st, "estimate", estimated_none_s=st.p50_s + delta, estimate_source=source,
+                      simulated=sim)
+    return Answer(run_id, policy, st, "unknown", simulated=sim)
 
 
 def headline(a: Answer, name=None) -> str:
     """The one sentence every surface leads with (``name``: how to show a run id, e.g. a short label)."""
     name = name or (lambda rid: rid)
+    if a.simulated:  # the same figures, from the cost model over a replayed trace: never called measured
+        return ("SIMULATED (cost model, not measured): " + _sentence(a, name).replace("measured speed-up",
+                                                                                      "simulated speed-up"))
+    return _sentence(a, name)
+
+
+def _sentence(a: Answer, name) -> str:
     p50 = fmt_s(a.steps.p50_s)
     n = f"over {a.steps.timed_steps} timed step{'s' if a.steps.timed_steps != 1 else ''}"
     if a.basis == "untimed":

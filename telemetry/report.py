@@ -94,6 +94,7 @@ def _did_it_pay(d: ReportData) -> list:
         st = a.steps
         if a.basis == "measured":
             vs = f"{a.speedup:.2f}x vs {d.label(a.baseline_id) if a.baseline_id in d.labels else a.baseline_id}"
+            vs += " (simulated)" if a.simulated else ""
         elif a.basis == "estimate":
             vs = f"~{a.speedup:.2f}x (estimate)"
         elif a.basis == "baseline":
@@ -106,7 +107,12 @@ def _did_it_pay(d: ReportData) -> list:
         lines.append(f"{d.label(rid)}: {headline(a, d.label)}")
     if not rows:
         return ["no run recorded a step"]
-    return [table(["run", "policy", "timed steps", "step time p50", "p20 – p80", "speed-up",
+    sims = any(a.simulated for a in d.answers.values())
+    note = ("Measured step time: per step the slowest rank's, median over the steps not marked warm-up; speed-up "
+            "= the baseline run's (same stream, no balancing) / this run's." + (
+                " A simulation's step times are the cost model's predictions for the replayed layers, not "
+                "measurements." if sims else ""))
+    return [note, table(["run", "policy", "timed steps", "step time p50", "p20 – p80", "speed-up",
                    "warm-up steps (one-time)"], rows, text=2), *lines]
 
 
@@ -207,7 +213,7 @@ def _runs(d: ReportData) -> list:
 
 
 SECTIONS: list[Section] = [
-    Section("Did balancing pay? (measured)", _did_it_pay),
+    Section("Did balancing pay?", _did_it_pay),
     Section("Balance (plan quality, warm-up excluded)", _balance),
     Section("Overhead", _overhead),
     Section("Prediction quality (warm-up excluded)", _prediction),

@@ -68,6 +68,7 @@ def test_report_leads_with_the_answer_and_fits_120_columns(runs, capsys):
     first_section = next(i for i, x in enumerate(lines) if x.startswith("Did balancing pay?"))
     assert first_section <= 2
     assert re.search(r"quota\s+│ quota\s+│\s+4 │\s+100 ms │.*2\.00x vs demo-1-none", out), out[:2000]
+    assert "Measured step time: per step the slowest rank's" in out and "simulation" not in out
     assert "~1.60x (estimate)" in out
     # headers break between words only: every header word appears whole somewhere in its table
     for word in ("step", "time", "p50", "imbalance", "straggler", "transfers", "recording", "errors", "warm-up"):
