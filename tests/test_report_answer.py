@@ -134,3 +134,27 @@ def test_run_summary_has_one_row_per_run(tmp_path):
                        "FROM run_summary").fetchall() == [("two", 2, "quota", "base", 2, 1, "closed")]
     st = answer.step_times(con)["two"]
     assert st.p50_s == pytest.approx(1.1)  # the slowest rank's time of the step
+
+
+def test_dashboard_overview_and_compare_lead_with_the_same_answer(runs):
+    """Overview: the first figures are the measured step time and speed-up; Compare: each run's p50 and speed-up;
+    both equal `ultraep report`'s (the same telemetry.answer)."""
+    pytest.importorskip("streamlit")
+    from test_dashboard import app, select_run
+
+    at = select_run(app(runs), "demo-1-quota")
+    assert not at.exception, [e.value for e in at.exception]
+    labels = [m.label for m in at.metric]
+    assert labels[:3] == ["step time p50 (measured)", "speed-up over none", "warm-up (one-time)"]
+    m = {x.label: x.value for x in at.metric}
+    assert (m["step time p50 (measured)"], m["speed-up over none"], m["warm-up (one-time)"]) == (
+        "100 ms", "2.00x", "5.00 s")
+    assert labels.index("plan quality: % of ideal") > 2
+    at = select_run(app(runs), "solo-quota")
+    assert {x.label: x.value for x in at.metric}["speed-up over none (estimate)"] == "1.60x (estimate)"
+    at = select_run(app(runs, "compare"), "demo-1-quota")
+    assert not at.exception, [e.value for e in at.exception]
+    table = next(df.value for df in at.dataframe if "step time p50 (ms, measured)" in df.value.columns)
+    rows = {r["policy"]: r for r in table.to_dict("records")}
+    assert rows["quota"]["step time p50 (ms, measured)"] == pytest.approx(100.0)
+    assert rows["quota"]["speed-up"] == "2.00x" and rows["none"]["speed-up"] == "baseline"
