@@ -113,14 +113,23 @@ def empty(message: str):
 
 
 # --------------------------------------------------------------------------- overview / layers
-def imbalance_over_steps(df, *, title: str | None = None):
+def shade_warmup(fig, warmup: list[int] | None, bin: int = 1) -> None:
+    """Grey band over the warm-up steps (left out of every summary; kept in charts over steps)."""
+    if warmup:
+        fig.add_vrect(x0=min(warmup) - 0.5 * bin, x1=max(warmup) + 0.5 * bin, fillcolor="#bbbbbb", opacity=0.25,
+                      line_width=0, layer="below")
+
+
+def imbalance_over_steps(df, *, title: str | None = None, warmup: list[int] | None = None, bin: int = 1):
     go = _go()
     fig = go.Figure()
+    shade_warmup(fig, warmup, bin)
     fig.add_scatter(x=df["step"], y=df["imbalance_before"], mode="lines", name="before balancing",
                     line=dict(color=BEFORE))
     fig.add_scatter(x=df["step"], y=df["imbalance_after"], mode="lines", name="after balancing",
                     line=dict(color=AFTER))
-    fig.add_hline(y=1.0, line_dash="dot", line_color="#999", annotation_text="force-balanced ideal")
+    fig.add_hline(y=1.0, line_dash="dot", line_color="#999", annotation_text="force-balanced ideal",
+                  annotation_position="bottom right")  # below the line: imbalance never goes under 1
     int_axis(fig, "x", df["step"])
     return _layout(fig, x="step (bin start)", y=IMBALANCE_AXIS, title=title)
 

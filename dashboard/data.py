@@ -123,6 +123,18 @@ def policy_shares(mirror: RunMirror):
     return mirror_query(mirror, sql.POLICY_SHARES, sql.SHOWN_FACTS)
 
 
+def warmup_steps(mirror: RunMirror) -> list[int]:
+    """The steps any rank marked warm-up (``steps.warmup``), in order."""
+    import pyarrow.compute as pc
+
+    mirror.refresh(("steps",))
+    t = mirror.facts(sc.T_STEPS)
+    if t.num_rows == 0:
+        return []
+    warm = t.filter(pc.fill_null(t.column("warmup"), False))
+    return sorted({int(s) for s in warm.column(sc.C_STEP).to_pylist()})
+
+
 def imbalance_over_steps(mirror: RunMirror, bins: Bins):
     return mirror_query(mirror, sql.IMBALANCE_OVER_STEPS, ("layer_facts",), first=bins.first_step, bin=bins.bin)
 

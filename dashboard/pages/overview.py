@@ -91,8 +91,12 @@ def body(ctx: ui.Context) -> None:
     bins, _ = data.layer_bins(m)
     left, right = st.columns([3, 2])
     with left:
-        ui.plot(charts.imbalance_over_steps(data.imbalance_over_steps(m, bins),
+        warm = data.warmup_steps(m)
+        ui.plot(charts.imbalance_over_steps(data.imbalance_over_steps(m, bins), warmup=warm, bin=bins.bin,
                                             title="imbalance over steps (mean over layers)"), "overview_imbalance")
+        if warm:
+            st.caption(f"grey: the warm-up step{'s' if len(warm) != 1 else ''} ({warm[0]}"
+                       f"{'–' + str(warm[-1]) if len(warm) > 1 else ''}), left out of every figure above")
     with right:
         st.markdown("**policy shares** (of layer-microbatches)")
         ui.plot(charts.policy_shares(data.policy_shares(m)), "overview_shares")
