@@ -27,7 +27,8 @@ from ultraep.telemetry.units import fmt_s
 
 #: the key of ``Recorder.open(extra=...)`` naming the run's baseline (a run id of the same directory)
 BASELINE_KEY = "baseline"
-#: runs whose configured policy is this are baselines themselves
+#: runs whose configured policy is this are baselines themselves (``ultraep.policies.BASELINE``, spelled here
+#: because the dashboard reads this module and must not import the policies; a test checks the two agree)
 BASELINE_POLICY = "none"
 
 

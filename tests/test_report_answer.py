@@ -158,3 +158,9 @@ def test_dashboard_overview_and_compare_lead_with_the_same_answer(runs):
     rows = {r["policy"]: r for r in table.to_dict("records")}
     assert rows["quota"]["step time p50 (ms, measured)"] == pytest.approx(100.0)
     assert rows["quota"]["speed-up"] == "2.00x" and rows["none"]["speed-up"] == "baseline"
+
+
+def test_the_answer_names_the_registrys_baseline():
+    from ultraep.policies import BASELINE
+
+    assert answer.BASELINE_POLICY == BASELINE

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ultraep.errors import ConfigError
+from ultraep.policies.registry import BASELINE
 from ultraep.sim.replay import TERM_FIELDS, SimulationResult
 
 
@@ -34,7 +35,7 @@ def record(result: SimulationResult, runs_dir, *, run_name: str | None = None, t
     summary = {s["policy"]: s for s in result.summary()}
 
     def baseline(pol: str) -> dict:  # the replay of none on the same trace: what `ultraep report` compares with
-        return {"baseline": f"{base}-none"} if "none" in reported and pol != "none" else {}
+        return {"baseline": f"{base}-{BASELINE}"} if BASELINE in reported and pol != BASELINE else {}
 
     ids = []
     for pol in result.settings.get("reported", result.policies):
