@@ -202,16 +202,21 @@ def cached_headline(info: RunInfo, selected=None) -> dict:
 
 
 def cached_answer(info: RunInfo, runs: list[RunInfo]):
-    """:func:`data.measured_answer` of a run, recomputed only when it or its baseline got a new part."""
+    """:func:`data.measured_answer` of a run, recomputed only when it or the baseline it was measured against got
+    a new part, or the set of runs on show changed (a baseline may have appeared)."""
     by_id = {i.run_id: i.path for i in runs}
-    sig = (run_signature(info.path), tuple(run_signature(p) for p in by_id.values()))
     cache = headline_cache()
     key = ("answer", info.path)
+
+    def sig(base_id):
+        base = by_id.get(base_id)
+        return (run_signature(info.path), tuple(sorted(by_id)), run_signature(base) if base is not None else None)
+
     hit = cache.get(key)
-    if hit is not None and hit[0] == sig:
+    if hit is not None and hit[0] == sig(hit[1].baseline_id):
         return hit[1]
     a = data.measured_answer(info.path, info.run_id, by_id)
-    cache[key] = (sig, a)
+    cache[key] = (sig(a.baseline_id), a)
     return a
 
 
