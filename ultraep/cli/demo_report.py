@@ -28,9 +28,10 @@ _PHASES = [  # (label, timing keys summed): exposed overheads of balancing, per 
 
 @dataclass(frozen=True)
 class DemoTiming:
-    """The launch's one-time costs: ``wall_s`` the whole launch, ``setup_s`` its part before the first
-    step (process start, imports, model builds, planner compile; shared by every run, charged to none),
-    ``warmup`` the steps left out of every timed figure."""
+    """The launch's one-time costs: ``wall_s`` the whole launch (process start and imports included),
+    ``setup_s`` the slowest rank's time from entering the rank function to the first step (model builds,
+    ``ultraep.wrap``'s planner compile; shared by every run, charged to none), ``warmup`` the steps left out of
+    every timed figure."""
 
     wall_s: float
     setup_s: float
@@ -177,8 +178,9 @@ def summary(con, settings, results: dict, timing: DemoTiming) -> str:
         stem = ids[0].rsplit("-", 1)[0]
         con.print(f"recorded as {stem}-<run> in {settings.out}/ ({', '.join(i.rsplit('-', 1)[1] for i in ids)})",
                   soft_wrap=True)
-    con.print(f"one-time costs, charged to no run: {timing.setup_s:.1f} s before the first step (process start, "
-              f"imports, model builds, planner compile) of {timing.wall_s:.1f} s for the whole launch; each run's "
-              f"first {timing.warmup} steps (first plans, allocations) are the warm-up column.", soft_wrap=True)
+    con.print(f"one-time costs, charged to no run: {timing.setup_s:.1f} s building every run's model and compiling "
+              f"the planners before the first step, of {timing.wall_s:.1f} s for the whole launch (process start, "
+              f"imports and every run's steps included); each run's first {timing.warmup} steps (first plans, "
+              "allocations) are its warm-up column.", soft_wrap=True)
     con.print(_layer_table(settings, results, timing.warmup, train))
     return "\n".join(verdict(r) for r in rows if r.policy != BASELINE)
