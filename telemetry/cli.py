@@ -22,9 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "sql",
         help="run a SQL query over a recorded run",
-        description="Run one SQL statement over a recorded run. Tables: runs, runs_log, steps, layer_loads, "
-        "plans, transfers, transfer_times, decisions, timings, spans, metric_points; views: layer_balance, "
-        "transfer_detail (see telemetry/schema.sql).",
+        description="Run one SQL statement over a recorded run. Tables: runs_log, steps, layer_loads, plans, "
+        "transfers, transfer_times, decisions, timings, spans, metric_points; views: run_summary (one row per run), "
+        "runs (one row per recording rank: filter on rank or join on run_summary), layer_balance and "
+        "transfer_detail (with a warmup column: WHERE NOT warmup gives ultraep report's figures), warmup_steps "
+        "(see telemetry/schema.sql).",
     )
     p.add_argument("run", type=Path, help="run directory, directory of runs, or exported .duckdb file")
     p.add_argument("query", help='SQL, e.g. "SELECT layer, avg(imbalance_after) FROM layer_balance GROUP BY 1"')
