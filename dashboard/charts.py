@@ -143,7 +143,7 @@ def policy_shares(df):
         customdata=df["plans"], hovertemplate="%{y}: %{x:.1f}% (%{customdata} layer-microbatches)<extra></extra>",
     ))
     fig.update_yaxes(autorange="reversed")
-    return _layout(fig, x="share of layer-microbatches (%)", y="policy", height=60 + 40 * max(1, len(df)),
+    return _layout(fig, x="share (%)", y="policy", height=110 + 34 * max(1, len(df)),
                    legend=False)
 
 
@@ -370,17 +370,26 @@ def senders(df):
 
 # --------------------------------------------------------------------------- compare
 def compare_bars(df, value: str, axis: str, *, scale: float = 1.0, title: str | None = None):
-    """Bars of ``value`` per (run, policy): runs on the x axis by short label (full id on hover)."""
+    """Horizontal bars of ``value``, one per (run, policy), labelled "run · policy" by the runs' short labels
+    (the full id on hover) and coloured by policy: one label per row, so no legend, and no label can run into
+    another however narrow the page."""
     go = _go()
     fig = go.Figure()
     labels = run_labels(df["run_id"])
-    for pol, sub in df.groupby("policy", sort=True):
-        fig.add_bar(x=[labels[r] for r in sub["run_id"]], y=scale * sub[value], name=str(pol),
-                    marker_color=policy_color(pol), customdata=sub["run_id"],
-                    hovertemplate=f"%{{customdata}} · {pol}: %{{y:.3g}}<extra></extra>")
-    fig.update_layout(barmode="group")
-    fig.update_xaxes(tickangle=0)
-    return _layout(fig, x="run", y=axis, title=title)
+    order = df.sort_values(["run_id", "policy"])
+    full = [f"{labels[r]} · {p}" for r, p in zip(order["run_id"], order["policy"])]
+    names = [p if p == labels[r] or p.endswith(f" via {labels[r]}") else f"{labels[r]} · {p}"
+             for r, p in zip(order["run_id"], order["policy"].astype(str))]
+    if len(set(names)) < len(names):  # the short form would merge two runs' bars
+        names = full
+    for pol in sorted(order["policy"].astype(str).unique()):
+        sel = (order["policy"].astype(str) == pol).to_numpy()
+        fig.add_bar(y=[n for n, k in zip(names, sel) if k], x=scale * order[value].to_numpy()[sel], name=pol,
+                    orientation="h", marker_color=policy_color(pol), customdata=order["run_id"].to_numpy()[sel],
+                    hovertemplate=f"%{{customdata}} · {pol}: %{{x:.3g}}<extra></extra>")
+    fig.update_layout(barmode="relative")
+    fig.update_yaxes(categoryorder="array", categoryarray=names, autorange="reversed")
+    return _layout(fig, x=axis, y="", title=title, height=90 + 26 * max(1, len(names)), legend=False)
 
 
 def compare_lines(df):

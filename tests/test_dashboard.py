@@ -394,7 +394,7 @@ def test_compare_puts_policies_side_by_side_equal_sql(runs):
         for pol, r in expected.items():
             for col, (name, scale) in shown.items():
                 assert got.loc[pol, name] == pytest.approx(scale * r[col]), (run_id, pol, col)
-    bars = figures(at)["imbalance after balancing (plan quality)"]["data"]
+    bars = figures(at)["imbalance after (plan quality)"]["data"]
     from ultraep.dashboard.charts import policy_color
 
     assert all(t["marker"]["color"] == policy_color(t["name"]) for t in bars)

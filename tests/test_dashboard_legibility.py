@@ -29,7 +29,8 @@ from ultraep.telemetry import Recorder, answer, open_run  # noqa: E402
 
 TOPO = ultraep.Topology(num_ranks=4, num_experts=16, num_redundant_slots=2, expert_bytes=8 << 20)
 LAYERS, STEPS = 4, 24
-# every text label of every Plotly chart on the page, and the pairs whose boxes overlap by more than a pixel
+# every text label of every Plotly chart on the page: the pairs whose boxes overlap by more than a pixel, and the
+# labels that run past the chart's edge (cut off)
 OVERLAPS_JS = """
 () => {
   const out = [];
@@ -40,6 +41,11 @@ OVERLAPS_JS = """
       return t.textContent.trim() && s.display !== 'none' && s.visibility !== 'hidden' && +s.opacity !== 0;
     }).map(t => ({text: t.textContent.trim(), r: t.getBoundingClientRect()}))
       .filter(o => o.r.width > 0 && o.r.height > 0);
+    const box = plot.querySelector('.main-svg').getBoundingClientRect();
+    for (const o of items) {  // cut off by the chart's edge
+      if (o.r.left < box.left - 1 || o.r.right > box.right + 1 || o.r.top < box.top - 1 || o.r.bottom > box.bottom + 1)
+        out.push([title, o.text, '(cut off by the chart edge)']);
+    }
     for (let i = 0; i < items.length; i++) {
       for (let j = i + 1; j < items.length; j++) {
         const a = items[i].r, b = items[j].r;
@@ -139,9 +145,9 @@ def test_no_text_of_any_chart_overlaps_on_any_page(runs, browser, tmp_path):
     problems = {}
     try:
         wait_healthy(url, proc, timeout=120.0)
-        page = browser.new_page(viewport={"width": 1500, "height": 2400})
-        page.set_default_timeout(90_000)
-        for path in PAGES:
+        for width, path in [(1500, p) for p in PAGES] + [(1000, p) for p in PAGES]:  # a wide and a narrow window
+            page = browser.new_page(viewport={"width": width, "height": 2400})
+            page.set_default_timeout(90_000)
             page.goto(f"{url}/{path}?run=demo-t-adaptive")
             _settle(page)
             if path == "sql":
@@ -149,13 +155,13 @@ def test_no_text_of_any_chart_overlaps_on_any_page(runs, browser, tmp_path):
                 page.wait_for_selector('[data-testid="stDataFrame"]')
                 _settle(page)
             assert page.locator('[data-testid="stException"]').count() == 0, path
-            page.screenshot(path=str(shots / f"{path}.png"), full_page=True)
+            page.screenshot(path=str(shots / f"{path}-{width}.png"), full_page=True)
             found = page.evaluate(OVERLAPS_JS)
             if found:  # a busy machine may still be laying out (automargin redraws): judge the settled page
                 page.wait_for_timeout(3000)
                 found = page.evaluate(OVERLAPS_JS)
             if found:
-                problems[path] = found
+                problems[f"{path} at {width} px"] = found
             if path == "overview":
                 metrics = {m.locator('[data-testid="stMetricLabel"]').inner_text().strip():
                            m.locator('[data-testid="stMetricValue"]').inner_text().strip()
@@ -165,7 +171,7 @@ def test_no_text_of_any_chart_overlaps_on_any_page(runs, browser, tmp_path):
                 assert labels[:2] == ["step time p50 (measured)", "speed-up over none"], labels
                 a = answer.answer(open_run(runs), "demo-t-adaptive")
                 assert metrics["speed-up over none"] == f"{a.speedup:.2f}x"
-        page.close()
+            page.close()
     finally:
         proc.terminate()
         try:

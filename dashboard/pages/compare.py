@@ -63,19 +63,19 @@ def body(ctx: ui.Context) -> None:
     c = st.columns(2)
     with c[0]:
         ui.plot(charts.compare_bars(cmp, "mean_measured_s" if measured else "mean_time_s",
-                                    "ms per layer-microbatch", scale=1e3,
+                                    "ms per layer call", scale=1e3,
                                     title="layer time (measured)" if measured else "layer time (predicted: none measured)"),
                 "compare_time")
     with c[1]:
-        ui.plot(charts.compare_bars(cmp, "mean_imbalance_after", "imbalance after (max / mean)",
-                                    title="imbalance after balancing (plan quality)"), "compare_imbalance")
+        ui.plot(charts.compare_bars(cmp, "mean_imbalance_after", "max / mean rank load",
+                                    title="imbalance after (plan quality)"), "compare_imbalance")
     c = st.columns(2)
     with c[0]:
-        ui.plot(charts.compare_bars(cmp, "mean_transfer_bytes", "MiB per layer-microbatch",
+        ui.plot(charts.compare_bars(cmp, "mean_transfer_bytes", "MiB per layer call",
                                     scale=1.0 / charts.MIB, title="bytes moved"), "compare_bytes")
     with c[1]:
-        ui.plot(charts.compare_bars(cmp, "pct_of_ideal", "% of force-balanced ideal",
-                                    title="plan quality: share of the force-balanced ideal"), "compare_ideal")
+        ui.plot(charts.compare_bars(cmp, "pct_of_ideal", "% of ideal",
+                                    title="plan quality: % of ideal"), "compare_ideal")
     if len(over):
         ui.plot(charts.compare_lines(over), "compare_lines")
 
