@@ -369,19 +369,25 @@ def senders(df):
 
 
 # --------------------------------------------------------------------------- compare
+def run_policy_names(run_ids, policies) -> list[str]:
+    """A label per (run, policy) pair: ``"quota"`` for run ``…-quota``'s quota, ``"eplb via adaptive"`` for run
+    ``…-adaptive``'s, else ``"<run> · <policy>"`` (also whenever the short form would give two pairs one name)."""
+    labels = run_labels(run_ids)
+    pairs = [(str(r), str(p)) for r, p in zip(run_ids, policies)]
+    names = [p if p == labels[r] or p.endswith(f" via {labels[r]}") else f"{labels[r]} · {p}" for r, p in pairs]
+    if len(set(names)) < len(set(pairs)):
+        names = [f"{labels[r]} · {p}" for r, p in pairs]
+    return names
+
+
 def compare_bars(df, value: str, axis: str, *, scale: float = 1.0, title: str | None = None):
     """Horizontal bars of ``value``, one per (run, policy), labelled "run · policy" by the runs' short labels
     (the full id on hover) and coloured by policy: one label per row, so no legend, and no label can run into
     another however narrow the page."""
     go = _go()
     fig = go.Figure()
-    labels = run_labels(df["run_id"])
     order = df.sort_values(["run_id", "policy"])
-    full = [f"{labels[r]} · {p}" for r, p in zip(order["run_id"], order["policy"])]
-    names = [p if p == labels[r] or p.endswith(f" via {labels[r]}") else f"{labels[r]} · {p}"
-             for r, p in zip(order["run_id"], order["policy"].astype(str))]
-    if len(set(names)) < len(names):  # the short form would merge two runs' bars
-        names = full
+    names = run_policy_names(order["run_id"], order["policy"])
     for pol in sorted(order["policy"].astype(str).unique()):
         sel = (order["policy"].astype(str) == pol).to_numpy()
         fig.add_bar(y=[n for n, k in zip(names, sel) if k], x=scale * order[value].to_numpy()[sel], name=pol,
@@ -397,8 +403,10 @@ def compare_lines(df):
     fig = go.Figure()
     labels = run_labels(df["run_id"])
     dashes = {r: ("solid", "dash", "dot", "dashdot")[i % 4] for i, r in enumerate(sorted(labels))}
+    keys = list(df.groupby(["run_id", "policy"], sort=True).groups)
+    shown = dict(zip(keys, run_policy_names([k[0] for k in keys], [k[1] for k in keys])))
     for (run, pol), sub in df.groupby(["run_id", "policy"], sort=True):
-        name = f"{labels[run]} · {pol}" if labels[run] != pol else pol
+        name = shown[(run, pol)]
         fig.add_scatter(x=sub["step"], y=sub["imbalance_after"], mode="lines", name=name,
                         line=dict(color=policy_color(pol), dash=dashes[run]), hovertemplate=f"{run} · {pol}: step %{{x}}, "
                         "imbalance %{y:.3f}<extra></extra>")
