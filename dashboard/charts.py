@@ -1,8 +1,10 @@
 """Plotly figures for the dashboard: one function per chart, DataFrames in, figures out (no Streamlit).
 
-Conventions: before balancing is always :data:`BEFORE` (red), after is :data:`AFTER` (green); each policy
-has one colour everywhere (:func:`policy_color`); every axis names its quantity in the words of
-docs/design.md (Vocabulary) and its unit (tokens, MiB, ms, ratio).
+Conventions: before balancing is always :data:`BEFORE` (red), after is :data:`AFTER` (green); each policy,
+and each policy chosen by the adaptive engine ("quota via adaptive"), has its own colour, the same on every
+page (:func:`policy_color`); every axis names its quantity in the words of docs/design.md (Vocabulary) and
+its unit as a word (tokens, MiB, ms, ratio). Legends sit right of the plot, never on the title; runs are
+labelled by what tells them apart (:func:`run_labels`), with the full id on hover.
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ POLICY_COLORS = {
     "hybridep": "#9467bd",
     "adaptive": "#8c564b",
 }
+#: a candidate the adaptive engine chose ("quota via adaptive"): the light partner of its policy's colour
+VIA_COLORS = {
+    "none": "#c7c7c7",
+    "quota": "#aec7e8",
+    "eplb": "#ffbb78",
+    "feplb": "#9edae5",
+    "hybridep": "#c5b0d5",
+    "adaptive": "#c49c94",
+}
 _EXTRA = ["#e377c2", "#bcbd22", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd"]
 IMBALANCE_AXIS = "imbalance (max / mean rank load, 1 = perfect)"
 MIB = float(1 << 20)
@@ -30,12 +41,22 @@ HEAT = "YlOrRd"
 
 def policy_color(name) -> str:
     """The colour of a policy: fixed for the built-in ones, a stable pick for any other name. A candidate
-    an adaptive layer chose (``"quota via adaptive"``) takes the candidate's colour."""
-    name = str(name).split(" via ", 1)[0]
-    if name in POLICY_COLORS:
-        return POLICY_COLORS[name]
+    an adaptive layer chose (``"quota via adaptive"``) has a colour of its own, the light partner of the
+    candidate's, so "quota" and "quota via adaptive" never share one."""
+    name = str(name)
+    base, via, _ = name.partition(" via ")
+    table = VIA_COLORS if via else POLICY_COLORS
+    if base in table:
+        return table[base]
     h = int(hashlib.blake2b(name.encode(), digest_size=2).hexdigest(), 16)
     return _EXTRA[h % len(_EXTRA)]
+
+
+def run_labels(run_ids) -> dict[str, str]:
+    """``{run id: short label}``: the ids without the prefix they all share (``demo-...-quota`` -> ``quota``)."""
+    from ultraep.telemetry.units import short_labels
+
+    return short_labels(sorted({str(r) for r in run_ids}))[0]
 
 
 def _go():
@@ -45,12 +66,22 @@ def _go():
 
 
 def _layout(fig, *, x: str, y: str, title: str | None = None, height: int = 340, legend: bool = True):
+    """Common layout: the title top left in its own margin, the legend right of the plot (Plotly widens the
+    right margin for it), so legend and title never overlap however many entries the legend has."""
     fig.update_layout(
-        title=title, height=height, margin=dict(l=60, r=20, t=40 if title else 16, b=50),
+        title=dict(text=title, x=0, xanchor="left", y=0.98, yanchor="top", yref="container") if title else None,
+        height=height, margin=dict(l=60, r=20, t=44 if title else 16, b=50),
         xaxis_title=x, yaxis_title=y, showlegend=legend, template="plotly_white",
-        legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
+        legend=dict(orientation="v", yanchor="top", y=1, xanchor="left", x=1.02),
     )
+    fig.update_xaxes(automargin=True)
+    fig.update_yaxes(automargin=True)
     return fig
+
+
+def _colorbar(title: str, **kw) -> dict:
+    """A colour bar whose title runs along its right side, where no tick label can sit on it."""
+    return dict(title=dict(text=title, side="right"), **kw)
 
 
 def _nice_step(span: float, ticks: int = 10) -> int:
@@ -82,14 +113,23 @@ def empty(message: str):
 
 
 # --------------------------------------------------------------------------- overview / layers
-def imbalance_over_steps(df, *, title: str | None = None):
+def shade_warmup(fig, warmup: list[int] | None, bin: int = 1) -> None:
+    """Grey band over the warm-up steps (left out of every summary; kept in charts over steps)."""
+    if warmup:
+        fig.add_vrect(x0=min(warmup) - 0.5 * bin, x1=max(warmup) + 0.5 * bin, fillcolor="#bbbbbb", opacity=0.25,
+                      line_width=0, layer="below")
+
+
+def imbalance_over_steps(df, *, title: str | None = None, warmup: list[int] | None = None, bin: int = 1):
     go = _go()
     fig = go.Figure()
+    shade_warmup(fig, warmup, bin)
     fig.add_scatter(x=df["step"], y=df["imbalance_before"], mode="lines", name="before balancing",
                     line=dict(color=BEFORE))
     fig.add_scatter(x=df["step"], y=df["imbalance_after"], mode="lines", name="after balancing",
                     line=dict(color=AFTER))
-    fig.add_hline(y=1.0, line_dash="dot", line_color="#999", annotation_text="force-balanced ideal")
+    fig.add_hline(y=1.0, line_dash="dot", line_color="#999", annotation_text="force-balanced ideal",
+                  annotation_position="bottom right")  # below the line: imbalance never goes under 1
     int_axis(fig, "x", df["step"])
     return _layout(fig, x="step (bin start)", y=IMBALANCE_AXIS, title=title)
 
@@ -103,7 +143,7 @@ def policy_shares(df):
         customdata=df["plans"], hovertemplate="%{y}: %{x:.1f}% (%{customdata} layer-microbatches)<extra></extra>",
     ))
     fig.update_yaxes(autorange="reversed")
-    return _layout(fig, x="share of layer-microbatches (%)", y="policy", height=60 + 40 * max(1, len(df)),
+    return _layout(fig, x="share (%)", y="policy", height=110 + 34 * max(1, len(df)),
                    legend=False)
 
 
@@ -113,7 +153,7 @@ def imbalance_heatmap(df, which: str, *, zmax: float | None = None):
     wide = df.pivot(index="layer", columns="step", values=f"imbalance_{which}")
     fig = go.Figure(go.Heatmap(
         z=wide.to_numpy(), x=wide.columns.to_numpy(), y=wide.index.to_numpy(), colorscale=HEAT,
-        zmin=1.0, zmax=zmax, colorbar=dict(title="imbalance"),
+        zmin=1.0, zmax=zmax, colorbar=_colorbar("imbalance"),
         hovertemplate="layer %{y}, step %{x}: imbalance %{z:.3f}<extra></extra>",
     ))
     fig.update_yaxes(autorange="reversed")
@@ -147,7 +187,7 @@ def rank_load_stacked(df, which: str, *, ymax: float | None = None, top: int = 1
         fig.update_yaxes(range=[0, ymax * 1.05])
     fig.update_xaxes(tickmode="array", tickvals=ranks)
     word = "before" if which == "before" else "after"
-    return _layout(fig, x="rank", y="tokens received ({token})", title=f"rank load {word} balancing")
+    return _layout(fig, x="rank", y="tokens received", title=f"rank load {word} balancing")
 
 
 def _expert_palette(n: int) -> list[str]:
@@ -163,7 +203,7 @@ def expert_heatmap(df, value: str, *, colorbar: str, title: str, colorscale: str
     wide = df.pivot(index="expert", columns="step", values=value)
     fig = go.Figure(go.Heatmap(
         z=wide.to_numpy(), x=wide.columns.to_numpy(), y=wide.index.to_numpy(), colorscale=colorscale,
-        colorbar=dict(title=colorbar),
+        colorbar=_colorbar(colorbar),
         hovertemplate="expert %{y}, step %{x}: %{z:.1f}<extra></extra>",
     ))
     fig.update_yaxes(autorange="reversed")
@@ -180,7 +220,7 @@ def expert_lines(df, experts: list[int]):
         sub = df[df["expert"] == e]
         fig.add_scatter(x=sub["step"], y=sub["load_tokens"], mode="lines", name=f"expert {e}",
                         line=dict(color=palette[i]))
-    return _layout(fig, x="step (bin start)", y="load per step ({token})", title="hottest experts over time")
+    return _layout(fig, x="step (bin start)", y="tokens per step", title="hottest experts over time")
 
 
 def turnover(df):
@@ -190,8 +230,8 @@ def turnover(df):
                                hovertemplate="step %{x}: %{y:.2f} of the hot set changed; hottest expert "
                                              "%{customdata}<extra></extra>"))
     fig.update_yaxes(range=[-0.05, 1.05])
-    return _layout(fig, x="step (bin start)", y="hot-set turnover (share of top experts new)",
-                   title="drift of the hot experts", legend=False, height=260)
+    return _layout(fig, x="step (bin start)", y="share of hot set new",
+                   title="drift of the hot experts (turnover of the top experts)", legend=False, height=300)
 
 
 # --------------------------------------------------------------------------- policies
@@ -211,7 +251,7 @@ def decision_timeline(df):
     fig = go.Figure(go.Heatmap(
         z=z.to_numpy(dtype=float), x=z.columns.to_numpy(), y=z.index.to_numpy(), text=text.to_numpy(),
         colorscale=scale or [(0, "#ccc"), (1, "#ccc")], zmin=-0.5, zmax=n - 0.5, xgap=1, ygap=1,
-        colorbar=dict(title="policy", tickvals=list(range(n)), ticktext=policies),
+        colorbar=_colorbar("policy", tickvals=list(range(n)), ticktext=policies),
         hovertemplate="layer %{y}, step %{x}: %{text}<extra></extra>",
     ))
     fig.update_yaxes(autorange="reversed")
@@ -252,10 +292,31 @@ def relative_error(df, title: str = "prediction error"):
     go = _go()
     fig = go.Figure()
     for pol, sub in df.groupby("policy", sort=True):
-        fig.add_scatter(x=sub["step"], y=100 * sub["rel_error"], mode="lines", name=str(pol),
-                        line=dict(color=policy_color(pol)))
+        fig.add_scatter(x=sub["step"], y=100 * sub["rel_error"], mode="lines+markers", name=str(pol),
+                        line=dict(color=policy_color(pol)), marker=dict(size=4))
     fig.add_hline(y=0, line_dash="dot", line_color="#999")
+    lo, hi, off = readable_range(100 * df["rel_error"]) if len(df) else (None, None, 0)
+    if lo is not None:
+        fig.update_yaxes(range=[lo, hi])
+    if off:
+        title = f"{title} ({off} point{'s' if off != 1 else ''} off the axis)"
     return _layout(fig, x="step (bin start)", y="measured / predicted − 1 (%)", title=title, height=280)
+
+
+def readable_range(values, q: float = 0.9) -> tuple[float | None, float | None, int]:
+    """A y range in which the steady state is readable: the central ``q`` of the values plus a margin (always
+    including 0), and how many values fall outside it. ``(None, None, 0)`` when every value fits anyway."""
+    import numpy as np
+
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if v.size < 4:
+        return None, None, 0
+    a, b = np.quantile(v, [(1 - q) / 2, (1 + q) / 2])
+    pad = max(5.0, 0.25 * (b - a))
+    lo, hi = min(0.0, a) - pad, max(0.0, b) + pad
+    off = int(((v < lo) | (v > hi)).sum())
+    return (lo, hi, off) if off else (None, None, 0)
 
 
 def switches(df):
@@ -308,21 +369,47 @@ def senders(df):
 
 
 # --------------------------------------------------------------------------- compare
+def run_policy_names(run_ids, policies) -> list[str]:
+    """A label per (run, policy) pair: ``"quota"`` for run ``…-quota``'s quota, ``"eplb via adaptive"`` for run
+    ``…-adaptive``'s, else ``"<run> · <policy>"`` (also whenever the short form would give two pairs one name)."""
+    labels = run_labels(run_ids)
+    pairs = [(str(r), str(p)) for r, p in zip(run_ids, policies)]
+    names = [p if p == labels[r] or p.endswith(f" via {labels[r]}") else f"{labels[r]} · {p}" for r, p in pairs]
+    if len(set(names)) < len(set(pairs)):
+        names = [f"{labels[r]} · {p}" for r, p in pairs]
+    return names
+
+
 def compare_bars(df, value: str, axis: str, *, scale: float = 1.0, title: str | None = None):
+    """Horizontal bars of ``value``, one per (run, policy), labelled "run · policy" by the runs' short labels
+    (the full id on hover) and coloured by policy: one label per row, so no legend, and no label can run into
+    another however narrow the page."""
     go = _go()
     fig = go.Figure()
-    for pol, sub in df.groupby("policy", sort=True):
-        fig.add_bar(x=sub["run_id"], y=scale * sub[value], name=str(pol), marker_color=policy_color(pol))
-    fig.update_layout(barmode="group")
-    return _layout(fig, x="run", y=axis, title=title)
+    order = df.sort_values(["run_id", "policy"])
+    names = run_policy_names(order["run_id"], order["policy"])
+    for pol in sorted(order["policy"].astype(str).unique()):
+        sel = (order["policy"].astype(str) == pol).to_numpy()
+        fig.add_bar(y=[n for n, k in zip(names, sel) if k], x=scale * order[value].to_numpy()[sel], name=pol,
+                    orientation="h", marker_color=policy_color(pol), customdata=order["run_id"].to_numpy()[sel],
+                    hovertemplate=f"%{{customdata}} · {pol}: %{{x:.3g}}<extra></extra>")
+    fig.update_layout(barmode="relative")
+    fig.update_yaxes(categoryorder="array", categoryarray=names, autorange="reversed")
+    return _layout(fig, x=axis, y="", title=title, height=90 + 26 * max(1, len(names)), legend=False)
 
 
 def compare_lines(df):
     go = _go()
     fig = go.Figure()
+    labels = run_labels(df["run_id"])
+    dashes = {r: ("solid", "dash", "dot", "dashdot")[i % 4] for i, r in enumerate(sorted(labels))}
+    keys = list(df.groupby(["run_id", "policy"], sort=True).groups)
+    shown = dict(zip(keys, run_policy_names([k[0] for k in keys], [k[1] for k in keys])))
     for (run, pol), sub in df.groupby(["run_id", "policy"], sort=True):
-        fig.add_scatter(x=sub["step"], y=sub["imbalance_after"], mode="lines", name=f"{run} · {pol}",
-                        line=dict(color=policy_color(pol)))
+        name = shown[(run, pol)]
+        fig.add_scatter(x=sub["step"], y=sub["imbalance_after"], mode="lines", name=name,
+                        line=dict(color=policy_color(pol), dash=dashes[run]), hovertemplate=f"{run} · {pol}: step %{{x}}, "
+                        "imbalance %{y:.3f}<extra></extra>")
     fig.add_hline(y=1.0, line_dash="dot", line_color="#999")
     return _layout(fig, x="step (bin start)", y="imbalance after (max / mean)",
                    title="imbalance after balancing over time")

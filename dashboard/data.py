@@ -123,6 +123,18 @@ def policy_shares(mirror: RunMirror):
     return mirror_query(mirror, sql.POLICY_SHARES, sql.SHOWN_FACTS)
 
 
+def warmup_steps(mirror: RunMirror) -> list[int]:
+    """The steps any rank marked warm-up (``steps.warmup``), in order."""
+    import pyarrow.compute as pc
+
+    mirror.refresh(("steps",))
+    t = mirror.facts(sc.T_STEPS)
+    if t.num_rows == 0:
+        return []
+    warm = t.filter(pc.fill_null(t.column("warmup"), False))
+    return sorted({int(s) for s in warm.column(sc.C_STEP).to_pylist()})
+
+
 def imbalance_over_steps(mirror: RunMirror, bins: Bins):
     return mirror_query(mirror, sql.IMBALANCE_OVER_STEPS, ("layer_facts",), first=bins.first_step, bin=bins.bin)
 
@@ -332,13 +344,14 @@ def prediction_summary(mirror: RunMirror):
 
 
 def prediction_over_steps(mirror: RunMirror, bins: Bins):
-    return _on_predictions(mirror, sql.PREDICTION_OVER_STEPS, first=bins.first_step, bin=bins.bin)
+    return _on_predictions(mirror, sql.PREDICTION_OVER_STEPS, with_steps=True, first=bins.first_step, bin=bins.bin)
 
 
 def phase_errors_over_steps(mirror: RunMirror, bins: Bins):
     """Per step bin and cost-model term (column ``policy``, so the prediction charts draw it): the median
     absolute relative prediction error."""
-    return mirror_query(mirror, sql.PHASE_ERRORS_OVER_STEPS, ("timing_facts",), first=bins.first_step, bin=bins.bin)
+    return mirror_query(mirror, sql.PHASE_ERRORS_OVER_STEPS, ("timing_facts", sc.T_STEPS), first=bins.first_step,
+                        bin=bins.bin)
 
 
 def prediction_sample(mirror: RunMirror, limit: int = 1500):
@@ -391,6 +404,28 @@ def transfer_step_range(mirror: RunMirror) -> Bins | None:
 
     mm = pc.min_max(t.column(sc.C_STEP)).as_py()
     return step_bins(mm["min"], mm["max"])
+
+
+# --------------------------------------------------------------------------- the measured answer
+def measured_answer(run_dir, run_id: str, runs: dict | None = None):
+    """:func:`ultraep.telemetry.answer.answer` of one run (measured step time p50, the speed-up over its
+    recorded baseline, else a labelled estimate), read from the store. ``runs``: ``{run_id: run directory}``
+    of the runs on show, where the recorded baseline is looked up."""
+    from ultraep.telemetry import answer as A
+
+    cur = store(run_dir)
+    try:
+        base_id = A.run_facts(cur, run_id)["baseline"]
+        base = None
+        if base_id and runs and base_id in runs and runs[base_id] != run_dir:
+            bcur = store(runs[base_id])
+            try:
+                base = A.step_times(bcur, base_id).get(base_id)
+            finally:
+                bcur.close()
+        return A.answer(cur, run_id, baseline=base)
+    finally:
+        cur.close()
 
 
 # --------------------------------------------------------------------------- compare

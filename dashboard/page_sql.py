@@ -163,8 +163,9 @@ FROM predictions WHERE {SETTLED} GROUP BY policy ORDER BY policy
 PREDICTION_OVER_STEPS = _q("prediction_over_steps", f"""
 SELECT {BIN} AS step, policy, count(*) AS samples,
        avg(predicted_s) AS predicted_s, avg(measured_s) AS measured_s, avg(rel_error) AS rel_error
-FROM predictions GROUP BY ALL ORDER BY 1, 2
-""", params=("first", "bin"))
+FROM predictions WHERE {SETTLED} GROUP BY ALL ORDER BY 1, 2
+""", params=("first", "bin"), doc="Per step bin and policy, warm-up steps left out (their compile-time "
+    "measurements are off the scale of every other step).")
 
 
 _TERM_ERRORS = " UNION ALL ".join(
@@ -173,8 +174,8 @@ FROM timing_facts WHERE "predicted.{t}" > 0 AND "measured.{t}" IS NOT NULL""" fo
 
 PHASE_ERRORS_OVER_STEPS = _q("phase_errors_over_steps", f"""
 SELECT {BIN} AS step, term AS policy, count(*) AS samples, median(abs(rel_error)) AS rel_error
-FROM ({_TERM_ERRORS}) GROUP BY ALL ORDER BY 1, 2
-""", params=("first", "bin"), doc="Per step bin and cost-model term: the median |measured / predicted - 1| (runs "
+FROM ({_TERM_ERRORS}) WHERE {SETTLED} GROUP BY ALL ORDER BY 1, 2
+""", params=("first", "bin"), doc="Per step bin and cost-model term, warm-up excluded: the median |measured / predicted - 1| (runs "
     "of the runtime record predicted.<term> and measured.<term>; the slowest rank's measurement).")
 
 POLICY_UNITS = ("layer", "decision", "timing")

@@ -201,6 +201,33 @@ def cached_headline(info: RunInfo, selected=None) -> dict:
     return h
 
 
+def cached_answer(info: RunInfo, runs: list[RunInfo]):
+    """:func:`data.measured_answer` of a run, recomputed only when it or the baseline it was measured against got
+    a new part, or the set of runs on show changed (a baseline may have appeared)."""
+    by_id = {i.run_id: i.path for i in runs}
+    cache = headline_cache()
+    key = ("answer", info.path)
+
+    def sig(base_id):
+        base = by_id.get(base_id)
+        return (run_signature(info.path), tuple(sorted(by_id)), run_signature(base) if base is not None else None)
+
+    hit = cache.get(key)
+    if hit is not None and hit[0] == sig(hit[1].baseline_id):
+        return hit[1]
+    a = data.measured_answer(info.path, info.run_id, by_id)
+    cache[key] = (sig(a.baseline_id), a)
+    return a
+
+
+def speedup_text(a) -> str:
+    """The speed-up as a metric value: measured, or marked as an estimate."""
+    if a.speedup is None:
+        return "baseline" if a.basis == "baseline" else "—"
+    return (f"{a.speedup:.2f}x" + (" (estimate)" if a.basis == "estimate" else "")
+            + (" (simulated)" if a.simulated else ""))
+
+
 def no_runs(ctx: Context) -> None:
     st.info(f"No recorded runs under `{ctx.root}` yet. Start a run with telemetry on "
             "(`Recorder.open(\"{root}\", ...)`) or point the dashboard at a runs directory: "
@@ -254,13 +281,9 @@ def fmt_seconds(v) -> str:
 
 
 def fmt_bytes(v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "—"
-    v = float(v)
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(v) >= scale:
-            return f"{v / scale:.2f} {unit}"
-    return f"{int(v)} B"
+    from ultraep.telemetry.units import fmt_bytes as fmt
+
+    return fmt(v, digits=2)
 
 
 def fmt_int(v) -> str:
@@ -269,6 +292,71 @@ def fmt_int(v) -> str:
 
 def plot(fig, key: str) -> None:
     st.plotly_chart(fig, key=key, config={"displaylogo": False})
+
+
+def configured_policy(run: RunInfo | None) -> str | None:
+    """The policy the run was configured with (its config's ``policy``), or ``None``."""
+    import json
+
+    try:
+        cfg = json.loads(run.config_json) if run is not None and run.config_json else None
+    except ValueError:
+        return None
+    pol = cfg.get("policy") if isinstance(cfg, dict) else None
+    return pol if isinstance(pol, str) else None
+
+
+def shown_policies(df, run: RunInfo | None, column: str = "policy"):
+    """``df`` with the decisions' policies named as everywhere else: a candidate the run's configured policy
+    chose (adaptive) is "quota via adaptive" (the rule of ``queries.SHOWN_POLICY``), so it keeps one colour on
+    every page."""
+    conf = configured_policy(run)
+    if conf is None or df is None or column not in getattr(df, "columns", ()):
+        return df
+    df = df.copy()
+    df[column] = [p if p is None or str(p) == conf else f"{p} via {conf}" for p in df[column]]
+    return df
+
+
+def plot_or_say(fig, key: str, values, sentence: str) -> None:
+    """The chart, or — when ``values`` (what it would draw) is empty or constant — one sentence saying why
+    (``sentence`` may name the constant as ``{value}``): a flat line on a made-up axis tells nothing."""
+    import numpy as np
+
+    v = np.asarray(values, dtype=float) if values is not None else np.zeros(0)
+    v = v[np.isfinite(v)]
+    if v.size == 0 or float(v.min()) == float(v.max()):
+        st.info(sentence.format(value=(f"{float(v[0]):g}" if v.size else "nothing")))
+        return
+    plot(fig, key)
+
+
+_UNITS = (("_bps", " (B/s)"), ("_s", " (s)"), ("_bytes", " (bytes)"), ("_tokens", " (tokens)"))
+
+
+def human(col: str) -> str:
+    """A column name as words: ``mean_predicted_s`` -> ``mean predicted (s)``, ``bytes_saved`` -> ``bytes saved``."""
+    c = str(col)
+    for suffix, unit in _UNITS:
+        if c.lower().endswith(suffix) and len(c) > len(suffix):
+            return c[: -len(suffix)].replace("_", " ") + unit
+    return c.replace("_", " ")
+
+
+def table(df, key: str, formats: dict[str, str] | None = None) -> None:
+    """``st.dataframe`` with headers in words (:func:`human`), floats rounded (``formats`` by original column
+    name, default 3 significant digits); wider than the page, it scrolls."""
+    import pandas as pd
+
+    formats = formats or {}
+    config = {}
+    for c in df.columns:
+        if c in formats:
+            config[human(c)] = st.column_config.NumberColumn(format=formats[c])
+        elif pd.api.types.is_float_dtype(df[c]):
+            config[human(c)] = st.column_config.NumberColumn(format="%.3g")
+    st.dataframe(df.rename(columns={c: human(c) for c in df.columns}), hide_index=True, key=key,
+                 column_config=config)
 
 
 def before_after(make: Callable[[str], Any], key: str) -> None:

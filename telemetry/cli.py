@@ -22,9 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "sql",
         help="run a SQL query over a recorded run",
-        description="Run one SQL statement over a recorded run. Tables: runs, runs_log, steps, layer_loads, "
-        "plans, transfers, transfer_times, decisions, timings, spans, metric_points; views: layer_balance, "
-        "transfer_detail (see telemetry/schema.sql).",
+        description="Run one SQL statement over a recorded run. Tables: runs_log, steps, layer_loads, plans, "
+        "transfers, transfer_times, decisions, timings, spans, metric_points; views: run_summary (one row per run), "
+        "runs (one row per recording rank: filter on rank or join on run_summary), layer_balance and "
+        "transfer_detail (with a warmup column: WHERE NOT warmup gives ultraep report's figures), warmup_steps "
+        "(see telemetry/schema.sql).",
     )
     p.add_argument("run", type=Path, help="run directory, directory of runs, or exported .duckdb file")
     p.add_argument("query", help='SQL, e.g. "SELECT layer, avg(imbalance_after) FROM layer_balance GROUP BY 1"')
@@ -36,11 +38,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "report",
-        help="summarise a recorded run: imbalance per layer, policy shares, transfers, predicted vs measured",
-        description="Summarise recorded runs with the canned queries of ultraep.telemetry.queries.",
+        help="did balancing pay? measured step time and speed-up, then balance, overhead, predictions, transfers",
+        description="Summarise recorded runs: the measured step time and the speed-up over a baseline run first "
+        "(or a labelled estimate without one), then balance (plan quality), overhead, prediction quality and "
+        "transfers. Warm-up steps are left out of every time and mean.",
     )
     p.add_argument("run", type=Path, help="run directory, directory of runs, or exported .duckdb file")
     p.add_argument("--run-id", default=None, help="only this run (when RUN holds several)")
+    p.add_argument("--baseline", default=None, metavar="RUN",
+                   help="the unbalanced run of the same token stream to measure the speed-up against (a run id "
+                        "in RUN or a run directory); default: the baseline the run recorded (the demo and "
+                        "--compare record one)")
     p.add_argument("--json", action="store_true", help="print the sections as one JSON object")
     p.set_defaults(func=run_report)
 
@@ -163,36 +171,97 @@ def run_sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def _baseline_times(con, args):
+    """The ``--baseline`` run's step times: a run id inside RUN, or a run directory of its own."""
+    from ultraep.telemetry import answer as A
+    from ultraep.telemetry.store import TelemetryError
+
+    name = args.baseline
+    if name is None:
+        return None, None
+    ids = [r[0] for r in con.execute("SELECT DISTINCT run_id FROM runs_log").fetchall()]
+    if name in ids:
+        return A.step_times(con, name).get(name), A.run_facts(con, name)
+    path = Path(name).expanduser()
+    if not path.exists() and (Path(args.run) / name).exists():
+        path = Path(args.run) / name
+    if not path.exists() and Path(args.run).parent.joinpath(name).exists():
+        path = Path(args.run).parent / name
+    if not path.exists():
+        raise TelemetryError("--baseline", f"{name!r} is neither a run in {args.run} nor a run directory", name)
+    bcon = _connect(path)
+    try:
+        bids = [r[0] for r in bcon.execute("SELECT DISTINCT run_id FROM runs_log").fetchall()]
+        if len(bids) != 1:
+            raise TelemetryError("--baseline", f"{name} holds {len(bids)} runs; name one run directory", name)
+        return A.step_times(bcon, bids[0]).get(bids[0]), A.run_facts(bcon, bids[0])
+    finally:
+        bcon.close()
+
+
+def _sibling_baseline(path: Path, run_id: str):
+    """The step times of a recorded baseline that lives beside ``path`` (a run directory of its own)."""
+    from ultraep.telemetry import answer as A
+    from ultraep.telemetry.store import run_layout
+
+    if not path.is_dir() or run_layout(path) != "run":
+        return None
+    sib = path.parent / run_id
+    if not sib.is_dir():
+        return None
+    bcon = _connect(sib)
+    try:
+        return A.step_times(bcon, run_id).get(run_id)
+    finally:
+        bcon.close()
+
+
 def run_report(args: argparse.Namespace) -> int:
+    from ultraep.telemetry import answer as A
     from ultraep.telemetry import queries as Q
+    from ultraep.telemetry import report as R
     from ultraep.telemetry.store import TelemetryError
 
     con = _connect(args.run)
     try:
         _require_runs(con, args.run)
-        if args.run_id is not None:
-            found = con.execute("SELECT count(*) FROM runs_log WHERE run_id = $r", {"r": args.run_id}).fetchone()[0]
-            if not found:
-                known = [r[0] for r in con.execute("SELECT DISTINCT run_id FROM runs_log ORDER BY 1").fetchall()]
-                raise TelemetryError("--run-id", f"{args.run_id!r} is not in {args.run} (runs: {', '.join(known)})",
-                                     args.run_id)
+        known = [r[0] for r in con.execute("SELECT DISTINCT run_id FROM runs_log ORDER BY 1").fetchall()]
+        if args.run_id is not None and args.run_id not in known:
+            raise TelemetryError("--run-id", f"{args.run_id!r} is not in {args.run} (runs: {', '.join(known)})",
+                                 args.run_id)
+        base, base_facts = _baseline_times(con, args)
         sections = []
         for q in Q.REPORT:
             cols, rows = _execute(con, q.sql, q.bind(run_id=args.run_id))
             sections.append((q, cols, rows))
+        order = [r["run_id"] for r in (dict(zip(cols, row)) for q, cols, rows in sections[:1] for row in rows)]
+        answers = {}
+        for rid in order:
+            b = base
+            if base is not None:
+                why = A.same_stream_problem(A.run_facts(con, rid), base_facts)
+                if why is not None:
+                    raise TelemetryError("--baseline", f"{args.baseline} cannot be the baseline of {rid}: {why}",
+                                         args.baseline)
+            else:
+                rec = A.run_facts(con, rid)["baseline"]
+                if rec and rec not in known:
+                    b = _sibling_baseline(Path(args.run), rec)
+            answers[rid] = A.answer(con, rid, baseline=b)
     finally:
         con.close()
     if args.json:
-        json.dump({q.name: [dict(zip(cols, (_jsonable(v) for v in r))) for r in rows] for q, cols, rows in sections},
-                  sys.stdout, indent=1)
+        out = {q.name: [dict(zip(cols, (_jsonable(v) for v in r))) for r in rows] for q, cols, rows in sections}
+        out["answer"] = [{k: _jsonable(v) for k, v in a.items()} for a in R.answers_json(answers)]
+        json.dump(out, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
-    console = _console()
-    for q, cols, rows in sections:
-        if not rows:
-            console.print(f"[bold]{q.title}[/bold]: nothing recorded")
-            continue
-        console.print(_table(q.title, cols, rows))
+    labels, prefix = R.short_labels(order)
+    data = R.ReportData(order, labels, answers,
+                        {q.name: [dict(zip(cols, r)) for r in rows] for q, cols, rows in sections})
+    from rich.console import Console
+
+    R.render(Console(width=R.WIDTH if not sys.stdout.isatty() else min(R.WIDTH, Console().width)), data, prefix)
     return 0
 
 

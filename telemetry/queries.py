@@ -383,13 +383,71 @@ FROM per_rank GROUP BY run_id, step ORDER BY run_id, step
     doc="Per step: seconds in each phase, summed over layers and microbatches (slowest rank).",
 )
 
+STEP_TIMES = Query(
+    "step_times", "Measured step time" + _EXCLUDED,
+    f"""
+WITH per_step AS (
+    SELECT run_id, step, max(step_time_s) AS step_time_s, coalesce(bool_or(warmup), false) AS warmup
+    FROM steps WHERE {_RUN} GROUP BY run_id, step
+)
+SELECT run_id, count(step_time_s) FILTER (WHERE NOT warmup) AS timed_steps,
+       count(*) FILTER (WHERE warmup) AS warmup_steps,
+       median(step_time_s) FILTER (WHERE NOT warmup) AS step_time_p50_s,
+       quantile_cont(step_time_s, 0.2) FILTER (WHERE NOT warmup) AS step_time_p20_s,
+       quantile_cont(step_time_s, 0.8) FILTER (WHERE NOT warmup) AS step_time_p80_s,
+       sum(step_time_s) FILTER (WHERE warmup) AS warmup_time_s
+FROM per_step GROUP BY run_id ORDER BY run_id
+""",
+    doc="Per run: the measured step time (slowest rank of each step) over the steps not marked warm-up: "
+        "median (p50), p20, p80; and the seconds the warm-up steps took (one-time cost, reported apart).",
+)
+
+NONE_ESTIMATE = Query(
+    "none_estimate", "What no balancing would have cost (cost-model estimate)" + _EXCLUDED,
+    f"""
+WITH d AS (
+    SELECT run_id, step, microbatch, layer, predictions['none'] AS none_s, chosen_predicted_s
+    FROM decisions WHERE {_RUN}
+    QUALIFY row_number() OVER (PARTITION BY run_id, step, microbatch, layer ORDER BY rank, ts) = 1
+),
+tm AS (  -- the slowest rank's time of each layer call and its parts (the load-scaled fallback)
+    SELECT run_id, step, microbatch, layer, max(experts_s) AS experts_s,
+           max(coalesce(plan_s, 0) + coalesce(transfer_s, 0)) AS overhead_s
+    FROM timings WHERE {_RUN} GROUP BY ALL
+),
+per_call AS (
+    SELECT b.run_id, b.step,
+           d.none_s - d.chosen_predicted_s AS model_delta_s,
+           tm.experts_s * (list_max(b.rank_load_before) / nullif(list_max(b.rank_load_after), 0) - 1)
+               - tm.overhead_s AS load_delta_s
+    FROM layer_balance b LEFT JOIN d USING (run_id, step, microbatch, layer)
+         LEFT JOIN tm USING (run_id, step, microbatch, layer)
+    WHERE ($run_id IS NULL OR b.run_id = $run_id)
+),
+per_step AS (
+    SELECT p.run_id, p.step, sum(model_delta_s) AS model_delta_s, count(model_delta_s) AS model_calls,
+           sum(load_delta_s) AS load_delta_s, count(load_delta_s) AS load_calls, count(*) AS calls
+    FROM per_call p {WARM_JOIN} WHERE {SETTLED} GROUP BY ALL
+)
+SELECT run_id,
+       median(model_delta_s) FILTER (WHERE model_calls = calls) AS model_delta_s,
+       median(load_delta_s) FILTER (WHERE load_calls = calls) AS load_delta_s
+FROM per_step GROUP BY run_id ORDER BY run_id
+""",
+    doc="Per run: how many seconds per step the run would have taken more without balancing, from the cost "
+        "model (predictions['none'] - the chosen policy's prediction, summed over a step's layer calls, median "
+        "over settled steps) and, where no decision predicted none, scaled from the measurement (busiest-rank "
+        "expert compute x (max rank load before / after - 1) - planning - transfers). An estimate, never a "
+        "measurement.",
+)
+
 ALL: dict[str, Query] = {q.name: q for q in (
     OVERVIEW, LAYER_IMBALANCE, LAYER_SUMMARY, RANK_LOAD, RANK_LOAD_BY_EXPERT, EXPERT_LOAD, DECISION_TIMELINE,
     POLICY_SHARES,
     PREDICTED_VS_MEASURED, PREDICTION_SUMMARY, PHASE_PREDICTION_ERRORS, TRANSFER_BYTES_PER_STEP, TRANSFER_SUMMARY,
     REPLICA_CACHE,
     POLICY_COMPARISON,
-    STEP_SUMMARY, PHASE_TIMES,
+    STEP_SUMMARY, PHASE_TIMES, STEP_TIMES, NONE_ESTIMATE,
 )}
 
 # What `ultraep report` prints, in order.

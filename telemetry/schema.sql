@@ -199,15 +199,49 @@ CREATE TABLE metric_points (
 
 -- ============================================================================ derived views
 
--- One row per recorder session: its newest runs_log row.
+-- One row per RECORDING RANK and recorder session (a run of R ranks has R rows): its newest runs_log row.
+-- Join on run_summary (one row per run) instead, or filter on rank, so that a join does not multiply counts.
 CREATE VIEW runs AS
 SELECT *
 FROM runs_log
 QUALIFY row_number() OVER (PARTITION BY run_id, rank, session ORDER BY written_at DESC, status) = 1;
 
+-- One row per warm-up step (any rank marked it: Recorder.record_step(warmup=True)). Summaries leave these
+-- steps out of their averages (telemetry/queries.py); per-step queries keep them.
+CREATE VIEW warmup_steps AS
+SELECT run_id, step
+FROM steps
+WHERE warmup
+GROUP BY run_id, step;
+
+-- One row per run: what its ranks' runs_log rows say together (status 'closed' once every rank closed), its
+-- configured policy and recorded baseline (Recorder.open(extra={"baseline": RUN_ID}), the run of the same
+-- stream without balancing), and its steps. The measured step time is in ultraep.telemetry.queries.STEP_TIMES.
+CREATE VIEW run_summary AS
+WITH r AS (
+    SELECT run_id, any_value(kind) AS kind, any_value(model) AS model, max(world_size) AS world_size,
+           count(DISTINCT rank) AS ranks_recording,
+           any_value(json_extract_string(config_json, '$.policy')) AS policy,
+           any_value(json_extract_string(extra_json, '$.baseline')) AS baseline,
+           min(started_at) AS started_at,
+           CASE WHEN bool_and(status = 'closed') THEN max(ended_at) END AS ended_at,
+           CASE WHEN bool_and(status = 'closed') THEN 'closed' ELSE 'running' END AS status,
+           sum(errors)::BIGINT AS errors, any_value(config_hash) AS config_hash
+    FROM runs GROUP BY run_id
+),
+s AS (
+    SELECT run_id, count(DISTINCT step) AS steps, count(DISTINCT step) FILTER (WHERE warmup) AS warmup_steps
+    FROM steps GROUP BY run_id
+)
+SELECT r.*, coalesce(s.steps, 0) AS steps, coalesce(s.warmup_steps, 0) AS warmup_steps
+FROM r LEFT JOIN s USING (run_id);
+
 -- One row per layer-microbatch (lowest recording rank), with imbalance = max / mean rank load (1.0 when
--- the layer has no tokens) and straggler = max - mean, before and after balancing.
+-- the layer has no tokens) and straggler = max - mean, before and after balancing. `warmup`: the step is a
+-- warm-up step (warmup_steps); `ultraep report` and the dashboard's summaries leave those rows out
+-- (WHERE NOT warmup gives their figures).
 CREATE VIEW layer_balance AS
+WITH lb AS (
 SELECT
     run_id, step, microbatch, layer, policy, num_ranks, num_experts, tokens,
     rank_load_before, rank_load_after,
@@ -220,10 +254,13 @@ SELECT
     rank AS recorded_by,
     ts
 FROM layer_loads
-QUALIFY row_number() OVER (PARTITION BY run_id, step, microbatch, layer ORDER BY rank, ts) = 1;
+QUALIFY row_number() OVER (PARTITION BY run_id, step, microbatch, layer ORDER BY rank, ts) = 1
+)
+SELECT lb.*, w.step IS NOT NULL AS warmup
+FROM lb LEFT JOIN warmup_steps w ON lb.run_id = w.run_id AND lb.step = w.step;
 
 -- One row per transfer (lowest recording rank), with the measured seconds (the largest value any rank
--- reported for it; NULL if none) and the resulting bandwidth.
+-- reported for it; NULL if none) and the resulting bandwidth; `warmup` as in layer_balance.
 CREATE VIEW transfer_detail AS
 WITH t AS (
     SELECT *
@@ -243,14 +280,8 @@ SELECT
     t.run_id, t.step, t.microbatch, t.layer, t.idx, t.expert, t.src, t.dst, t.stage, t.bytes,
     m.measured_s,
     CASE WHEN m.measured_s > 0 THEN t.bytes / m.measured_s END AS bandwidth_Bps,
-    t.rank AS recorded_by
+    t.rank AS recorded_by,
+    w.step IS NOT NULL AS warmup
 FROM t
-LEFT JOIN m USING (run_id, step, microbatch, layer, idx);
-
--- One row per warm-up step (any rank marked it: Recorder.record_step(warmup=True)). Summaries leave these
--- steps out of their averages (telemetry/queries.py); per-step queries keep them.
-CREATE VIEW warmup_steps AS
-SELECT run_id, step
-FROM steps
-WHERE warmup
-GROUP BY run_id, step;
+LEFT JOIN m USING (run_id, step, microbatch, layer, idx)
+LEFT JOIN warmup_steps w ON t.run_id = w.run_id AND t.step = w.step;

@@ -96,6 +96,22 @@ def table_glob(path: Path, table: str) -> str:
     return str(path / "*" / table / "*.parquet")
 
 
+#: file names of the routing-trace formats ``ultraep trace`` / ``simulate`` read (never a run: runs are
+#: directories, or ``.duckdb`` files from ``ultraep export``)
+_TRACE_SUFFIXES = (".parquet", ".csv", ".pt", ".pth", ".jsonl", ".json", ".pkl", ".npz")
+
+
+def _looks_like_trace(p: Path) -> bool:
+    """Whether a file is a routing trace rather than a DuckDB file: a trace's suffix, or Parquet's magic bytes."""
+    if p.suffix.lower() in _TRACE_SUFFIXES:
+        return True
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == b"PAR1"
+    except OSError:
+        return False
+
+
 def open_run(path, *, threads: int | None = None):
     """A DuckDB connection with every table and view of the store ready to query.
 
@@ -110,6 +126,10 @@ def open_run(path, *, threads: int | None = None):
     if not p.exists():
         raise TelemetryError(str(path), "no such run directory, runs directory or .duckdb file")
     if p.is_file():
+        if _looks_like_trace(p):
+            raise TelemetryError(str(path), "is a routing trace, not a recorded run: replay it with `ultraep simulate "
+                                 f"{path} --out RUNS_DIR`, then query RUNS_DIR (or describe it: `ultraep trace info "
+                                 f"{path}`)")
         try:
             con = duckdb.connect(str(p), read_only=True)
         except duckdb.Error as exc:

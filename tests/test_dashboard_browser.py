@@ -9,19 +9,15 @@ browser: `playwright install` is not used)."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+from browser_utils import CHROMIUM, CHROMIUM_ARGS, free_port, wait_healthy
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [("Layers", "layers"), ("Experts", "experts"), ("Policies", "policies"), ("Transfers", "transfers"),
          ("Compare", "compare"), ("SQL", "sql")]
@@ -113,26 +109,6 @@ class LiveRun:
         self.rec.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"streamlit exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/_stcore/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError("streamlit did not become healthy")
-
-
 def _row_count(page) -> int:
     metric = page.locator('[data-testid="stMetric"]').filter(has_text="layer-microbatch rows")
     return int(metric.locator('[data-testid="stMetricValue"]').inner_text().replace(",", "").strip())
@@ -158,14 +134,14 @@ def test_dashboard_in_chromium_on_a_run_being_written(tmp_path):
         record_steps(done, np.random.default_rng(2), range(40), lambda s, layer: "quota")
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "streamlit.log", "w")
     with LiveRun(root) as live:
         proc = subprocess.Popen(streamlit_command(root, port=port, refresh=2.0), stdout=log,
                                 stderr=subprocess.STDOUT, cwd=tmp_path)
         try:
-            _wait_healthy(url, proc)
+            wait_healthy(url, proc)
             with sync_playwright() as pw:
                 browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
                 page = browser.new_page(viewport={"width": 1500, "height": 1100})

@@ -1,6 +1,8 @@
 """`ultraep demo --quick` end to end: real ranks (subprocess), both runs in the store, balancing helped on
 the skewed layers, and the losses of the two runs are equal."""
 
+import json
+import re
 import subprocess
 import sys
 
@@ -24,6 +26,19 @@ def test_demo_quick_end_to_end(tmp_path):
     assert "MISMATCH" not in out and "two equivalent unbalanced runs" in out
     assert "exposed overhead" in out and "predicted / measured" in out
     assert f"ultraep dashboard {runs}" in out
+    # the verdict reads the step table, and the report measures the same step times from the store
+    verdict = next(x for x in out.splitlines() if x.startswith(("balancing paid", "balancing did not pay",
+                                                                 "no measurable difference")))
+    printed = dict(re.findall(r"│\s+(none|quota)\s+│\s+([0-9]+\.[0-9]{3})\s+│", out))
+    assert set(printed) == {"none", "quota"}, out[-3000:]
+    assert f"step time p50 {printed['quota']} s" in verdict
+    rep = subprocess.run([sys.executable, "-m", "ultraep.cli", "report", str(runs), "--json"], capture_output=True,
+                         text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr
+    answers = {a["policy"]: a for a in json.loads(rep.stdout)["answer"]}
+    for pol in ("none", "quota"):
+        assert f"{answers[pol]['step_time_p50_s']:.3f}" == printed[pol], (pol, answers[pol])
+    assert answers["quota"]["basis"] == "measured" and answers["quota"]["baseline_id"].endswith("-none")
     con = open_run(runs)
     kinds = con.execute("SELECT run_id, kind, world_size FROM runs WHERE rank = 0 ORDER BY run_id").fetchall()
     assert len(kinds) == 2 and {k[1] for k in kinds} == {"train"} and {k[2] for k in kinds} == {2}

@@ -84,7 +84,15 @@ def test_cli_end_to_end(tmp_path, capsys):
 def test_cli_errors(tmp_path, capsys):
     tr = tmp_path / "t.parquet"
     main(["trace", "synth", str(tr), "--ranks", "4", "--experts", "8", "--steps", "2"])
-    assert main(["simulate", str(tr)]) == 2
+    # a trace of global counts that names no EP size (a synthetic one keeps --ranks: issue 32)
+    import dataclasses
+
+    from ultraep.traces import Trace
+
+    t = Trace.read(tr)
+    bare = tmp_path / "bare.parquet"
+    dataclasses.replace(t, meta=t.meta.model_copy(update={"extra": {}})).write(bare)
+    assert main(["simulate", str(bare)]) == 2
     assert "pass --ranks R" in capsys.readouterr().err
     assert main(["simulate", str(tr), "--ranks", "4", "--policies", "none,magic"]) == 2
     assert "unknown policy 'magic'" in capsys.readouterr().err

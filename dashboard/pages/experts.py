@@ -27,10 +27,12 @@ def body(ctx: ui.Context) -> None:
         ui.plot(charts.expert_lines(load, [int(e) for e in hot["expert"].head(top)]), "experts_lines")
     with right:
         st.markdown("**hottest experts** (share of the layer's load; drift = last quarter − first quarter)")
-        st.dataframe(hot, hide_index=True, key="experts_hot", column_config={
-            c: st.column_config.NumberColumn(format="%.3f")
-            for c in ("share", "share_first_quarter", "share_last_quarter", "drift")})
-    ui.plot(charts.turnover(data.hot_set_turnover(load, k=min(4, top))), "experts_turnover")
+        ui.table(hot, "experts_hot", {"load_tokens": "%.0f", **{
+            c: "%.3f" for c in ("share", "share_first_quarter", "share_last_quarter", "drift")}})
+    turn = data.hot_set_turnover(load, k=min(4, top))
+    ui.plot_or_say(charts.turnover(turn), "experts_turnover", turn["turnover"],
+                   "The hot set's turnover is {value} in every step bin (0: the same hot experts throughout; "
+                   "1: all new every bin), so no chart.")
     reps = data.replica_counts(m, int(layer), bins)
     if len(reps) and reps["replicas"].max() > 0:
         ui.plot(charts.expert_heatmap(reps, "replicas", colorbar="replicas", colorscale="Blues",

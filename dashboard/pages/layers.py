@@ -17,7 +17,7 @@ def body(ctx: ui.Context) -> None:
                "over its layer-microbatches; both maps share one colour scale.")
     st.subheader("Per layer")
     st.caption("means and maxima: warm-up excluded; plans: every step")
-    st.dataframe(data.layer_summary(m), hide_index=True, key="layers_summary")
+    ui.table(data.layer_summary(m), "layers_summary")
 
     st.subheader("Rank load by expert")
     c = st.columns(3)
@@ -34,7 +34,7 @@ def body(ctx: ui.Context) -> None:
     totals = per.groupby("rank")[["load_before", "load_after"]].sum().reset_index()
     ymax = float(max(totals["load_before"].max(), totals["load_after"].max()))
     ui.before_after(lambda which: charts.rank_load_stacked(per, which, ymax=ymax), "layers_rank")
-    st.dataframe(totals, hide_index=True, key="layers_rank_totals")
+    ui.table(totals, "layers_rank_totals")
 
 
 ui.live(body, key="layers")

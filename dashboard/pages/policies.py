@@ -14,34 +14,37 @@ def body(ctx: ui.Context) -> None:
     if m.facts("decision_facts").num_rows == 0:
         ui.empty_state(ctx, "decisions")
     else:
-        ui.plot(charts.decision_timeline(data.decision_map(m, bins)), "policies_timeline")
+        ui.plot(charts.decision_timeline(ui.shown_policies(data.decision_map(m, bins), ctx.run)),
+                "policies_timeline")
         st.caption(f"{bins.bin} step(s) per column; each cell is the most frequent decision in its bin.")
         left, right = st.columns(2)
         with left:
-            ui.plot(charts.switches(data.decision_switches(m)), "policies_switches")
+            sw = data.decision_switches(m)
+            ui.plot_or_say(charts.switches(sw), "policies_switches", sw["switches"],
+                           "Every layer switched policy {value} times: the same count everywhere, so no chart. "
+                           "A fixed policy never switches; the adaptive engine switches when another candidate "
+                           "is predicted cheaper.")
         with right:
             st.markdown("**reasons**")
-            st.dataframe(data.decision_reasons(m), hide_index=True, key="policies_reasons")
+            ui.table(ui.shown_policies(data.decision_reasons(m), ctx.run), "policies_reasons")
         layer = st.selectbox("latest decisions of layer", layers, key="policies_layer")
-        st.dataframe(data.recent_decisions(m, int(layer)), hide_index=True, key="policies_recent")
+        ui.table(ui.shown_policies(data.recent_decisions(m, int(layer)), ctx.run), "policies_recent")
 
     st.subheader("Predicted vs measured")
     st.caption("summary table: warm-up excluded")
-    summary = data.prediction_summary(m)
+    summary = ui.shown_policies(data.prediction_summary(m), ctx.run)
     if not len(summary):
         st.info("No layer-microbatch has both a measured time and a prediction yet.")
         return
-    st.dataframe(summary, hide_index=True, key="policies_prediction_summary", column_config={
-        "mean_predicted_s": st.column_config.NumberColumn(format="%.6f"),
-        "mean_measured_s": st.column_config.NumberColumn(format="%.6f"),
-        "mean_abs_rel_error": st.column_config.NumberColumn(format="%.3f"),
-        "measured_over_predicted": st.column_config.NumberColumn(format="%.3f")})
-    over = data.prediction_over_steps(m, bins)
+    ui.table(summary, "policies_prediction_summary", {
+        "mean_predicted_s": "%.6f", "mean_measured_s": "%.6f", "mean_abs_rel_error": "%.3f",
+        "measured_over_predicted": "%.3f"})
+    over = ui.shown_policies(data.prediction_over_steps(m, bins), ctx.run)
     left, right = st.columns(2)
     with left:
         ui.plot(charts.predicted_vs_measured_lines(over), "policies_pvm")
     with right:
-        ui.plot(charts.prediction_scatter(data.prediction_sample(m)), "policies_scatter")
+        ui.plot(charts.prediction_scatter(ui.shown_policies(data.prediction_sample(m), ctx.run)), "policies_scatter")
     ui.plot(charts.relative_error(over), "policies_error")
     terms = data.phase_errors_over_steps(m, bins)
     if len(terms):

@@ -18,7 +18,7 @@ def body(ctx: ui.Context) -> None:
         c[1].metric("weight bytes saved", ui.fmt_bytes(cache["bytes_saved"].sum()),
                     help="weight bytes the resident replicas did not receive again (all ranks)")
         c[2].metric("calls with a cache", ui.fmt_int(cache["calls"].sum()))
-        st.dataframe(cache, hide_index=True, key="transfers_cache")
+        ui.table(cache, "transfers_cache")
     tot = data.transfer_totals(m)
     if int(tot["transfers"]) == 0:
         ui.empty_state(ctx, "transfers (no plan moved expert state so far)")
@@ -41,7 +41,9 @@ def body(ctx: ui.Context) -> None:
     st.caption(f"{bins.bin} step(s) per bar.")
     left, right = st.columns(2)
     with left:
-        ui.plot(charts.busiest_sender_over_steps(over), "transfers_busiest")
+        ui.plot_or_say(charts.busiest_sender_over_steps(over), "transfers_busiest",
+                       over["busiest_sender_bytes"] / charts.MIB,
+                       "The busiest sender sent the same {value} MiB in every step bin: no chart for a flat line.")
     with right:
         ui.plot(charts.senders(senders), "transfers_senders")
     fan = data.transfer_fanout(m)
@@ -49,10 +51,10 @@ def body(ctx: ui.Context) -> None:
     left, right = st.columns(2)
     with left:
         st.markdown("**per expert**")
-        st.dataframe(fan, hide_index=True, key="transfers_fanout_table")
+        ui.table(fan, "transfers_fanout_table")
     with right:
         st.markdown("**per layer** (bandwidth from measured transfer times, where recorded; warm-up excluded)")
-        st.dataframe(data.transfer_layers(m), hide_index=True, key="transfers_layers")
+        ui.table(data.transfer_layers(m), "transfers_layers")
 
 
 ui.live(body, key="transfers")

@@ -30,9 +30,10 @@ PLANNING_COMMANDS: tuple[str, ...] = ()
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own usage errors: exit 2, one line
-        self.print_usage(sys.stderr)
-        print(f"ultraep: error: {message}", file=sys.stderr)
+    def error(self, message: str) -> None:
+        """argparse's own usage errors (a bad choice, a missing argument): one line and exit 2, like every other
+        user mistake; the usage is one ``--help`` away, and the line says so."""
+        print(f"ultraep: error: {message} (see: {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 
 

@@ -15,8 +15,11 @@ def default_ranks() -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="balance a small Hugging Face MoE model on local ranks and compare with none",
-                       description="Run a real MoE model twice on local gloo ranks — no balancing, then the "
-                       "chosen policy — record both runs, and print what balancing changed and what it cost.")
+                       description="Run a real MoE model on local gloo ranks without balancing and with the chosen "
+                       "policy (or every --compare policy), all in one launch, interleaved step by step, record every "
+                       "run, and print first the measured step time and speed-up (the verdict is read off that "
+                       "table), then what balancing changed and what it cost. One-time costs (start-up, compiles, "
+                       "warm-up steps) are shown apart, charged to no run.")
     p.add_argument("--ranks", type=int, default=default_ranks(), help="local ranks, one thread each (default: cores)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: sized to the machine, at most 30; "
                    "16 with --quick)")
@@ -29,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs", help="telemetry runs directory")
     p.add_argument("--quick", action="store_true", help="smaller model and fewer steps (CI)")
     p.add_argument("--compare", default=None, metavar="P1,P2,...",
-                   help="run each policy on the same token stream and print one table (none always runs first), "
-                   "e.g. none,quota,eplb,feplb,adaptive")
+                   help="run each policy on the same token stream, interleaved step by step with none in one launch, "
+                   "and print one table, e.g. none,quota,eplb,feplb,adaptive")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 

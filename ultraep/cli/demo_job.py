@@ -8,13 +8,17 @@ What it does:
             prefer domain d. The token stream shifts between domains over time (70 % of the tokens from the
             current domain), so the model's own router sends most tokens to one rank's experts, and the hot
             rank moves. The counts always come from the router; nothing is overwritten.
-    Step 2: run the same steps twice on fresh ranks: policy ``none``, then the chosen policy; record both
-            runs to the telemetry store. Training runs forward, backward and an Adam step, with the
-            non-expert gradients averaged over ranks (data parallel) and the masters' gradients summed
-            by the balanced layer.
-    Step 3: print per-layer imbalance before → after, the policy decisions, planning and transfer
-            overhead, the measured step time of both runs and the speed-up, check that the losses match,
-            and print the command that opens the dashboard on the runs.
+    Step 2: run the same steps under policy ``none`` and the chosen policy (or every ``--compare`` policy) in
+            ONE launch: every run is built (and the planners compiled) before any step is timed, then step i
+            runs each run once, interleaved in a carry-over balanced order, so a busy machine slows all runs
+            alike and no run is charged for another's compile. Every run is recorded to the telemetry store,
+            the balanced ones naming the none run as their baseline. Training runs forward, backward and an
+            Adam step, with the non-expert gradients averaged over ranks (data parallel) and the masters'
+            gradients summed by the balanced layer.
+    Step 3: print the measured step time of every run and its speed-up over none first, then per-layer
+            imbalance before → after, the policy decisions, planning and transfer overhead
+            (:mod:`ultraep.cli.demo_report`: the verdict is read off the printed numbers), check that the
+            losses match, and print the commands that open the dashboard and the report on the runs.
 """
 
 from __future__ import annotations
@@ -106,83 +110,131 @@ def _tokens(step: int, rank: int, settings: DemoSettings, num_domains: int) -> t
     return ids.view(sh["batch"], sh["seq"])
 
 
-def _rank_main(rank: int, world: int, settings: DemoSettings, policy: str, run_name: str | None) -> dict:
-    """One run. ``policy="none-reordered"``: the unbalanced model fed each batch's sequences in reverse order
-    (the same loss and gradients, summed in another order) — the fp32 reordering band the balanced run is
-    judged against."""
-    import torch.distributed as dist
+def warmup_steps(settings: DemoSettings) -> int:
+    """Steps left out of every timed figure (the table, the verdict and the store's ``steps.warmup``): the first
+    plans, allocations and the adaptive engine's exploration. One definition, so the report and the dashboard
+    print the same step time p50 as the demo."""
+    return min(10, settings.steps // 3)
 
-    import ultraep
-    from ultraep.config import BalancerConfig
-    from ultraep.models import build_model
-    from ultraep.telemetry import NullRecorder, Recorder
 
-    sh = settings.shape
-    model = build_model(settings.model, num_experts=sh["num_experts"], hidden=sh["hidden"],
-                        expert_hidden=sh["expert_hidden"], layers=sh["layers"], vocab=sh["vocab"], seed=settings.seed)
-    _structure(model, settings.model, world, sh["vocab"], strength=2.0, seed=settings.seed)
-    reordered = policy == REORDERED
-    config = BalancerConfig(policy=BASELINE if reordered else policy, num_redundant_slots=settings.slots)
-    recorder = NullRecorder()
-    if run_name is not None:
-        try:
-            recorder = Recorder.open(settings.out, run_name, kind=settings.mode, config=config, model=settings.model,
-                                     world_size=world, rank=rank, extra={"demo": True, "policy": policy})
-        except Exception as exc:  # telemetry never stops the demo
-            print(f"ultraep demo: recording disabled ({exc})")
-    ultraep.wrap(model, config, recorder=recorder)
-    rt = ultraep.runtime_of(model)
-    train = settings.mode == "train"
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3) if train else None
-    masters = {id(p) for layer in rt.layers for p in layer.master_params()}
-    losses, times, calls = [], [], []
-    grads0 = None
+class _DemoRun:
+    """One run of the demo on this rank: its model, runtime, optimizer and what it measured (Step 2)."""
+
+    def __init__(self, rank: int, world: int, settings: DemoSettings, policy: str, run_name: str | None,
+                 baseline: str | None) -> None:
+        """``policy="none-reordered"``: the unbalanced model fed each batch's sequences in reverse order (the
+        same loss and gradients, summed in another order) — the fp32 reordering band the balanced run is judged
+        against. ``baseline``: the run id of this stream's unbalanced run, stored in the run's ``extra`` so that
+        ``ultraep report`` and the dashboard measure the speed-up against it."""
+        import ultraep
+        from ultraep.config import BalancerConfig
+        from ultraep.models import build_model
+        from ultraep.telemetry import NullRecorder, Recorder
+
+        sh = settings.shape
+        self.policy, self.settings, self.world = policy, settings, world
+        self.model = build_model(settings.model, num_experts=sh["num_experts"], hidden=sh["hidden"],
+                                 expert_hidden=sh["expert_hidden"], layers=sh["layers"], vocab=sh["vocab"],
+                                 seed=settings.seed)
+        _structure(self.model, settings.model, world, sh["vocab"], strength=2.0, seed=settings.seed)
+        self.reordered = policy == REORDERED
+        config = BalancerConfig(policy=BASELINE if self.reordered else policy, num_redundant_slots=settings.slots)
+        self.recorder = NullRecorder()
+        if run_name is not None:
+            extra = {"demo": True, "policy": policy}
+            if baseline is not None and baseline != run_name:
+                extra["baseline"] = baseline
+            try:
+                self.recorder = Recorder.open(settings.out, run_name, kind=settings.mode, config=config,
+                                              model=settings.model, world_size=world, rank=rank, extra=extra)
+            except Exception as exc:  # telemetry never stops the demo
+                print(f"ultraep demo: recording disabled ({exc})")
+        ultraep.wrap(self.model, config, recorder=self.recorder)
+        self.rt = ultraep.runtime_of(self.model)
+        self.train = settings.mode == "train"
+        # trains as users train: DistributedDataParallel around the wrapped model (the masters stay ultraep's)
+        self.trained = torch.nn.parallel.DistributedDataParallel(self.model) if self.train else self.model
+        self.opt = torch.optim.Adam(self.trained.parameters(), lr=1e-3) if self.train else None
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.calls: list = []
+        self.grads0 = None
+
+    def step(self, step: int, rank: int, warm: int) -> None:
+        """One timed step (barrier first: every rank starts together, so the time is the step's, not a wait)."""
+        import torch.distributed as dist
+
+        ids = _tokens(step, rank, self.settings, self.world)
+        if self.reordered:
+            ids = ids.flip(0)
+        model = self.trained
+        dist.barrier(group=self.rt.group)
+        t0 = time.perf_counter()
+        if self.train:
+            self.opt.zero_grad(set_to_none=True)
+            logits = model(input_ids=ids).logits
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                     ids[:, 1:].reshape(-1))
+            loss.backward()  # DDP averages every gradient but the masters', which ultraep averages alike
+            dt = time.perf_counter() - t0
+            if step == 0:  # untimed: the step-0 gradients the equality check compares (collective)
+                self.grads0 = step0_gradients(self.model, self.rt, rank)
+            t1 = time.perf_counter()
+            self.opt.step()
+            dt += time.perf_counter() - t1
+        else:
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits
+                loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                         ids[:, 1:].reshape(-1))
+            dt = time.perf_counter() - t0
+        self.losses.append(float(loss.detach()))
+        self.times.append(dt)
+        self.rt.next_step(loss=self.losses[-1], step_time_s=dt, warmup=step < warm)
+        self.calls.extend((step, layer.layer, dict(layer.last_timings)) for layer in self.rt.layers)
+
+    def result(self) -> dict:
+        self.recorder.close()
+        return {"losses": self.losses, "times": self.times, "history": self.rt.history,
+                "run_id": getattr(self.recorder, "run_id", None), "calls": self.calls, "grads0": self.grads0,
+                "recording_errors": self.rt.recording_errors + int(getattr(self.recorder, "errors", 0) or 0)}
+
+
+def _rank_main(rank: int, world: int, settings: DemoSettings, specs: list[tuple[str, str | None]]) -> dict:
+    """Every run of the demo on this rank, in one process, interleaved step by step (Step 2).
+
+    ``specs``: ``(policy, run name or None)``; the first is the baseline (none). Every run is built (and the
+    planners compiled, by ``ultraep.wrap``) before any step is timed; step ``i`` then runs each run once, in
+    the ``i``-th carry-over balanced order (:func:`~ultraep.cli.paired.carryover_orders`), so a busy machine
+    slows every run alike and no run is charged for another's compile. Returns ``{policy: result}`` and
+    ``"setup_s"``: the seconds spent before the first step (imports, model builds, compiles)."""
+    from ultraep.cli.paired import carryover_orders
+
+    t0 = time.perf_counter()
+    base = specs[0][1]
+    runs = [_DemoRun(rank, world, settings, policy, name, base) for policy, name in specs]
+    setup_s = time.perf_counter() - t0
+    warm = warmup_steps(settings)
+    orders = carryover_orders(len(runs))
     progress = None
     if rank == 0:
         from rich.progress import Progress
 
         progress = Progress(transient=True)
         progress.start()
-        task = progress.add_task(f"{policy:>8} ({settings.mode})", total=settings.steps)
+        task = progress.add_task(f"{len(runs)} runs interleaved ({settings.mode})", total=settings.steps * len(runs))
     try:
         for step in range(settings.steps):
-            ids = _tokens(step, rank, settings, world)
-            if reordered:
-                ids = ids.flip(0)
-            dist.barrier(group=rt.group)
-            t0 = time.perf_counter()
-            if train:
-                opt.zero_grad(set_to_none=True)
-                logits = model(input_ids=ids).logits
-                loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                         ids[:, 1:].reshape(-1))
-                loss.backward()
-                for p in model.parameters():  # data parallel for everything but the masters (shared expert
-                    if p.grad is not None and id(p) not in masters:  # submodules, e.g. a post-norm, included)
-                        dist.all_reduce(p.grad)
-                        p.grad /= world
-                if step == 0:
-                    grads0 = step0_gradients(model, rt, rank)
-                opt.step()
-            else:
-                with torch.no_grad():
-                    logits = model(input_ids=ids).logits
-                    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                             ids[:, 1:].reshape(-1))
-            dt = time.perf_counter() - t0
-            losses.append(float(loss.detach()))
-            times.append(dt)
-            rt.next_step(loss=losses[-1], step_time_s=dt)
-            calls.extend((step, layer.layer, dict(layer.last_timings)) for layer in rt.layers)
-            if progress is not None:
-                progress.advance(task)
+            for k in orders[step % len(orders)]:
+                runs[k].step(step, rank, warm)
+                if progress is not None:
+                    progress.advance(task)
     finally:
         if progress is not None:
             progress.stop()
-        recorder.close()
-    return {"losses": losses, "times": times, "history": rt.history, "run_id": getattr(recorder, "run_id", None),
-            "calls": calls, "grads0": grads0,
-            "recording_errors": rt.recording_errors + int(getattr(recorder, "errors", 0) or 0)}
+        out = {r.policy: r.result() for r in runs}
+    out["setup_s"] = setup_s
+    return out
 
 
 def run_demo(settings: DemoSettings, resize=None) -> int:
@@ -226,17 +278,20 @@ def run_demo(settings: DemoSettings, resize=None) -> int:
               f"{settings.shape['batch'] * settings.shape['seq']} tokens/rank/step, {settings.steps} {settings.mode} "
               f"steps, policies {', '.join(runs)}{' (+ none reordered, for the fp32 band)' if band else ''}; "
               f"runs in {settings.out}/", soft_wrap=True)
-    results = {}
-    for policy in runs + ([REORDERED] if band else []):
-        name = f"demo-{stamp}-{policy}" if policy != REORDERED else None
-        t0 = time.perf_counter()
-        out = launch(_rank_main, settings.ranks, settings, policy, name, threads_per_rank=1)
-        results[policy] = (name, out, time.perf_counter() - t0)
-    paid = _summary(con, settings, {k: v for k, v in results.items() if k != REORDERED})
+    specs = [(policy, f"demo-{stamp}-{policy}") for policy in runs] + ([(REORDERED, None)] if band else [])
+    t0 = time.perf_counter()
+    per_rank = launch(_rank_main, settings.ranks, settings, specs, threads_per_rank=1)
+    wall = time.perf_counter() - t0
+    results = {policy: (name, [o[policy] for o in per_rank]) for policy, name in specs}
+    from ultraep.cli.demo_report import DemoTiming, summary
+
+    timing = DemoTiming(wall_s=wall, setup_s=max(o["setup_s"] for o in per_rank), warmup=warmup_steps(settings))
+    paid = summary(con, settings, {k: v for k, v in results.items() if k != REORDERED}, timing)
     ok = _equality(con, settings, results)
     con.print(paid, soft_wrap=True)
     con.print(f"open the dashboard on these runs:  [bold]ultraep dashboard {settings.out}[/bold]"
-              f"   (or: make dashboard)", soft_wrap=True)
+              f"   (or: make dashboard); the measured answer again:  [bold]ultraep report {settings.out}[/bold]",
+              soft_wrap=True)
     return 0 if ok else 1
 
 
@@ -255,7 +310,7 @@ def _equality(con, settings: DemoSettings, results: dict) -> bool:
     band = None
     if REORDERED in results:
         band = _rel(base["losses"], results[REORDERED][1][0]["losses"])
-    for policy, (_, out, _) in results.items():
+    for policy, (_, out) in results.items():
         if policy in (BASELINE, REORDERED):
             continue
         r = out[0]
@@ -276,91 +331,3 @@ def _equality(con, settings: DemoSettings, results: dict) -> bool:
                   f"steps 1-3: {rel[early].max() if len(rel) > 1 else 0.0:.1e}, by step {len(rel) - 1}: "
                   f"{rel.max():.1e}{where} -> {verdict}", soft_wrap=True)
     return ok
-
-
-_PHASES = [  # (label, timing keys summed): exposed overheads of balancing, per layer call
-    ("planning", ("plan_s",)),
-    ("weight sync", ("weight_post_s", "relay_s", "weight_wait_s")),
-    ("gradient reduction", ("grad_post_s", "grad_wait_s", "grad_reduce_s", "restore_s", "recompute_s")),
-]
-
-
-def _per_call(out: list, warm: int) -> dict:
-    """``{(step, layer): [timings of each rank]}`` after the warm-up steps."""
-    calls: dict = {}
-    for o in out:
-        for step, layer, t in o["calls"]:
-            if step >= warm:
-                calls.setdefault((step, layer), []).append(t)
-    return calls
-
-
-def _summary(con, settings: DemoSettings, results: dict) -> str:
-    """Tables; returns the closing lines (whether balancing paid and why)."""
-    from rich.table import Table
-
-    warm = min(10, settings.steps // 3)
-    none_calls = _per_call(results[BASELINE][1], warm)
-    train = settings.mode == "train"
-
-    def expert_s(ts):  # the busiest rank's expert compute of one layer call (forward and backward)
-        return max(t.get("experts_s", 0.0) + (t.get("backward_compute_s", 0.0) if train else 0.0) for t in ts)
-
-    none_expert = np.mean([expert_s(ts) for ts in none_calls.values()]) if none_calls else 0.0
-    table = Table(title=f"per MoE layer (rank 0's plans; steps {warm}..{settings.steps - 1})")
-    for c in ["run", "layer", "imbalance before -> after", "decisions", "replicas", "expert compute ms "
-              "(busiest rank)", "exposed overhead ms: plan / weight sync / grad reduction", "predicted / measured "
-              "layer ms (median |error|)"]:
-        table.add_column(c, justify="right")
-    steps = Table(title="measured step time (max over ranks, after warm-up)")
-    for c in ["run", "run id", "step time p50 (s)", "speed-up vs none", "wall time (s)", "recording errors"]:
-        steps.add_column(c, justify="right")
-    t_none, best, lines = None, None, []
-    for policy, (name, out, wall) in results.items():
-        hist = [h for h in out[0]["history"] if h[0] >= warm]
-        calls = _per_call(out, warm)
-        for layer in sorted({h[1] for h in hist}):
-            rows = [h for h in hist if h[1] == layer]
-            shares: dict[str, int] = {}
-            for h in rows:
-                shares[h[2]] = shares.get(h[2], 0) + 1
-            dec = ", ".join(f"{k} {100 * v / len(rows):.0f}%" for k, v in sorted(shares.items(), key=lambda kv: -kv[1]))
-            lc = [ts for (s, la), ts in calls.items() if la == layer]
-            exp_ms = 1e3 * np.mean([expert_s(ts) for ts in lc])
-            over = [1e3 * np.mean([max(sum(t.get(k, 0.0) for k in keys) for t in ts) for ts in lc]) for _, keys in _PHASES]
-            pred = np.array([ts[0].get("predicted_s", np.nan) for ts in lc])
-            meas = np.array([max(t.get("measured_s", 0.0) for t in ts) for ts in lc])  # forward + backward
-            err = np.nanmedian(np.abs(pred - meas) / meas) if len(meas) else np.nan
-            table.add_row(policy if layer == 0 else "", str(layer),
-                          f"{np.mean([h[3] for h in rows]):.2f} -> {np.mean([h[4] for h in rows]):.2f}", dec,
-                          f"{np.mean([h[5] for h in rows]):.1f}", f"{exp_ms:.0f}", " / ".join(f"{v:.1f}" for v in over),
-                          f"{1e3 * np.nanmedian(pred):.0f} / {1e3 * np.median(meas):.0f} ({100 * err:.0f} %)")
-        table.add_section()
-        per_step = np.max(np.array([o["times"] for o in out]), axis=0)[warm:]
-        p50 = float(np.median(per_step))
-        t_none = p50 if policy == BASELINE else t_none
-        steps.add_row(policy, name, f"{p50:.3f}", f"{t_none / p50:.2f}x", f"{wall:.0f}",
-                      str(sum(o["recording_errors"] for o in out)))
-        if policy != BASELINE:
-            saved = 1e3 * (none_expert - np.mean([expert_s(ts) for ts in calls.values()])) if calls else 0.0
-            cost = sum(1e3 * np.mean([max(sum(t.get(k, 0.0) for k in keys) for t in ts) for ts in calls.values()])
-                       for _, keys in _PHASES) if calls else 0.0
-            speed = t_none / p50
-            lines.append((speed, policy, saved, cost))
-    con.print(table)
-    con.print(steps)
-    out_lines = []
-    for speed, policy, saved, cost in lines:
-        if speed >= 1.02 and saved <= 0:
-            out_lines.append(f"{policy} ran {speed:.2f}x of none but saved no expert compute ({saved:.0f} ms per layer "
-                             f"call): the difference is run-to-run noise, not balancing.")
-        elif speed >= 1.02:
-            out_lines.append(f"balancing paid: {policy} ran {speed:.2f}x faster than none: it saved {saved:.0f} ms of "
-                             f"busiest-rank expert compute per layer call for {cost:.0f} ms of exposed overhead.")
-        elif speed > 0.98:
-            out_lines.append(f"balancing broke even: {policy} ran at {speed:.2f}x of none (saved {saved:.0f} ms of "
-                             f"expert compute per layer call, paid {cost:.0f} ms of exposed overhead).")
-        else:
-            out_lines.append(f"balancing did not pay: {policy} ran at {speed:.2f}x of none: {cost:.0f} ms of exposed "
-                             f"overhead per layer call outweighed the {saved:.0f} ms of expert compute it saved.")
-    return "\n".join(out_lines)

@@ -51,8 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="replay a routing trace through every policy with the cost model",
         description="Replay every step of a routing trace through each policy (per layer, in step order) and "
         "predict each layer's time with the cost model on a cluster preset. Prints, per policy, imbalance "
-        "before/after (mean, p99), replicas, bytes moved, predicted time per layer, %% of the force-balanced "
-        "ideal and speed-up over none.",
+        "before/after (mean, p99), replicas, bytes moved, predicted time per layer, percent of the "
+        "force-balanced ideal and speed-up over none.",
     )
     p.add_argument("trace", type=Path, help="trace file or directory (Parquet/CSV, SGLang .pt/.csv, Megatron "
                    "router_trace dir, UltraEP profile dir, TensorRT-LLM dir, OLMoE .pkl/json, recorded run)")
@@ -82,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "once per destination rank, and once per destination domain across domains (DeepEP)")
     p.add_argument("--step-fixed-ms", type=float, default=0.0, metavar="MS",
                    help="fixed time per step outside the replayed layers (optimizer, data-parallel reduction, layers "
-                   "not replayed), ms: %%ideal and speedup then weigh the replayed layers against the whole step")
+                   "not replayed), ms: the percent of the ideal and the speed-up then weigh the replayed layers against the whole step")
     p.add_argument("--policy-opt", action="append", metavar="POLICY.KEY=VALUE",
                    help="policy option, e.g. eplb.interval=100 or adaptive.margin=0.01")
     p.add_argument("--json", type=Path, default=None, help="write one JSON object per policy to this file")
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     # global-count dumps may still say how large their EP group was (UltraEP's ep_size)
     ranks = args.ranks if args.ranks is not None else (trace.meta.num_ranks or trace.meta.extra.get("ep_size"))
     if ranks is None:
-        raise ConfigError("--ranks", "the trace holds global counts only (no source ranks); pass --ranks R", None)
+        raise ConfigError("--ranks", "the trace holds global counts only and names no EP size; pass --ranks R", None)
     E = trace.meta.num_experts
     if ranks < 1 or E % ranks:
         raise ConfigError("--ranks", f"({ranks}) must divide the trace's {E} experts", ranks)

@@ -132,10 +132,14 @@ class EPRuntime:
             layer.epoch.invalidate()
 
     # ------------------------------------------------------------------ step bookkeeping
-    def next_step(self, loss: float | None = None, step_time_s: float | None = None) -> None:
+    def next_step(self, loss: float | None = None, step_time_s: float | None = None,
+                  warmup: bool | None = None) -> None:
         """Close the current training step (call once per optimizer step, after it); records the step if
         recording. At the first step and every ``config.sync_check_every`` steps it checks that the parameters
-        outside the experts are the same on every rank (one small all-gather)."""
+        outside the experts are the same on every rank (one small all-gather).
+
+        ``warmup``: whether summaries should leave this step out (compiles, first allocations, first plans);
+        default: step 0 only. A caller that times its own warm-up (the demo) marks every step it leaves out."""
         self.flush_records()
         for layer in self.layers:
             layer.replays.clear()  # every backward of the step ran: no recompute can still need a call's plan
@@ -144,7 +148,7 @@ class EPRuntime:
             self.check_replicated()
         if self.recorder is not None:
             self.safe(self.recorder.record_step, self.step, loss=loss, step_time_s=step_time_s,
-                       warmup=self.step == 0)
+                       warmup=self.step == 0 if warmup is None else bool(warmup))
         self.step += 1
         self.microbatch = -1
 

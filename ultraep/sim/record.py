@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ultraep.errors import ConfigError
+from ultraep.policies.registry import BASELINE
 from ultraep.sim.replay import TERM_FIELDS, SimulationResult
 
 
@@ -32,12 +33,16 @@ def record(result: SimulationResult, runs_dir, *, run_name: str | None = None, t
     reported = list(result.settings.get("reported", result.policies))
     check_new_runs(runs_dir, base, reported)
     summary = {s["policy"]: s for s in result.summary()}
+
+    def baseline(pol: str) -> dict:  # the replay of none on the same trace: what `ultraep report` compares with
+        return {"baseline": f"{base}-{BASELINE}"} if BASELINE in reported and pol != BASELINE else {}
+
     ids = []
     for pol in result.settings.get("reported", result.policies):
         r = result.rows[pol]
         cfg = {"policy": pol, "trace": trace_path, **{k: v for k, v in result.settings.items() if k != "reported"}}
         rec = Recorder.open(runs_dir, f"{base}-{pol}", kind="simulation", config=cfg, topology=topology, model=model,
-                            extra={"summary": summary[pol]}, flush_interval_s=None, flush_every=8192,
+                            extra={"summary": summary[pol], **baseline(pol)}, flush_interval_s=None, flush_every=8192,
                             max_pending=1 << 22)
         try:
             for i in range(len(r["time_s"])):

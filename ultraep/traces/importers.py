@@ -65,7 +65,8 @@ def import_recorded_run(path, run_id: str | None = None, **_) -> Trace:
         raise TraceError(p, "holds no recorded loads (layer_loads is empty; record plans with record_plan)")
     if run_id is None:
         if len(runs) > 1:
-            raise TraceError(p, f"holds {len(runs)} runs; pick one with run_id= ({', '.join(runs[:5])}...)", runs)
+            raise TraceError(p, f"holds {len(runs)} runs; pick one with run_id= (CLI: --trace-opt run_id=RUN) "
+                             f"({', '.join(runs[:5])}{', ...' if len(runs) > 5 else ''})", runs)
         run_id = runs[0]
     elif run_id not in runs:
         raise TraceError(f"{p}:run_id", f"{run_id!r} has no recorded loads; runs: {', '.join(runs[:5])}", run_id)
@@ -138,7 +139,8 @@ def detect_format(path) -> str:
                  ".json": "olmoe", ".pkl": "olmoe"}
     if p.suffix in by_suffix:
         return by_suffix[p.suffix]
-    raise TraceError(str(p), f"cannot tell the trace format from the name; pass format= one of {sorted(FORMATS)}", name)
+    raise TraceError(str(p), f"cannot tell the trace format from the name; pass format= (CLI: --format) one of "
+                     f"{', '.join(sorted(FORMATS))}", name)
 
 
 def _importer_options(fn) -> list[str]:

@@ -160,7 +160,9 @@ def synthetic_trace(spec: SyntheticSpec, *, progress: Callable[[int, int], None]
                 progress(layer * P + p1, L * P)
     meta = TraceMeta(
         num_experts=E, num_ranks=R if spec.per_source else None, top_k=k, source="synthetic",
-        description="synthetic: " + spec.model_dump_json(), extra={"layer_targets": targets.tolist()},
+        description="synthetic: " + spec.model_dump_json(),
+        # the EP size it was made for, also with global counts: `simulate` replays it on R ranks without --ranks
+        extra={"layer_targets": targets.tolist(), "ep_size": R},
     )
     steps = np.repeat(np.arange(T), B)
     mbs = np.tile(np.arange(B), T)

@@ -1,0 +1,246 @@
+"""``ultraep report`` for a person: the measured answer first, then grouped sections, in 120 columns.
+
+Sections, in order (each a :class:`Section` of :data:`SECTIONS`; add one by appending a function that turns
+:class:`ReportData` into lines and tables):
+
+1. **Did it pay?** measured step time p50 and the speed-up over the baseline run (or a labelled estimate),
+   warm-up steps as a one-time cost (:mod:`.answer`).
+2. **Balance (plan quality)**: imbalance before → after per layer, policy shares. What the plans achieve
+   on paper; never a measured time.
+3. **Overhead**: planning and transfers per layer call, the replica cache.
+4. **Prediction quality**: the cost model's predicted vs measured layer time, with a sentence when the
+   error is large.
+5. **Transfers**: per layer, bytes moved, relay share, measured bandwidth.
+6. **Runs**: status, size, recording errors.
+
+Numbers are rounded and in human units (ms, MiB); runs are labelled by what tells them apart (the full id
+is printed once above the tables). The figures come from the canned queries (:data:`queries.REPORT`) and
+:mod:`.answer`; nothing is computed here that those do not hold.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ultraep.telemetry.answer import Answer, headline
+from ultraep.telemetry.units import fmt_bytes as f_bytes
+from ultraep.telemetry.units import fmt_s, short_labels
+
+WIDTH = 120
+#: a prediction error above this (median |measured / predicted - 1|) gets a sentence
+LARGE_ERROR = 0.25
+
+
+@dataclass
+class ReportData:
+    """What the sections read: run ids in order, their short labels, answers, and each canned query's rows
+    (``rows[query name]`` = list of dicts)."""
+
+    run_ids: list[str]
+    labels: dict[str, str]
+    answers: dict[str, Answer]
+    rows: dict[str, list[dict]] = field(default_factory=dict)
+
+    def label(self, run_id: str) -> str:
+        return self.labels.get(run_id, run_id)
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    render: Callable[[ReportData], list]
+
+
+# --------------------------------------------------------------------------- formatting
+def _bad(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def f_ratio(v, digits: int = 2) -> str:
+    return "—" if _bad(v) else f"{float(v):.{digits}f}"
+
+
+def f_pct(v) -> str:
+    return "—" if _bad(v) else f"{100 * float(v):.0f} %"
+
+
+def f_int(v) -> str:
+    return "—" if _bad(v) else f"{int(v):,}"
+
+
+def table(cols: list[str], rows: list[list[str]], text: int = 1):
+    """A rich table whose headers wrap between words only (never mid-word); the first ``text`` columns are
+    words (left-aligned), the others figures (right-aligned)."""
+    from rich.table import Table
+
+    t = Table(show_edge=False, pad_edge=False)
+    for i, c in enumerate(cols):
+        longest = max(len(w) for w in c.split())
+        t.add_column(c, justify="left" if i < text else "right", min_width=longest, no_wrap=False, overflow="fold")
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
+# --------------------------------------------------------------------------- sections
+def _did_it_pay(d: ReportData) -> list:
+    rows, lines = [], []
+    for rid in d.run_ids:
+        a = d.answers.get(rid)
+        if a is None:
+            continue
+        st = a.steps
+        if a.basis == "measured":
+            vs = f"{a.speedup:.2f}x vs {d.label(a.baseline_id) if a.baseline_id in d.labels else a.baseline_id}"
+            vs += " (simulated)" if a.simulated else ""
+        elif a.basis == "estimate":
+            vs = f"~{a.speedup:.2f}x (estimate)"
+        elif a.basis == "baseline":
+            vs = "baseline"
+        else:
+            vs = "unknown"
+        rows.append([d.label(rid), a.policy or "?", f_int(st.timed_steps), fmt_s(st.p50_s),
+                     f"{fmt_s(st.p20_s)} – {fmt_s(st.p80_s)}" if st.p20_s is not None else "—", vs,
+                     f"{st.warmup_steps} ({fmt_s(st.warmup_time_s)})"])
+        lines.append(f"{d.label(rid)}: {headline(a, d.label)}")
+    if not rows:
+        return ["no run recorded a step"]
+    sims = any(a.simulated for a in d.answers.values())
+    note = ("Measured step time: per step the slowest rank's, median over the steps not marked warm-up; speed-up "
+            "= the baseline run's (same stream, no balancing) / this run's." + (
+                " A simulation's step times are the cost model's predictions for the replayed layers, not "
+                "measurements." if sims else ""))
+    return [note, table(["run", "policy", "timed steps", "step time p50", "p20 – p80", "speed-up",
+                   "warm-up steps (one-time)"], rows, text=2), *lines]
+
+
+def _balance(d: ReportData) -> list:
+    out = ["Plan quality: what the plans do to the rank loads on paper (max / mean rank load, 1.00 = perfect); "
+           "not a measured time."]
+    rows = [[d.label(r["run_id"]), str(r["layer"]), f_ratio(r["mean_before"]) + " → " + f_ratio(r["mean_after"]),
+             f_ratio(r["max_before"]) + " → " + f_ratio(r["max_after"]), f_int(r["mean_straggler_after_tokens"]),
+             f_int(r["plans"])]
+            for r in d.rows.get("layer_summary", [])]
+    if rows:
+        out.append(table(["run", "layer", "mean imbalance before → after", "worst before → after",
+                          "straggler after (tokens)", "plans"], rows))
+    shares = d.rows.get("policy_shares", [])
+    if shares:
+        per_run: dict[str, list[str]] = {}
+        for r in shares:
+            per_run.setdefault(r["run_id"], []).append(f"{r['policy']} {f_pct(r['share'])}")
+        out.append(table(["run", "policies chosen (share of layer calls)"],
+                         [[d.label(k), ", ".join(v)] for k, v in per_run.items()], text=2))
+    return out
+
+
+def _overhead(d: ReportData) -> list:
+    plans = {r["run_id"]: r for r in d.rows.get("overview", [])}
+    moved: dict[str, dict[str, float]] = {}
+    for r in d.rows.get("transfer_summary", []):
+        m = moved.setdefault(r["run_id"], {"s": 0.0, "n": 0})
+        m["s"] += float(r["measured_s"] or 0.0)
+        m["n"] += int(r["transfers"] or 0)
+    rows = []
+    for rid in d.run_ids:
+        ov = plans.get(rid)
+        if ov is None:
+            continue
+        n = max(1, int(ov["plans"] or 0))
+        rows.append([d.label(rid), f_int(ov["plans"]), f_int(ov["transfers"]), f_bytes(ov["transfer_bytes"]),
+                     f_bytes((ov["transfer_bytes"] or 0) / n), fmt_s(moved.get(rid, {}).get("s"))])
+    out = [table(["run", "layer calls", "transfers", "moved", "moved per layer call", "transfer time (measured)"],
+                 rows)] if rows else []
+    cache = [r for r in d.rows.get("replica_cache", []) if (r["hits"] or 0) + (r["misses"] or 0) > 0]
+    if cache:
+        out.append(table(["run", "layer", "replica cache hits", "misses", "hit rate", "bytes saved"],
+                         [[d.label(r["run_id"]), str(r["layer"]), f_int(r["hits"]), f_int(r["misses"]),
+                           f_pct(r["hit_rate"]), f_bytes(r["bytes_saved"])] for r in cache]))
+    return out or ["no layer call recorded"]
+
+
+def _prediction(d: ReportData) -> list:
+    rows, large, short = [], [], []
+    for r in d.rows.get("prediction_summary", []):
+        rows.append([d.label(r["run_id"]), r["policy"], f_int(r["samples"]), fmt_s(r["mean_predicted_s"]),
+                     fmt_s(r["mean_measured_s"]), f_pct(r["mean_abs_rel_error"]), f_ratio(r["measured_over_predicted"])])
+        err = r["mean_abs_rel_error"]
+        if not _bad(err) and err > LARGE_ERROR:
+            large.append(f"{d.label(r['run_id'])}/{r['policy']} {f_pct(err)}")
+            a = d.answers.get(r["run_id"])
+            if a is not None and a.steps.timed_steps < 50:
+                short.append(a.steps.timed_steps)
+    out = ["The cost model's prediction of each layer call against its measurement (slowest rank)."]
+    if rows:
+        out.append(table(["run", "chosen policy", "layer calls", "predicted (mean)", "measured (mean)",
+                          "mean |error|", "measured / predicted"], rows, text=2))
+    terms = d.rows.get("phase_prediction_errors", [])
+    if terms:
+        out.append(table(["run", "term", "layer calls", "median |error|", "measured / predicted"],
+                         [[d.label(r["run_id"]), r["term"], f_int(r["samples"]), f_pct(r["median_abs_rel_error"]),
+                           f_ratio(r["measured_over_predicted"])] for r in terms], text=2))
+    if large:
+        out.append(f"Large prediction errors ({', '.join(large)}): the cost model calibrates itself from each "
+                   "measured call, so its first predictions in a run are rough"
+                   + (f" (these runs timed only {max(short)} steps)" if short else "")
+                   + "; the per-term table shows which phase it misjudges. The decisions and the speed-up above "
+                   "do not depend on these predictions being right: the speed-up is measured.")
+    return out if len(out) > 1 else ["no prediction recorded"]
+
+
+def _transfers(d: ReportData) -> list:
+    rows = []
+    for r in d.rows.get("transfer_summary", []):
+        relay = (r["relay_bytes"] or 0) / r["bytes"] if r["bytes"] else None
+        bw = r["bandwidth_Bps"]
+        rows.append([d.label(r["run_id"]), str(r["layer"]), f_int(r["transfers"]), f_bytes(r["bytes"]),
+                     f_pct(relay), f_int(r["measured"]), "—" if _bad(bw) else f"{bw / (1 << 20):,.0f} MiB/s"])
+    if not rows:
+        return ["no expert weights moved"]
+    return [table(["run", "layer", "transfers", "moved", "via relay", "timed", "bandwidth (measured)"], rows)]
+
+
+def _runs(d: ReportData) -> list:
+    rows = []
+    for r in d.rows.get("overview", []):
+        rows.append([d.label(r["run_id"]), r["kind"] or "", r["model"] or "", f_int(r["world_size"]), r["status"],
+                     str(r["started_at"])[:19] if r["started_at"] else "—", f_int(r["steps"]),
+                     f_int(r["warmup_steps"]), f_int(r["errors"])])
+    return [table(["run", "kind", "model", "EP ranks", "status", "started (UTC)", "steps", "warm-up steps",
+                   "recording errors"], rows, text=3)] if rows else []
+
+
+SECTIONS: list[Section] = [
+    Section("Did balancing pay?", _did_it_pay),
+    Section("Balance (plan quality, warm-up excluded)", _balance),
+    Section("Overhead", _overhead),
+    Section("Prediction quality (warm-up excluded)", _prediction),
+    Section("Transfers", _transfers),
+    Section("Runs", _runs),
+]
+
+
+def render(console, data: ReportData, prefix: str | None) -> None:
+    """Print every section of :data:`SECTIONS` on ``console``."""
+    if prefix:
+        console.print(f"runs {prefix}<run>: " + ", ".join(data.label(r) for r in data.run_ids), soft_wrap=False)
+    for s in SECTIONS:
+        console.print()
+        console.rule(f"[bold]{s.title}[/bold]", align="left")
+        for item in s.render(data):
+            console.print(item)
+
+
+def answers_json(answers: dict[str, Answer]) -> list[dict[str, Any]]:
+    """The answers as JSON rows (``ultraep report --json``'s ``answer`` section)."""
+    out = []
+    for rid, a in answers.items():
+        st = a.steps
+        out.append({"run_id": rid, "policy": a.policy, "basis": a.basis, "timed_steps": st.timed_steps,
+                    "warmup_steps": st.warmup_steps, "step_time_p50_s": st.p50_s, "step_time_p20_s": st.p20_s,
+                    "step_time_p80_s": st.p80_s, "warmup_time_s": st.warmup_time_s, "baseline_id": a.baseline_id,
+                    "baseline_p50_s": a.baseline_p50_s, "estimated_none_s": a.estimated_none_s,
+                    "estimate_source": a.estimate_source, "speedup": a.speedup, "headline": headline(a)})
+    return out
