@@ -383,13 +383,37 @@ FROM per_rank GROUP BY run_id, step ORDER BY run_id, step
     doc="Per step: seconds in each phase, summed over layers and microbatches (slowest rank).",
 )
 
+ACTIVATION_MEMORY = Query(
+    "activation_memory", "Expert activation memory per rank" + _EXCLUDED,
+    f"""
+WITH per_call AS (
+    SELECT run_id, layer, step, microbatch,
+           max(other['activation_bytes_before']) AS busiest_before, avg(other['activation_bytes_before']) AS mean_before,
+           max(other['activation_bytes_after']) AS busiest_after, avg(other['activation_bytes_after']) AS mean_after
+    FROM timings WHERE {_RUN} AND other['activation_bytes_after'] IS NOT NULL
+    GROUP BY ALL
+)
+SELECT run_id, layer, count(*) AS calls,
+       max(busiest_before) FILTER (WHERE {SETTLED}) / 1e6 AS peak_busiest_before_MB,
+       max(busiest_after) FILTER (WHERE {SETTLED}) / 1e6 AS peak_busiest_after_MB,
+       avg(mean_after) FILTER (WHERE {SETTLED}) / 1e6 AS mean_rank_MB,
+       max(busiest_before) FILTER (WHERE {SETTLED}) / avg(mean_before) FILTER (WHERE {SETTLED}) AS peak_over_mean_before,
+       max(busiest_after) FILTER (WHERE {SETTLED}) / avg(mean_after) FILTER (WHERE {SETTLED}) AS peak_over_mean_after
+FROM per_call {WARM_JOIN}
+GROUP BY run_id, layer ORDER BY run_id, layer
+""",
+    doc="Per layer: bytes of expert activations a rank holds for a call (rows it computes x the expert's activation "
+        "width x dtype, recorded by every rank), the busiest rank's peak over the calls without and with balancing "
+        "against the mean rank's: what a rank must reserve for activations. Needs every rank's timings.",
+)
+
 ALL: dict[str, Query] = {q.name: q for q in (
     OVERVIEW, LAYER_IMBALANCE, LAYER_SUMMARY, RANK_LOAD, RANK_LOAD_BY_EXPERT, EXPERT_LOAD, DECISION_TIMELINE,
     POLICY_SHARES,
     PREDICTED_VS_MEASURED, PREDICTION_SUMMARY, PHASE_PREDICTION_ERRORS, TRANSFER_BYTES_PER_STEP, TRANSFER_SUMMARY,
     REPLICA_CACHE,
     POLICY_COMPARISON,
-    STEP_SUMMARY, PHASE_TIMES,
+    STEP_SUMMARY, PHASE_TIMES, ACTIVATION_MEMORY,
 )}
 
 # What `ultraep report` prints, in order.

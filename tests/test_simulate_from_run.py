@@ -98,3 +98,49 @@ def test_a_bad_cost_model_record_is_refused_by_field():
         cost_model_from_record(rec)
     with pytest.raises(ConfigError, match="must hold exactly"):
         cost_model_from_record({"params": {}})
+
+
+def test_the_runtime_records_the_expert_activations_each_rank_holds(run):
+    """Per layer call and rank: rows the rank computes x the expert's activation width x dtype, without and with
+    balancing; the canned query gives the busiest rank's peak against the mean rank."""
+    from ultraep.presets import ExpertSpec
+    from ultraep.telemetry import queries
+
+    path, learned = run
+    expert = ExpertSpec.model_validate(learned["expert"])
+    # SwiGLU: the row (H) and its gate, up and activated product (3 x F) stay until the backward
+    assert expert.activation_width == expert.hidden_size + 3 * expert.ffn_size
+    con = open_run(path)
+    got = con.execute(
+        "SELECT t.rank, t.other['activation_bytes_before'], t.other['activation_bytes_after'], "
+        "l.rank_load_before[t.rank + 1], l.rank_load_after[t.rank + 1] FROM timings t JOIN layer_loads l "
+        "USING (run_id, step, microbatch, layer) ORDER BY ALL").fetchall()
+    assert len(got) == 2 * 2 * 3  # ranks x layers x steps
+    for _, before, after, rows_before, rows_after in got:
+        assert before == rows_before * expert.activation_row_bytes and after == rows_after * expert.activation_row_bytes
+    cols, rows = queries.run(con, queries.ACTIVATION_MEMORY)
+    r = dict(zip(cols, rows[0]))
+    assert r["peak_over_mean_before"] > 1.0 and r["peak_over_mean_after"] < r["peak_over_mean_before"]
+    assert r["peak_busiest_after_MB"] < r["peak_busiest_before_MB"]
+
+
+def test_the_simulator_reports_activation_memory_before_and_after(capsys, tmp_path):
+    from ultraep.sim import build_cost_model, simulate
+    from ultraep.traces.synthetic import SyntheticSpec, synthetic_trace
+
+    tr = synthetic_trace(SyntheticSpec(num_ranks=8, num_experts=64, num_steps=6, tokens_per_rank=1024,
+                                       imbalance=(2.0, 2.0), per_source=True, seed=2))
+    cm = build_cost_model("gb200-nvl72", 8, 64, 2)
+    res = simulate(tr, cm, ("none", "quota"), max_plans=None)
+    s = {x["policy"]: x for x in res.summary()}
+    row_bytes = cm.expert.activation_row_bytes
+    load = next(tr.layer_loads(0, 8))[2]
+    home = load.sum(axis=0).reshape(8, 8).sum(axis=1)  # rows each rank computes without balancing, step 0
+    assert res.rows["none"]["act_busiest_before"][0] == home.max() * row_bytes
+    assert res.rows["none"]["act_mean"][0] == pytest.approx(home.mean() * row_bytes)
+    assert s["none"]["activation_peak_after_MB"] == s["none"]["activation_peak_before_MB"]
+    assert s["quota"]["activation_peak_after_MB"] < 0.6 * s["quota"]["activation_peak_before_MB"]
+    assert s["quota"]["activation_mean_MB"] == pytest.approx(s["none"]["activation_mean_MB"])
+    tr.write(tmp_path / "t.parquet")
+    assert main(["simulate", str(tmp_path / "t.parquet"), "--policies", "none,quota", "--no-progress"]) == 0
+    assert "expert activations per rank (MB)" in capsys.readouterr().out

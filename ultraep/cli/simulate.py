@@ -197,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
     measured = measured_summary(args.trace, run_id) if run_id is not None else None
     console = Console(width=max(120, shutil.get_terminal_size().columns))
     print_summary(summary, result.settings, console)
+    print_activation(summary, console)
     print_basis(basis, result.settings, measured, console)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -252,6 +253,21 @@ def print_basis(basis: str, settings: dict, measured: dict | None, console) -> N
                   f"{chose}); {measured['calls']} layer calls after warm-up, layer time "
                   + (f"{m:.3f} ms measured, {p:.3f} ms predicted by its engine at the time" if m is not None
                      else "not measured (no timings recorded)"))
+
+
+def print_activation(summary: list[dict], console) -> None:
+    """Activation memory, the third cost of imbalance: the expert activations the busiest rank holds at its peak
+    (rows it computes x the expert's activation width x dtype), without and with balancing, against the mean rank."""
+    from rich.table import Table
+
+    table = Table(title="expert activations per rank (MB): the busiest rank's peak over the layer calls vs the mean rank")
+    for col in ("policy", "busiest peak, no balancing", "busiest peak", "mean rank", "peak / mean"):
+        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+    for r in summary:
+        mean = r["activation_mean_MB"]
+        table.add_row(r["policy"], f"{r['activation_peak_before_MB']:.2f}", f"{r['activation_peak_after_MB']:.2f}",
+                      f"{mean:.2f}", f"{r['activation_peak_after_MB'] / mean:.2f}" if mean > 0 else "-")
+    console.print(table)
 
 
 def print_summary(summary: list[dict], settings: dict, console) -> None:
