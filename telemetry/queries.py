@@ -418,7 +418,7 @@ ALL: dict[str, Query] = {q.name: q for q in (
 
 # What `ultraep report` prints, in order.
 REPORT = (OVERVIEW, LAYER_SUMMARY, POLICY_SHARES, TRANSFER_SUMMARY, REPLICA_CACHE, PREDICTION_SUMMARY,
-          PHASE_PREDICTION_ERRORS)
+          PHASE_PREDICTION_ERRORS, ACTIVATION_MEMORY)
 
 
 def run(con, query: Query | str, **params: Any) -> tuple[list[str], list[tuple]]:
