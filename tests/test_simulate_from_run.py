@@ -87,6 +87,13 @@ def test_from_run_refuses_what_would_not_be_the_runs_machine(run, tmp_path, caps
     assert main(["trace", "synth", str(tmp_path / "t.parquet"), "--ranks", "2", "--experts", "8", "--steps", "2"]) == 0
     assert main(["simulate", str(tmp_path / "t.parquet"), "--topology", "from-run"]) == 2
     assert "from-run needs a recorded ultraep run" in capsys.readouterr().err
+    # a run that kept no cost model (a simulation's, or one recorded before the runtime kept it): one line
+    assert main(["simulate", str(tmp_path / "t.parquet"), "--ranks", "2", "--policies", "none", "--out",
+                 str(tmp_path / "runs"), "--run-name", "old", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(tmp_path / "runs" / "old-none"), "--topology", "from-run"]) == 2
+    err = capsys.readouterr().err
+    assert "recorded no cost model" in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_bad_cost_model_record_is_refused_by_field():
