@@ -94,7 +94,8 @@ class AdaptivePolicy:
         outcome_window: measured outcomes per candidate whose median corrects its predictions.
         explore_share, explore_of_gain: the exploration budget over the run (Step 0): weighing, planning and
             probing other candidates may cost ``explore_share`` of the run's layer time plus ``explore_of_gain``
-            of what the best candidate saved over ``none`` (:mod:`~ultraep.policies.exploration`).
+            of what weighing found: the best candidate's saving over the policy in force
+            (:mod:`~ultraep.policies.exploration`).
         candidate_options: per-candidate option dicts, e.g. ``{"quota": {"balance_eps": 0.02}}``.
         cost_model: the :class:`~ultraep.cost.CostModel` (not a config value; engine/simulator pass it).
         policies: ready candidate instances (shared with a caller, e.g. the simulator).
@@ -509,7 +510,8 @@ class AdaptivePolicy:
         pending = None
         # Step 5: hysteresis.
         if dormant and best == cur:  # Step 0: the budget is overdrawn; at most none was weighed against cur
-            chosen, reason = cur, f"dormant: exploring overdrew its budget by {-free * 1e6:.1f} us (kept {cur})"
+            chosen, reason = cur, (f"dormant: the exploration budget left ({free * 1e6:.1f} us) cannot pay a decision "
+                                   f"(kept {cur})")
         elif cur is None or cur not in feasible:
             chosen = best
             if cur is not None and cur in late:

@@ -8,11 +8,13 @@ over the run, it is a share of what there is to gain:
 
     spent_s <= share * run_s + of_gain * saved_s
 
-``run_s``: the predicted layer time of every decision so far (the run); ``saved_s``: what the best candidate
-was predicted to save over ``none`` on each decision (0 where ``none`` is best); ``spent_s``: what exploring
-cost. Where balancing pays, ``of_gain * saved_s`` grows with every decision and the engine weighs every
-candidate as before; where nothing pays, exploring costs at most ``share`` of the run (plus the one decision
-that overdraws it, at most one candidate's planner).
+``run_s``: the predicted layer time of every decision so far (the run); ``saved_s``: what weighing found, the best
+candidate's predicted saving over the policy in force on each decision (0 where the policy in force is best);
+``spent_s``: what exploring cost. Where candidates keep overtaking each other, ``of_gain * saved_s`` pays for
+weighing them; where the policy in force stays the best (nothing pays, or one policy clearly wins), exploring
+costs at most ``share`` of the run, plus the one decision that overdraws it. (Saving over the policy in force,
+not over ``none``: against ``none``, a layer where feplb and quota both halve the time licensed planning quota
+on every call while feplb was in force, 1.4 % of the layer for a 2 % alternative.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 #: share of the run's layer time that exploring may always cost (the floor that keeps re-evaluating a regime
 #: where nothing pays, so that a change of the load is still found)
 SHARE = 0.003
-#: share of what the best candidate saved over none that exploring may cost on top
+#: share of what weighing found (the best candidate's saving over the policy in force) exploring may cost on top
 OF_GAIN = 0.1
 
 

@@ -177,7 +177,8 @@ class AdaptiveOptions(_Options):
     )
     explore_of_gain: StrictFloat = Field(
         default=0.1, ge=0.0,
-        description="... plus this share of what the best candidate was predicted to save over 'none' so far.",
+        description="... plus this share of what weighing found so far (the best candidate's predicted saving over "
+        "the policy in force).",
     )
 
 
