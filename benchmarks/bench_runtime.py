@@ -110,9 +110,9 @@ def _experts(shape: Shape):
     return tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(cfg)
 
 
-def wrapped_layer(shape, config: dict, device: torch.device | None = None):
-    """``shape``'s experts container (seeded weights, the same for every run) wrapped with ``config``:
-    ``(balanced layer, its runtime)``, on ``device`` (default CPU)."""
+def wrapped_layer(shape, config: dict, device: torch.device | None = None, recorder=None):
+    """``shape``'s experts container (seeded weights, the same for every run) wrapped with ``config`` (recording into
+    ``recorder`` when given): ``(balanced layer, its runtime)``, on ``device`` (default CPU)."""
     import ultraep
 
     torch.manual_seed(0)
@@ -122,14 +122,15 @@ def wrapped_layer(shape, config: dict, device: torch.device | None = None):
             p.normal_(0, 0.02)
     holder = torch.nn.Module()
     holder.experts = experts
-    ultraep.wrap(holder, config)
+    ultraep.wrap(holder, config, recorder=recorder)
     return holder.experts, ultraep.runtime_of(holder)
 
 
-def _setup(rank, shape: Shape, args, policy, skew):
+def _setup(rank, shape: Shape, args, policy, skew, recorder=None):
     """One wrapped layer (the same expert weights for every policy) and this rank's batch."""
     dev = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
-    layer, rt = wrapped_layer(shape, {"policy": policy, "num_redundant_slots": shape.slots or args.slots}, dev)
+    layer, rt = wrapped_layer(shape, {"policy": policy, "num_redundant_slots": shape.slots or args.slots}, dev,
+                              recorder)
     g = torch.Generator().manual_seed(7 + rank)
     x = torch.randn(shape.tokens, shape.hidden, generator=g).to(dev).requires_grad_(True)
     idx = _routing(rank, shape.tokens, shape.top_k, shape.experts, skew, args.seed).to(dev)
@@ -140,11 +141,18 @@ def _setup(rank, shape: Shape, args, policy, skew):
     return layer, rt, (x, idx, w), opt
 
 
-def _body(rank, world, shape: Shape, args, policies):
+def _body(rank, world, shape: Shape, args, policies, runs_dir=None):
     """Every run of ``policies`` in one pair of processes, interleaved: iteration i runs each policy once, in
     the i-th carry-over balanced order, so process-level noise (memory layout, frequency) hits all of them
-    alike, no run always inherits the same predecessor's state, and the ratios come from one run."""
-    runs = [(name, *_setup(rank, shape, args, policy, skew)) for name, policy, skew in policies]
+    alike, no run always inherits the same predecessor's state, and the ratios come from one run. With
+    ``runs_dir``, run ``name`` is recorded there as ``<shape>-<name>`` (benchmarks/bench_validate.py)."""
+    recs = {}
+    if runs_dir is not None:
+        from ultraep.telemetry import Recorder
+
+        recs = {name: Recorder.open(runs_dir, f"{shape.name}-{name}", world_size=world, rank=rank, flush_interval_s=None,
+                                    config={"policy": policy}) for name, policy, _ in policies}
+    runs = [(name, *_setup(rank, shape, args, policy, skew, recs.get(name))) for name, policy, skew in policies]
     out = {name: {"times": [], "phases": [], "chosen": []} for name, *_ in runs}
     orders = carryover_orders(len(runs))
     # on GPUs the work is asynchronous: the wall time of a call ends when the device finished it
@@ -171,11 +179,13 @@ def _body(rank, world, shape: Shape, args, policies):
         plan = layer.last_plan
         out[name].update(imb_before=plan.imbalance_before, imb_after=plan.imbalance_after,
                          replicas=plan.num_replicas)
+    for rec in recs.values():
+        rec.close()
     return out
 
 
-def _run_shape(shape: Shape, args, policies) -> dict:
-    out = launch(_body, 2, shape, args, policies, backend=args.backend, threads_per_rank=1)
+def _run_shape(shape: Shape, args, policies, runs_dir=None) -> dict:
+    out = launch(_body, 2, shape, args, policies, runs_dir, backend=args.backend, threads_per_rank=1)
     res = {}
     for name, _, _ in policies:
         per_rank = [o[name] for o in out]

@@ -439,6 +439,29 @@ FROM per_step GROUP BY run_id ORDER BY run_id
         "over settled steps) and, where no decision predicted none, scaled from the measurement (busiest-rank "
         "expert compute x (max rank load before / after - 1) - planning - transfers). An estimate, never a "
         "measurement.",
+
+ACTIVATION_MEMORY = Query(
+    "activation_memory", "Expert activation memory per rank" + _EXCLUDED,
+    f"""
+WITH per_call AS (
+    SELECT run_id, layer, step, microbatch,
+           max(other['activation_bytes_before']) AS busiest_before, avg(other['activation_bytes_before']) AS mean_before,
+           max(other['activation_bytes_after']) AS busiest_after, avg(other['activation_bytes_after']) AS mean_after
+    FROM timings WHERE {_RUN} AND other['activation_bytes_after'] IS NOT NULL
+    GROUP BY ALL
+)
+SELECT run_id, layer, count(*) AS calls,
+       max(busiest_before) FILTER (WHERE {SETTLED}) / 1e6 AS peak_busiest_before_MB,
+       max(busiest_after) FILTER (WHERE {SETTLED}) / 1e6 AS peak_busiest_after_MB,
+       avg(mean_after) FILTER (WHERE {SETTLED}) / 1e6 AS mean_rank_MB,
+       max(busiest_before) FILTER (WHERE {SETTLED}) / avg(mean_before) FILTER (WHERE {SETTLED}) AS peak_over_mean_before,
+       max(busiest_after) FILTER (WHERE {SETTLED}) / avg(mean_after) FILTER (WHERE {SETTLED}) AS peak_over_mean_after
+FROM per_call {WARM_JOIN}
+GROUP BY run_id, layer ORDER BY run_id, layer
+""",
+    doc="Per layer: bytes of expert activations a rank holds for a call (rows it computes x the expert's activation "
+        "width x dtype, recorded by every rank), the busiest rank's peak over the calls without and with balancing "
+        "against the mean rank's: what a rank must reserve for activations. Needs every rank's timings.",
 )
 
 ALL: dict[str, Query] = {q.name: q for q in (
@@ -447,12 +470,12 @@ ALL: dict[str, Query] = {q.name: q for q in (
     PREDICTED_VS_MEASURED, PREDICTION_SUMMARY, PHASE_PREDICTION_ERRORS, TRANSFER_BYTES_PER_STEP, TRANSFER_SUMMARY,
     REPLICA_CACHE,
     POLICY_COMPARISON,
-    STEP_SUMMARY, PHASE_TIMES, STEP_TIMES, NONE_ESTIMATE,
+    STEP_SUMMARY, PHASE_TIMES, STEP_TIMES, NONE_ESTIMATE, ACTIVATION_MEMORY,
 )}
 
 # What `ultraep report` prints, in order.
 REPORT = (OVERVIEW, LAYER_SUMMARY, POLICY_SHARES, TRANSFER_SUMMARY, REPLICA_CACHE, PREDICTION_SUMMARY,
-          PHASE_PREDICTION_ERRORS)
+          PHASE_PREDICTION_ERRORS, ACTIVATION_MEMORY)
 
 
 def run(con, query: Query | str, **params: Any) -> tuple[list[str], list[tuple]]:

@@ -202,6 +202,20 @@ def _transfers(d: ReportData) -> list:
     return [table(["run", "layer", "transfers", "moved", "via relay", "timed", "bandwidth (measured)"], rows)]
 
 
+def _memory(d: ReportData) -> list:
+    rows = []
+    for r in d.rows.get("activation_memory", []):
+        if _bad(r["peak_busiest_after_MB"]):
+            continue
+        rows.append([d.label(r["run_id"]), str(r["layer"]), f"{r['peak_busiest_before_MB']:,.2f} MB",
+                     f"{r['peak_busiest_after_MB']:,.2f} MB", f"{r['mean_rank_MB']:,.2f} MB",
+                     f_ratio(r["peak_over_mean_before"]), f_ratio(r["peak_over_mean_after"])])
+    if not rows:
+        return ["no activation memory recorded (runs recorded before it, or no layer call settled)"]
+    return [table(["run", "layer", "busiest rank, unbalanced", "busiest rank, balanced", "mean rank",
+                   "peak / mean before", "peak / mean after"], rows, text=1)]
+
+
 def _runs(d: ReportData) -> list:
     rows = []
     for r in d.rows.get("overview", []):
@@ -218,6 +232,7 @@ SECTIONS: list[Section] = [
     Section("Overhead", _overhead),
     Section("Prediction quality (warm-up excluded)", _prediction),
     Section("Transfers", _transfers),
+    Section("Expert activation memory (peak per rank, warm-up excluded)", _memory),
     Section("Runs", _runs),
 ]
 

@@ -502,6 +502,36 @@ FACTOR_TERMS: dict[str, tuple[str, str]] = {
 }
 
 
+def cost_record(cm: "CostModel") -> dict[str, Any]:
+    """``cm`` as a JSON-able dict (topology, hardware, expert geometry, calibrated parameters): what a recorded run
+    keeps of the cost model its engine learned, so that ``ultraep simulate RUN --topology from-run`` replays on
+    the very machine the run measured (:func:`cost_model_from_record`)."""
+    return {"topology": cm.topology.model_dump(mode="json"), "hardware": cm.hardware.model_dump(mode="json"),
+            "expert": cm.expert.model_dump(mode="json"), "params": cm.params.model_dump(mode="json")}
+
+
+def cost_model_from_record(record: dict[str, Any], path: str = "cost_model") -> "CostModel":
+    """The :class:`CostModel` of a :func:`cost_record` (validated field by field; a bad record raises
+    :class:`~ultraep.errors.ConfigError` naming the field)."""
+    from pydantic import ValidationError
+
+    from ultraep.errors import ConfigError
+
+    parts = {"topology": Topology, "hardware": HardwareSpec, "expert": ExpertSpec, "params": CostParams}
+    if not isinstance(record, dict) or set(record) != set(parts):
+        got = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ConfigError(path, f"must hold exactly {sorted(parts)}, got {got}", got)
+    built = {}
+    for key, cls in parts.items():
+        try:
+            built[key] = cls.model_validate(record[key])
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise ConfigError(f"{path}.{key}.{where}", err["msg"], err.get("input")) from None
+    return CostModel(built["topology"], built["hardware"], built["expert"], built["params"])
+
+
 class Calibrator:
     """Learns the per-term scales of :class:`CostParams` from measured timings.
 

@@ -101,6 +101,18 @@ class ExpertSpec(BaseModel):
         return 2.0 * self.params
 
     @property
+    def activation_width(self) -> int:
+        """Activation elements one received row keeps on its rank until the expert's backward: the row itself (H)
+        and the expert's F-wide intermediates (SwiGLU: gate and up projections and their activated product, one
+        per weight matrix: ``num_matrices`` x F)."""
+        return self.hidden_size + self.num_matrices * self.ffn_size
+
+    @property
+    def activation_row_bytes(self) -> int:
+        """Bytes of expert activations one received row holds (``activation_width`` x ``activation_bytes``)."""
+        return self.activation_width * self.activation_bytes
+
+    @property
     def token_bytes(self) -> int:
         """Bytes one token–expert assignment moves in dispatch (and again in combine)."""
         return self.hidden_size * self.activation_bytes

@@ -288,11 +288,32 @@ def run_demo(settings: DemoSettings, resize=None) -> int:
     timing = DemoTiming(wall_s=wall, setup_s=max(o["setup_s"] for o in per_rank), warmup=warmup_steps(settings))
     paid = summary(con, settings, {k: v for k, v in results.items() if k != REORDERED}, timing)
     ok = _equality(con, settings, results)
+    _activation_memory(con, settings, [v[0] for k, v in results.items() if k != REORDERED])
     con.print(paid, soft_wrap=True)
     con.print(f"open the dashboard on these runs:  [bold]ultraep dashboard {settings.out}[/bold]"
               f"   (or: make dashboard); the measured answer again:  [bold]ultraep report {settings.out}[/bold]",
               soft_wrap=True)
     return 0 if ok else 1
+
+
+def _activation_memory(con, settings: DemoSettings, run_ids: list) -> None:
+    """One line per run: the expert activations the busiest rank holds at its peak, without -> with balancing,
+    against the mean rank (the canned query telemetry.queries.ACTIVATION_MEMORY, summed over the layers)."""
+    from ultraep.telemetry import open_run, queries
+
+    cols, rows = queries.run(open_run(settings.out), queries.ACTIVATION_MEMORY)
+    parts = []
+    for run_id in run_ids:
+        mine = [dict(zip(cols, r)) for r in rows if r[0] == run_id]
+        if not mine:
+            continue
+        before, after, mean = (sum(r[k] or 0.0 for r in mine) for k in (
+            "peak_busiest_before_MB", "peak_busiest_after_MB", "mean_rank_MB"))
+        parts.append(f"{run_id.rsplit('-', 1)[-1]} {before:.1f} -> {after:.1f} MB"
+                     + (f" ({after / mean:.2f}x the mean rank's {mean:.1f} MB)" if mean > 0 else ""))
+    if parts:
+        con.print("expert activations the busiest rank holds at its peak (all layers, without -> with balancing): "
+                  + "; ".join(parts), soft_wrap=True)
 
 
 def _rel(a, b) -> np.ndarray:

@@ -57,21 +57,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("trace", type=Path, help="trace file or directory (Parquet/CSV, SGLang .pt/.csv, Megatron "
                    "router_trace dir, UltraEP profile dir, TensorRT-LLM dir, OLMoE .pkl/json, recorded run)")
     add_trace_args(p)
-    p.add_argument("--topology", default="gb200-nvl72", choices=sorted(PRESETS), help="cluster preset")
+    p.add_argument("--topology", default="gb200-nvl72", choices=[*sorted(PRESETS), "from-run"],
+                   help="cluster preset, or from-run: the cost model a recorded run's engine learned (the trace must be "
+                   "that run); figures are then predictions for the machine that measured the run, printed next to "
+                   "what it measured, and on a preset projections")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="overrides",
                    help="override a preset field, e.g. scale_out.bandwidth_GBps=1.25 or expert.hidden_size=2048")
     p.add_argument("--policies", default=",".join(ALL_POLICIES),
                    help=f"comma list (default {','.join(ALL_POLICIES)}); also eplb+ (EPLB fed the exact current load, "
                    "the UltraEP paper's EPLB+ baseline, replayed next to eplb)")
     p.add_argument("--ranks", type=int, default=None, help="EP group size R (default: the trace's source ranks)")
-    p.add_argument("--slots", type=int, default=2, help="redundant slots per rank N (default 2)")
+    p.add_argument("--tile-ranks", action="store_true",
+                   help="with --ranks a multiple of the trace's source ranks: rank r replays source rank r mod Rs (the "
+                   "same tokens per rank: a larger job); default: the trace's tokens are spread over the ranks")
+    p.add_argument("--slots", type=int, default=None, help="redundant slots per rank N (default 2; from-run: the run's)")
     p.add_argument("--layers", type=_csv_ints, default=None, help="only these layer ids (comma list)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--max-plans", type=int, default=DEFAULT_MAX_PLANS,
                         help=f"replayed layer-steps per policy at most (default {DEFAULT_MAX_PLANS}); sets the stride")
     budget.add_argument("--stride", type=int, default=None, help="replay every k-th step (overrides --max-plans)")
     p.add_argument("--workers", type=int, default=2, help="processes; layers are split among them (default 2)")
-    p.add_argument("--mode", choices=["training", "prefill"], default="training", help="training = fwd + bwd")
+    p.add_argument("--mode", choices=["training", "prefill"], default=None,
+                   help="training = fwd + bwd (default training; from-run: the run's)")
     p.add_argument("--non-moe-ms", type=float, nargs=2, metavar=("FWD", "BWD"), default=(0.0, 0.0),
                    help="per-layer time outside the MoE block (attention etc.), ms, forward and backward")
     p.add_argument("--resend-replicas", action="store_true",
@@ -143,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--policies", f"unknown policy {unknown[0]!r}; available: {', '.join(ALL_POLICIES)}",
                           unknown[0])
     trace = read_trace(args.trace, args.format, parse_kv(args.trace_opt, "--trace-opt"), args.layers)
+    run_id = trace.meta.extra.get("run_id") if trace.meta.source == "recorded-run" else None
+    if args.topology == "from-run" and run_id is None:
+        raise ConfigError("--topology", f"from-run needs a recorded ultraep run as the trace; {args.trace} is a "
+                          f"{trace.meta.source} trace (use a preset)", "from-run")
     # global-count dumps may still say how large their EP group was (UltraEP's ep_size)
     ranks = args.ranks if args.ranks is not None else (trace.meta.num_ranks or trace.meta.extra.get("ep_size"))
     if ranks is None:
@@ -150,6 +161,11 @@ def run(args: argparse.Namespace) -> int:
     E = trace.meta.num_experts
     if ranks < 1 or E % ranks:
         raise ConfigError("--ranks", f"({ranks}) must divide the trace's {E} experts", ranks)
+    if args.tile_ranks:
+        if args.topology == "from-run":
+            raise ConfigError("--tile-ranks", "does not apply to --topology from-run (the run's own EP group); "
+                              "project the run to a larger job with a preset --topology", True)
+        trace = trace.tiled(ranks)  # (ranks <= E: the copies are bounded by the experts)
     if args.workers < 1:
         raise ConfigError("--workers", f"must be >= 1, got {args.workers}", args.workers)
     for flag, value, low in (("--max-plans", args.max_plans, 0), ("--stride", args.stride, 1),
@@ -159,27 +175,99 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:  # fail now, not after the replay, if the runs directory cannot be made
         args.out.mkdir(parents=True, exist_ok=True)
         check_new_runs(args.out, args.run_name, policies)
-    params = sim_params(mode=args.mode, non_moe_fwd_s=args.non_moe_ms[0] * 1e-3, non_moe_bwd_s=args.non_moe_ms[1] * 1e-3,
-                        resend_all_replicas=args.resend_replicas,
-                        dedup_top_k=None if args.no_dedup else trace.meta.top_k)
-    cm = build_cost_model(args.topology, ranks, E, args.slots, overrides=parse_overrides(args.overrides), params=params)
+    if args.topology == "from-run":
+        cm = _from_run_model(args, run_id, ranks)
+    else:
+        params = sim_params(mode=args.mode or "training", non_moe_fwd_s=args.non_moe_ms[0] * 1e-3,
+                            non_moe_bwd_s=args.non_moe_ms[1] * 1e-3, resend_all_replicas=args.resend_replicas,
+                            dedup_top_k=None if args.no_dedup else trace.meta.top_k)
+        cm = build_cost_model(args.topology, ranks, E, 2 if args.slots is None else args.slots,
+                              overrides=parse_overrides(args.overrides), params=params)
     err = Console(stderr=True)
     result = simulate(
         trace, cm, policies, layers=args.layers, max_plans=args.max_plans, stride=args.stride, workers=args.workers,
         policy_options=_policy_options(args.policy_opt), keep_plans=args.record_plans if args.out else 0,
         progress=not args.no_progress and sys.stderr.isatty(), step_fixed_s=args.step_fixed_ms * 1e-3,
     )
+    from ultraep.sim.from_run import PREDICTED, PROJECTED, measured_summary
+
     summary = [s for s in result.summary() if s["policy"] in result.settings["reported"]]
-    print_summary(summary, result.settings, Console(width=max(120, shutil.get_terminal_size().columns)))
+    basis = PREDICTED if args.topology == "from-run" else PROJECTED
+    result.settings["basis"] = basis
+    measured = measured_summary(args.trace, run_id) if run_id is not None else None
+    console = Console(width=max(120, shutil.get_terminal_size().columns))
+    print_summary(summary, result.settings, console)
+    print_activation(summary, console)
+    print_basis(basis, result.settings, measured, console)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([{**s, "settings": result.settings} for s in summary], indent=2))
+        args.json.write_text(json.dumps([{**s, "basis": basis, "measured": measured, "settings": result.settings}
+                                         for s in summary], indent=2))
         err.print(f"wrote {args.json}")
     if args.out is not None:
         ids = record(result, args.out, run_name=args.run_name, trace_path=str(args.trace), model=trace.meta.model,
                      topology=cm.topology)
         err.print(f"recorded {len(ids)} runs under {args.out}: {', '.join(ids)}")
     return 0
+
+
+def _from_run_model(args, run_id: str, ranks: int):
+    """The cost model of ``--topology from-run``: the one the recorded run's engine learned, on the run's EP group
+    (its slots, mode and per-layer time outside the MoE block unless given)."""
+    from ultraep.cost import CostModel
+    from ultraep.sim.from_run import recorded_cost_model
+
+    for flag, given in (("--set", bool(args.overrides)), ("--resend-replicas", args.resend_replicas)):
+        if given:
+            raise ConfigError(flag, "does not apply to --topology from-run (the run's own calibrated cost model); "
+                              "use a preset --topology to change the cluster", flag)
+    cm = recorded_cost_model(args.trace, run_id)
+    t = cm.topology
+    if ranks != t.num_ranks:
+        raise ConfigError("--ranks", f"({ranks}) must be the run's {t.num_ranks} ranks with --topology from-run; "
+                          "project the run to another size with a preset --topology", ranks)
+    if args.slots is not None and args.slots != t.num_redundant_slots:
+        t = t.with_slots(args.slots)
+    update = {k: v for k, v in (("mode", args.mode), ("non_moe_fwd_s", args.non_moe_ms[0] * 1e-3 or None),
+                                ("non_moe_bwd_s", args.non_moe_ms[1] * 1e-3 or None)) if v is not None}
+    return CostModel(t, cm.hardware, cm.expert, cm.params.model_copy(update=update) if update else cm.params)
+
+
+def print_basis(basis: str, settings: dict, measured: dict | None, console) -> None:
+    """Say which figures were measured and which are the model's: predictions for the machine that recorded the
+    run (``from-run``) or projections to a cluster preset."""
+    from ultraep.sim.from_run import PREDICTED
+
+    where = f"{settings['topology']} EP{settings['num_ranks']}"
+    if basis == PREDICTED:
+        console.print(f"[bold]predicted[/bold]: every figure in the table is the cost model the run's engine learned "
+                      f"(calibrated on its measured phases), replaying its routing ({where}); not measured")
+    else:
+        console.print(f"[bold]projected[/bold]: every figure in the table is the cost model of the {settings['topology']} "
+                      f"preset at EP{settings['num_ranks']} (no machine of this kind measured it)")
+    if measured is None:
+        return
+    m, p = measured["measured_layer_ms"], measured["predicted_layer_ms"]
+    chose = ", ".join(f"{k} {v}" for k, v in measured["chosen"].items()) or "nothing recorded"
+    console.print(f"[bold]measured[/bold]: run {measured['run_id']} ran policy {measured['policy'] or '?'} (chose: "
+                  f"{chose}); {measured['calls']} layer calls after warm-up, layer time "
+                  + (f"{m:.3f} ms measured, {p:.3f} ms predicted by its engine at the time" if m is not None
+                     else "not measured (no timings recorded)"))
+
+
+def print_activation(summary: list[dict], console) -> None:
+    """Activation memory, the third cost of imbalance: the expert activations the busiest rank holds at its peak
+    (rows it computes x the expert's activation width x dtype), without and with balancing, against the mean rank."""
+    from rich.table import Table
+
+    table = Table(title="expert activations per rank (MB): the busiest rank's peak over the layer calls vs the mean rank")
+    for col in ("policy", "busiest peak, no balancing", "busiest peak", "mean rank", "peak / mean"):
+        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+    for r in summary:
+        mean = r["activation_mean_MB"]
+        table.add_row(r["policy"], f"{r['activation_peak_before_MB']:.2f}", f"{r['activation_peak_after_MB']:.2f}",
+                      f"{mean:.2f}", f"{r['activation_peak_after_MB'] / mean:.2f}" if mean > 0 else "-")
+    console.print(table)
 
 
 def print_summary(summary: list[dict], settings: dict, console) -> None:

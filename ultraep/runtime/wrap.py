@@ -147,10 +147,19 @@ class EPRuntime:
         if every and self.step % every == 0:
             self.check_replicated()
         if self.recorder is not None:
-            self.safe(self.recorder.record_step, self.step, loss=loss, step_time_s=step_time_s,
-                       warmup=self.step == 0 if warmup is None else bool(warmup))
+            self.safe(self._record_step, loss, step_time_s, self.step == 0 if warmup is None else bool(warmup))
         self.step += 1
         self.microbatch = -1
+
+    def _record_step(self, loss, step_time_s, warmup: bool) -> None:
+        # rank 0 keeps the engine's calibrated cost model with every step (the same on every rank): a recorded run
+        # then replays on the machine it measured (`ultraep simulate RUN --topology from-run`)
+        from ultraep.cost import cost_record
+
+        extra = None
+        if self.rank == 0 and self.layers and getattr(self, "engine", None) is not None:
+            extra = {"cost_model": cost_record(self.engine.cost_model_for(self.layers[0].layer))}
+        self.recorder.record_step(self.step, loss=loss, step_time_s=step_time_s, warmup=warmup, extra=extra)
 
     def flush_records(self) -> None:
         """Record every layer call still waiting for its backward (at a step's end, or on a failure)."""

@@ -48,8 +48,10 @@ from ultraep.traces import Trace
 #: records as ``predicted.<term>`` and the runtime measures): no translation between vocabularies
 TERM_FIELDS = tuple(f.name for f in dataclasses.fields(CostBreakdown)
                     if f.name.endswith("_s") and f.name != "total_s") + ("token_straggler",)
+#: act_*: bytes of expert activations a rank holds for the call (rows it computes x the expert's activation width
+#: x dtype): the busiest rank's without (before) and with (after) the plan, and the mean rank's
 ROW_FIELDS = ("step", "microbatch", "layer", "imbalance_before", "imbalance_after", "replicas", "transfer_bytes",
-              "time_s", "ideal_s", "scheme_ideal_s", *TERM_FIELDS)
+              "time_s", "ideal_s", "scheme_ideal_s", *TERM_FIELDS, "act_busiest_before", "act_busiest_after", "act_mean")
 #: simulator-only names of a policy with fixed options, replayed as their own run next to the base policy:
 #: ``<name>+`` is the policy with its one-shot options (``one_shot_options``: what it plans with when it has no
 #: history); ``eplb+`` is the UltraEP paper's EPLB+ baseline (DeepSeek EPLB fed the exact current load)
@@ -137,6 +139,11 @@ def summarise(rows: dict[str, dict[str, np.ndarray]], policies, step_fixed_s: fl
             "speedup_vs_none": base_t / t if (base is not None and t > 0) else float("nan"),
             "gemm_straggler_ms": float(r["gemm_straggler_s"].mean()) * 1e3 if n else 0.0,
             "token_straggler": float(r["token_straggler"].mean()) if n else 0.0,
+            # expert activations per rank: the busiest rank's peak over the calls, without and with balancing, and
+            # the mean rank's mean (what a rank must reserve vs what it holds on average)
+            "activation_peak_before_MB": float(r["act_busiest_before"].max()) / 1e6 if n else 0.0,
+            "activation_peak_after_MB": float(r["act_busiest_after"].max()) / 1e6 if n else 0.0,
+            "activation_mean_MB": float(r["act_mean"].mean()) / 1e6 if n else 0.0,
         })
     return out
 
@@ -326,9 +333,12 @@ _TERMS = operator.attrgetter(*TERM_FIELDS)
 
 
 def _row(plan: Plan, bd: CostBreakdown, ideal: CostBreakdown, scheme: CostBreakdown, transfer_bytes: float,
-         step: int, mb: int, layer: int) -> tuple:
+         step: int, mb: int, layer: int, row_bytes: float) -> tuple:
+    # rows each rank computes under the plan: the cost model's (HybridEP computes some tokens elsewhere), else quotas
+    after = bd.rank_tokens_R if bd.rank_tokens_R is not None else plan.rank_load_after_R
     return (step, mb, layer, plan.imbalance_before, bd.imbalance, plan.num_replicas, transfer_bytes, bd.total_s,
-            ideal.total_s, scheme.total_s, *_TERMS(bd))
+            ideal.total_s, scheme.total_s, *_TERMS(bd), row_bytes * float(plan.rank_load_before_R.max()),
+            row_bytes * float(after.max()), row_bytes * float(after.mean()))
 
 
 def _scheme_ideal(plan: Plan, cm: "_PointCostModel", load: np.ndarray, ideal: CostBreakdown) -> CostBreakdown:
@@ -363,6 +373,7 @@ def replay_layer(trace: Trace, layer: int, cm: CostModel, names, *, stride: int 
     # the same step are resident then; prefill never changes them. (One array for "nothing resident", shared by
     # every engine, so that policies shared between engines plan it once.)
     nothing = np.zeros((t.num_ranks, t.num_experts), dtype=bool)
+    row_bytes = float(cm.expert.activation_row_bytes)
     held: dict[str, tuple[int, np.ndarray | None]] = {}
     keep = cm.params.mode == "prefill"
     for step, mb, load in trace.layer_loads(layer, t.num_ranks, point_stride=stride):
@@ -374,7 +385,7 @@ def replay_layer(trace: Trace, layer: int, cm: CostModel, names, *, stride: int 
             d = eng.decide(step, mb, layer, load, res if res is not None and (keep or s0 == step) else nothing)
             decided.append((n, eng, d))
             rows[n].append(_row(d.plan, d.predicted, ideal, _scheme_ideal(d.plan, cm, load, ideal),
-                                _transfer_bytes(d.plan, cm), step, mb, layer))
+                                _transfer_bytes(d.plan, cm), step, mb, layer, row_bytes))
         for n, eng, d in decided:
             eng.commit(d)
             held[n] = (step, resident_of(d.plan))

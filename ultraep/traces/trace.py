@@ -254,6 +254,24 @@ class Trace:
             **({"source_ranks": self.meta.extra["source_ranks"]} if self.meta.extra.get("source_ranks") else {}),
         }
 
+    def tiled(self, num_ranks: int) -> "Trace":
+        """The workload of a job ``num_ranks / Rs`` times larger: simulated rank ``r`` replays source rank ``r mod Rs``
+        (every rank keeps its tokens, as when the same model and batch per rank run on more GPUs), where
+        :meth:`layer_loads` alone spreads the trace's tokens over more ranks (the same job on more GPUs).
+        Needs per-source counts and ``num_ranks`` a multiple of the source ranks ``Rs``."""
+        Rs = self.meta.num_ranks
+        if Rs is None or (self.columns["src_rank"] < 0).any():
+            raise TraceError("--tile-ranks", "the trace holds global counts (no source ranks): there is no per-rank "
+                             "workload to repeat", None)
+        if num_ranks % Rs:
+            raise TraceError("--ranks", f"({num_ranks}) must be a multiple of the trace's {Rs} source ranks to repeat "
+                             "its ranks", num_ranks)
+        k = num_ranks // Rs
+        cols = {c: np.tile(v, k) for c, v in self.columns.items()}
+        cols["src_rank"] = cols["src_rank"] + np.repeat(np.arange(k, dtype=np.int64) * Rs, len(self.columns["tokens"]))
+        meta = self.meta.model_copy(update={"num_ranks": num_ranks, "extra": {**self.meta.extra, "tiled_from": Rs}})
+        return Trace.from_columns(meta, **cols)
+
     def layer_loads(self, layer: int, num_ranks: int, *, point_stride: int = 1,
                     max_points: int | None = None) -> Iterator[tuple[int, int, np.ndarray]]:
         """Yield ``(step, microbatch, load[R, E])`` of one layer for every ``point_stride``-th point (in

@@ -1,0 +1,153 @@
+"""`ultraep simulate RUN --topology from-run` replays a recorded run on the cost model its engine learned, and a
+preset replays it as a projection; the output says which figures were measured, predicted and projected
+(issue 35, items 1 and 3)."""
+
+import json
+
+import pytest
+import torch  # noqa: F401 - imported before fork so ranks start fast
+import transformers  # noqa: F401
+
+from dist_utils import run_ranks
+from ultraep.cli import main
+from ultraep.cost import CostParams, cost_model_from_record, cost_record
+from ultraep.errors import ConfigError
+from ultraep.models import build_model
+from ultraep.telemetry import open_run
+
+
+def _ids(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    # low token ids: skewed routing in the tiny model, so balancing has something to do
+    return torch.randint(0, 40, (2, 32), generator=g)
+
+
+def _recorded(rank, world, runs):
+    import ultraep
+
+    model = build_model("qwen3-moe")
+    with ultraep.telemetry.Recorder.open(runs, "rec", world_size=world, rank=rank, flush_interval_s=None,
+                                         config={"policy": "quota"}) as rec:
+        rt = ultraep.runtime_of(ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 2}, recorder=rec))
+        for step in range(3):  # the recorder keeps the engine's model at every step's end
+            model(input_ids=_ids(rank, step)).logits.float().pow(2).mean().backward()
+            rt.next_step()
+    return cost_record(rt.engine.cost_model_for(rt.layers[0].layer))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    learned = run_ranks(_recorded, 2, str(runs))[0]
+    return runs / "rec", learned
+
+
+def test_the_runtime_records_the_cost_model_its_engine_learned(run):
+    path, learned = run
+    con = open_run(path)
+    rows = con.execute("SELECT rank, step, extra_json FROM steps ORDER BY step, rank").fetchall()
+    kept = [json.loads(x)["cost_model"] for r, _, x in rows if r == 0]
+    assert len(kept) == 3 and all(x is None for r, _, x in rows if r == 1)  # rank 0's copy only
+    assert kept[-1] == json.loads(json.dumps(learned))  # the engine's model after the last step
+    params = cost_model_from_record(kept[-1]).params
+    assert params.compute_scale != CostParams().compute_scale  # calibrated on this machine, not the seed
+
+
+def test_from_run_replays_the_runs_routing_on_its_own_model(run, tmp_path, capsys):
+    path, learned = run
+    out = tmp_path / "sim.json"
+    assert main(["simulate", str(path), "--topology", "from-run", "--policies", "none,quota", "--json", str(out),
+                 "--no-progress", "--workers", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "predicted: every figure" in text and "measured: run rec ran policy quota" in text
+    rows = {r["policy"]: r for r in json.loads(out.read_text())}
+    assert rows["quota"]["basis"] == "predicted" and rows["quota"]["settings"]["num_ranks"] == 2
+    m = rows["quota"]["measured"]
+    assert m["policy"] == "quota" and m["calls"] == 2 * 2 and m["measured_layer_ms"] > 0  # 2 layers x steps 1-2
+    assert rows["quota"]["settings"]["topology"] == learned["topology"]["name"]
+
+
+def test_a_preset_projects_the_run_and_says_so(run, tmp_path, capsys):
+    path, _ = run
+    out = tmp_path / "sim.json"
+    assert main(["simulate", str(path), "--topology", "gb200-nvl72", "--ranks", "8", "--tile-ranks", "--policies",
+                 "none,quota", "--json", str(out), "--no-progress", "--workers", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "projected: every figure" in text and "measured: run rec" in text
+    rows = {r["policy"]: r for r in json.loads(out.read_text())}
+    assert rows["none"]["basis"] == "projected" and rows["none"]["settings"]["num_ranks"] == 8
+
+
+def test_from_run_refuses_what_would_not_be_the_runs_machine(run, tmp_path, capsys):
+    path, _ = run
+    assert main(["simulate", str(path), "--topology", "from-run", "--ranks", "4"]) == 2
+    assert "--ranks: (4) must be the run's 2 ranks" in capsys.readouterr().err
+    assert main(["simulate", str(path), "--topology", "from-run", "--set", "scale_out.bandwidth_GBps=5"]) == 2
+    assert "--set" in capsys.readouterr().err
+    assert main(["trace", "synth", str(tmp_path / "t.parquet"), "--ranks", "2", "--experts", "8", "--steps", "2"]) == 0
+    assert main(["simulate", str(tmp_path / "t.parquet"), "--topology", "from-run"]) == 2
+    assert "from-run needs a recorded ultraep run" in capsys.readouterr().err
+    # a run that kept no cost model (a simulation's, or one recorded before the runtime kept it): one line
+    assert main(["simulate", str(tmp_path / "t.parquet"), "--ranks", "2", "--policies", "none", "--out",
+                 str(tmp_path / "runs"), "--run-name", "old", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(tmp_path / "runs" / "old-none"), "--topology", "from-run"]) == 2
+    err = capsys.readouterr().err
+    assert "recorded no cost model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bad_cost_model_record_is_refused_by_field():
+    from ultraep.sim import build_cost_model
+
+    rec = json.loads(json.dumps(cost_record(build_cost_model("gb200-nvl72", 8, 64, 2))))
+    rec["params"]["compute_scale"] = -1
+    with pytest.raises(ConfigError, match=r"cost_model.params.compute_scale"):
+        cost_model_from_record(rec)
+    with pytest.raises(ConfigError, match="must hold exactly"):
+        cost_model_from_record({"params": {}})
+
+
+def test_the_runtime_records_the_expert_activations_each_rank_holds(run):
+    """Per layer call and rank: rows the rank computes x the expert's activation width x dtype, without and with
+    balancing; the canned query gives the busiest rank's peak against the mean rank."""
+    from ultraep.presets import ExpertSpec
+    from ultraep.telemetry import queries
+
+    path, learned = run
+    expert = ExpertSpec.model_validate(learned["expert"])
+    # SwiGLU: the row (H) and its gate, up and activated product (3 x F) stay until the backward
+    assert expert.activation_width == expert.hidden_size + 3 * expert.ffn_size
+    con = open_run(path)
+    got = con.execute(
+        "SELECT t.rank, t.other['activation_bytes_before'], t.other['activation_bytes_after'], "
+        "l.rank_load_before[t.rank + 1], l.rank_load_after[t.rank + 1] FROM timings t JOIN layer_loads l "
+        "USING (run_id, step, microbatch, layer) ORDER BY ALL").fetchall()
+    assert len(got) == 2 * 2 * 3  # ranks x layers x steps
+    for _, before, after, rows_before, rows_after in got:
+        assert before == rows_before * expert.activation_row_bytes and after == rows_after * expert.activation_row_bytes
+    cols, rows = queries.run(con, queries.ACTIVATION_MEMORY)
+    r = dict(zip(cols, rows[0]))
+    assert r["peak_over_mean_before"] > 1.0 and r["peak_over_mean_after"] < r["peak_over_mean_before"]
+    assert r["peak_busiest_after_MB"] < r["peak_busiest_before_MB"]
+
+
+def test_the_simulator_reports_activation_memory_before_and_after(capsys, tmp_path):
+    from ultraep.sim import build_cost_model, simulate
+    from ultraep.traces.synthetic import SyntheticSpec, synthetic_trace
+
+    tr = synthetic_trace(SyntheticSpec(num_ranks=8, num_experts=64, num_steps=6, tokens_per_rank=1024,
+                                       imbalance=(2.0, 2.0), per_source=True, seed=2))
+    cm = build_cost_model("gb200-nvl72", 8, 64, 2)
+    res = simulate(tr, cm, ("none", "quota"), max_plans=None)
+    s = {x["policy"]: x for x in res.summary()}
+    row_bytes = cm.expert.activation_row_bytes
+    load = next(tr.layer_loads(0, 8))[2]
+    home = load.sum(axis=0).reshape(8, 8).sum(axis=1)  # rows each rank computes without balancing, step 0
+    assert res.rows["none"]["act_busiest_before"][0] == home.max() * row_bytes
+    assert res.rows["none"]["act_mean"][0] == pytest.approx(home.mean() * row_bytes)
+    assert s["none"]["activation_peak_after_MB"] == s["none"]["activation_peak_before_MB"]
+    assert s["quota"]["activation_peak_after_MB"] < 0.6 * s["quota"]["activation_peak_before_MB"]
+    assert s["quota"]["activation_mean_MB"] == pytest.approx(s["none"]["activation_mean_MB"])
+    tr.write(tmp_path / "t.parquet")
+    assert main(["simulate", str(tmp_path / "t.parquet"), "--policies", "none,quota", "--no-progress"]) == 0
+    assert "expert activations per rank (MB)" in capsys.readouterr().out
