@@ -439,6 +439,7 @@ FROM per_step GROUP BY run_id ORDER BY run_id
         "over settled steps) and, where no decision predicted none, scaled from the measurement (busiest-rank "
         "expert compute x (max rank load before / after - 1) - planning - transfers). An estimate, never a "
         "measurement.",
+)
 
 ACTIVATION_MEMORY = Query(
     "activation_memory", "Expert activation memory per rank" + _EXCLUDED,

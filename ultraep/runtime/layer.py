@@ -224,6 +224,11 @@ class BalancedExperts(nn.Module):
                                               needs_backward, marks, clk)
         t4, t5, t6, t7 = ts
         timings = self._forward_timings(job, (t0, t1, t2, t3, t4, t5, t6, t7), master_s, decision.predicted)
+        # expert activations this rank holds for the call (rows it computes x the expert's activation width), without
+        # and with balancing: the third cost of imbalance (telemetry.queries.ACTIVATION_MEMORY)
+        row_bytes = float(self.expert_spec.activation_row_bytes)
+        timings.update(activation_bytes_before=float(plan.rank_load_before_R[rt.rank]) * row_bytes,
+                       activation_bytes_after=float(plan.rank_load_after_R[rt.rank]) * row_bytes)
         if cached:  # this rank's replicas of this call: found resident, streamed, and the bytes not received
             mine = int((plan.replicas.rank == rt.rank).sum())
             timings.update(cache_hits=float(hits), cache_misses=float(mine - hits),
@@ -389,11 +394,6 @@ class BalancedExperts(nn.Module):
             master_compute_s=master_s, replica_compute_s=replica_s, experts_s=master_s + replica_s,
             transfer_s=weight_s, combine_s=t7 - t6, forward_s=t7 - t0, measured_s=t7 - t0,
         )
-        # expert activations this rank holds for the call (rows it computes x the expert's activation width), without
-        # and with balancing: the third cost of imbalance (telemetry.queries.ACTIVATION_MEMORY)
-        row_bytes = float(self.expert_spec.activation_row_bytes)
-        timings.update(activation_bytes_before=float(plan.rank_load_before_R[me]) * row_bytes,
-                       activation_bytes_after=float(plan.rank_load_after_R[me]) * row_bytes)
         if job is not None:
             for k in ("weight_post_s", "relay_s", "weight_wait_s"):
                 timings[k] = ph.get(k, 0.0)
