@@ -158,6 +158,7 @@ def _check(results):
 HOWS = ["ddp", "ddp-accumulate", "checkpoint-hf", "checkpoint-torch", "checkpoint-torch-reentrant", "fsdp2"]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
@@ -165,6 +166,7 @@ def test_two_ranks_train_like_the_unwrapped_model_on_the_global_batch(family, po
     _check(run_ranks(_scenario, 2, family, POLICIES[policy], how))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("memory", ["auto", 0])
 @pytest.mark.parametrize("how", ["ddp", "ddp-accumulate", "checkpoint-hf", "checkpoint-torch-reentrant", "fsdp2"])
 def test_four_ranks_train_like_the_unwrapped_model_on_the_global_batch(how, memory):
