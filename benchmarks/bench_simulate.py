@@ -17,8 +17,8 @@ Scenarios (synthetic traces, ``ultraep.traces.synthetic``):
   HybridEP's expert transmission wins; with the previous two it gives layer mixes whose best single policy
   differs (quota, none, hybridep).
 * ``real routing``: OLMoE's per-domain popularity (``/work/shared/data``) resampled at one 120-token sequence per
-  rank per step, EP8: no balancing pays; adaptive vs the best single policy, with its exploration budget over the
-  run and with it unbounded (per decision, as before issue 35).
+  rank per step, EP8: no balancing pays; adaptive vs the best single policy (issue 35's goal: >= 0.99; the
+  exploration budget that met it was reverted — it kept adaptive off quota on the runtime, docs/benchmarks.md).
 * ``stationarity``: historical EPLB (interval 50, window 50) on the same layers with drift 0, 0.05 and
   0.2 ranks per step: EPLB loses ground as the load moves; quota does not.
 
@@ -180,20 +180,17 @@ def main() -> None:
 
         tab = Table(title="adaptive vs the best single policy on real routing (OLMoE popularity, 64 experts, top-8), "
                           "one 120-token sequence per rank per step, EP8 on one NVL72 rack, 2 slots")
-        for c in ("steps", "best single", "best ms", "adaptive ms", "best / adaptive", "unbounded budget"):
+        for c in ("steps", "best single", "best ms", "adaptive ms", "best / adaptive"):
             tab.add_column(c, justify="left" if c == "best single" else "right")
         src = load_trace(olmoe, model="olmoe")
         tr = resampled_trace(src, num_ranks=8, tokens_per_rank=120, num_steps=steps // 2, steps_per_source_point=10,
                              seed=args.seed)
         cm8 = build_cost_model("gb200-nvl72", 8, 64, SLOTS, params=sim_params(dedup_top_k=8))
-        ratios = []
-        for opts in (None, {"adaptive": {"explore_share": 1e9}}):  # the budget over the run, and per decision
-            res = simulate(tr, cm8, (*SINGLE, "adaptive"), workers=args.workers, max_plans=None, policy_options=opts)
-            tot = {p: float(res.rows[p]["time_s"].sum()) for p in (*SINGLE, "adaptive")}
-            best = min(SINGLE, key=tot.get)
-            ratios.append(tot[best] / tot["adaptive"])
-        tab.add_row(str(steps // 2), best, f"{tot[best] * 1e3:.1f}", f"{tot[best] / ratios[0] * 1e3:.1f}",
-                    f"{ratios[0]:.4f}", f"{ratios[1]:.4f}")
+        res = simulate(tr, cm8, (*SINGLE, "adaptive"), workers=args.workers, max_plans=None)
+        tot = {p: float(res.rows[p]["time_s"].sum()) for p in (*SINGLE, "adaptive")}
+        best = min(SINGLE, key=tot.get)
+        ratios = [tot[best] / tot["adaptive"]]
+        tab.add_row(str(steps // 2), best, f"{tot[best] * 1e3:.1f}", f"{tot['adaptive'] * 1e3:.1f}", f"{ratios[0]:.4f}")
         out_rows.append(row(WHAT, "adaptive", "best_single_over_adaptive", "ratio", "olmoe-120-tokens-ep8", [ratios[0]]))
         console.print(tab)
         console.print("goal (issue 35): best / adaptive >= 0.99 on real routing with few tokens per rank")

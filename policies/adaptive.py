@@ -8,17 +8,6 @@ Legend: R ranks, E experts.
 
 Steps (one layer, one microbatch):
 
-    Step 0: budget: exploring — the engine's decision overhead, the planners of candidates it does not choose,
-            a probe's predicted loss — is bounded over the run, not per decision (:mod:`.exploration`): at most
-            ``explore_share`` of the run's layer time plus ``explore_of_gain`` of what weighing found (the best
-            candidate's predicted saving over the policy in force). With the budget overdrawn the decision is
-            *dormant*: only ``none`` and the policy in force are planned and weighed (with ``none`` in force,
-            nothing is weighed and no overhead charged: it runs as the fixed policy would), and every other
-            candidate's history advances with the load. A stateless candidate (``quota``) is planned outside the
-            budget when ``explore_of_gain`` of what any plan could save over the policy in force on this load
-            (its time minus the ideal) pays for its planner: skew appearing is weighed at once. A candidate in
-            its exploration round (measured fewer than FEW_RUNS times where outcomes are measured, and near the
-            best when last predicted) is exempt: its probes are bounded by ``probe_max_loss`` and FEW_RUNS.
     Step 1: screen: a candidate that lost clearly LOSING_STREAK decisions in a row (or every candidate, once
             ``none`` has won clearly for ``probe_every`` decisions) rests: it is not planned nor predicted
             until it is due for re-evaluation; its history still advances with the load (its ``advance``).
@@ -59,7 +48,6 @@ from ultraep.plan import Choice, Plan
 from ultraep.topology import Topology
 
 from .base import identity_plan, plan_resident
-from .exploration import OF_GAIN, SHARE, ExplorationBudget
 from .registry import get_policy_class, make_policy
 
 #: candidates screened by the gain bound of Step 1 (stateless, their planner on the critical path)
@@ -89,13 +77,6 @@ class AdaptivePolicy:
         switch_now: relative gain that switches at once, without waiting for ``patience``.
         deadline_s: a plan whose planning + weight sync exceeds this (seconds) arrives too late.
         screen: skip planning stateless candidates that cannot pay for their own planner (Step 1).
-        probe_every, probe_max_loss: a candidate not run for ``probe_every`` decisions runs once if predicted at
-            most ``probe_max_loss`` (relative) slower than the best (Step 5b).
-        outcome_window: measured outcomes per candidate whose median corrects its predictions.
-        explore_share, explore_of_gain: the exploration budget over the run (Step 0): weighing, planning and
-            probing other candidates may cost ``explore_share`` of the run's layer time plus ``explore_of_gain``
-            of what weighing found: the best candidate's saving over the policy in force
-            (:mod:`~ultraep.policies.exploration`).
         candidate_options: per-candidate option dicts, e.g. ``{"quota": {"balance_eps": 0.02}}``.
         cost_model: the :class:`~ultraep.cost.CostModel` (not a config value; engine/simulator pass it).
         policies: ready candidate instances (shared with a caller, e.g. the simulator).
@@ -109,7 +90,6 @@ class AdaptivePolicy:
     def __init__(self, candidates=DEFAULT_CANDIDATES, margin: float = 0.005, patience: int = 2,
                  switch_now: float = 0.02, deadline_s: float | None = None, screen: bool = True,
                  probe_every: int = 32, probe_max_loss: float = 0.25, outcome_window: int = 5,
-                 explore_share: float = SHARE, explore_of_gain: float = OF_GAIN,
                  candidate_options: dict | None = None, cost_model=None, policies: dict | None = None,
                  owns_candidates: bool = True) -> None:
         from ultraep.errors import ConfigError
@@ -149,9 +129,6 @@ class AdaptivePolicy:
         self.probe_every = int(probe_every)
         self.probe_max_loss = float(probe_max_loss)
         self.outcome_window = max(1, int(outcome_window))
-        #: what exploring may cost over the run (Step 0, :mod:`.exploration`)
-        self.budget = ExplorationBudget(float(explore_share), float(explore_of_gain))
-        self._near: dict[str, bool] = {}  # per candidate: was it within probe_max_loss of the best when last predicted
         #: per candidate: median of log(measured / predicted layer time) over its last runs, and how often it ran,
         #: against the calibrated model of the time (``_outcome``) and against the anchor model (``_outcome_anchor``)
         self._outcome: dict[str, tuple[float, int]] = {}
@@ -405,70 +382,26 @@ class AdaptivePolicy:
         t0 = time.perf_counter()
         cm = self._cost(topology)
         has = resident_RE is not None
-        # Step 0: the exploration budget (the first decision explores whatever it costs: nothing is known yet).
-        cur = self._current
-        free = self.budget.free() if cur is not None else math.inf
-        base = {n: plan_resident(self.policies[n], load_RE, topology, resident_RE) for n in dict.fromkeys(
-            ("none", cur or "none"))}  # none and the policy in force: planned on every decision
-        base_bd = {n: self._predict(cm, n, pl, has) for n, pl in base.items()}
-        stateless = [n for n in self.policies if n in SCREENABLE and n != cur]
-        ideal_s, pays = None, set(stateless)
-        if stateless and free < math.inf:
-            # a stateless candidate's planner is paid from the budget, or from what any plan could save over the
-            # policy in force on this very load (its time minus the ideal) when explore_of_gain of that pays for it:
-            # skew appearing where there was none is weighed at once
-            ideal_s = cm.ideal(load_RE).total_s
-            at_stake = self.budget.of_gain * (base_bd[cur].total_s - ideal_s)
-            pays = {n for n in stateless if self._exploring(n) or max(free, at_stake) >= (
-                cm.params.engine_overhead_s + self.exposed_planner_s(cm, n))}
-        if not pays and self._short(cm, free):
-            self._anchor_predictions(topology, base, has)
-            plan = self.decide(base, topology, screened=sorted(n for n in self.policies if n not in base),
-                               breakdowns=base_bd, resident=has, free=free, dormant=True)
-            object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
-            return plan
         # Step 1: the resting candidates; the others not screened by the gain bound are planned first (cheap or
-        # off the critical path), then the bound screens the rest, and the budget those whose planner it cannot pay
+        # off the critical path), then the bound screens the rest
         rest = set(self.resting())
-
-        def planned(n):
-            return base[n] if n in base else plan_resident(self.policies[n], load_RE, topology, resident_RE)
-
-        plans = {n: planned(n) for n in self.policies if n not in SCREENABLE and n not in rest}
-        bds = {n: base_bd[n] if n in base_bd else self._predict(cm, n, pl, has) for n, pl in plans.items()}
+        plans = {n: plan_resident(p, load_RE, topology, resident_RE) for n, p in self.policies.items()
+                 if n not in SCREENABLE and n not in rest}
+        bds = {n: self._predict(cm, n, pl, has) for n, pl in plans.items()}
         self._anchor_predictions(topology, plans, has)
-        skip = rest | set(self.screened(load_RE, topology, none_s=base_bd["none"].total_s, ideal_s=ideal_s,
+        skip = rest | set(self.screened(load_RE, topology, none_s=bds["none"].total_s if "none" in bds else None,
                                         others_s=self.references(bds)))
-        skip |= set(stateless) - pays
-        plans.update({n: planned(n) for n in self.policies if n in SCREENABLE and n not in skip})
-        plan = self.decide(plans, topology, screened=sorted(skip), breakdowns=bds, resident=has, free=free)
+        plans.update({n: plan_resident(p, load_RE, topology, resident_RE) for n, p in self.policies.items()
+                      if n in SCREENABLE and n not in skip})
+        plan = self.decide(plans, topology, screened=sorted(skip), breakdowns=bds, resident=has)
         object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
         return plan
 
-    def _exploring(self, name: str) -> bool:
-        """Whether ``name`` is in its exploration round, exempt from the budget (Step 0): outcomes are measured
-        (probes can run: ``probe_max_loss`` > 0), it has fewer than FEW_RUNS measurements, and it was within
-        ``probe_max_loss`` of the best when last predicted (or never was predicted). A candidate that is never
-        near the best is never probed: its round would never end, and it would keep the engine from resting."""
-        return (self.probe_every > 0 and self.probe_max_loss > 0 and self._near.get(name, True)
-                and self._outcome_anchor.get(name, (0.0, 0))[1] < FEW_RUNS)
-
-    def _short(self, cm, free: float) -> bool:
-        """Step 0: whether the budget cannot pay this decision's overhead, and no candidate in its exploration
-        round is due for a probe (the decision is then dormant unless a stateless candidate's planner pays)."""
-        cur, overhead = self._current, cm.params.engine_overhead_s
-        if cur is None or overhead <= 0 or free >= overhead:
-            return False
-        return not any(n != cur and self._exploring(n) and self._due(n) for n in self.policies)
-
     def decide(self, plans: dict[str, Plan], topology: Topology | None = None, screened=(),
-               breakdowns: dict | None = None, resident: bool = False, free: float = math.inf,
-               dormant: bool = False) -> Plan:
+               breakdowns: dict | None = None, resident: bool = False) -> Plan:
         """Steps 3-6 on ready candidate plans ``{name: plan}`` (all of the same load and topology).
         ``breakdowns``: their cost-model predictions when the caller already has them; ``resident``: the plans'
-        transfers are exactly what moves (see :meth:`_predict`); ``free``: what the exploration budget can still
-        pay (Step 0; a probe it cannot pay waits); ``dormant``: only none and the policy in force were planned (Step 0),
-        nothing is probed, and the policy in force is kept unless none beats it.
+        transfers are exactly what moves (see :meth:`_predict`).
 
         (About 100 lines, one function on purpose: Steps 3-6 read and narrow the same candidate tables in order;
         each step is marked.)"""
@@ -509,10 +442,7 @@ class AdaptivePolicy:
         cur = self._current
         pending = None
         # Step 5: hysteresis.
-        if dormant and best == cur:  # Step 0: the budget is overdrawn; at most none was weighed against cur
-            chosen, reason = cur, (f"dormant: the exploration budget left ({free * 1e6:.1f} us) cannot pay a decision "
-                                   f"(kept {cur})")
-        elif cur is None or cur not in feasible:
+        if cur is None or cur not in feasible:
             chosen = best
             if cur is not None and cur in late:
                 reason = f"late: {cur} planning + weight sync exceeds deadline {self.deadline_s:g} s; took {best}"
@@ -538,32 +468,19 @@ class AdaptivePolicy:
         # (candidates - 1) * probe_max_loss / probe_every of the layer time (plus one exploration round).
         # Never-run candidates come first: until a candidate has run, its prediction borrows the others'
         # measured/predicted ratio, which says nothing about its own overheads.
-        # The budget (Step 0) pays a probe's predicted loss too, except in the candidate's exploration round.
-        for n in feasible:
-            self._near[n] = feasible[n] <= (1 + self.probe_max_loss) * feasible[best]
         probe = False
-        if self.probe_every > 0 and cur is not None and not dormant:
-            kept = feasible.get(chosen, predictions[chosen])
-            due = [n for n in sorted(feasible) if n != chosen and self._due(n) and self._near[n] and (
-                self._exploring(n) or free >= cm.params.engine_overhead_s + feasible[n] - kept)]
+        if self.probe_every > 0 and cur is not None:
+            due = [n for n in sorted(feasible) if n != chosen and self._due(n)
+                   and feasible[n] <= (1 + self.probe_max_loss) * feasible[best]]
             if due:
                 probe_of = max(due, key=lambda n: (n not in self._ran, self._since_run(n), n))
                 chosen, reason, probe = probe_of, (f"probe: {probe_of} " + (
                     "has not run yet" if probe_of not in self._ran
                     else f"last ran {self._since_run(probe_of)} decisions ago") + f" (kept {cur})"), True
         self._anchor_predictions(topology, plans, resident, names=[chosen])  # what its outcome is measured against
-        # Step 6: the engine's exposed overhead (none when it weighed nothing: dormant with none in force, it runs as
-        # the fixed policy none would), and what exploring cost (Step 0): that overhead plus a probe's predicted
-        # loss against the policy it displaced.
-        if len(plans) == 1:  # nothing weighed (dormant with none in force): a fixed policy's decision
-            engine_s = 0.0
-        else:
-            planned_max = max((self.exposed_planner_s(cm, n) for n in plans), default=0.0)
-            engine_s = cm.params.engine_overhead_s + max(0.0, planned_max - self.exposed_planner_s(cm, chosen))
-        # (a probe in its candidate's exploration round books no loss: its bound is FEW_RUNS x probe_max_loss, and
-        # the predictions it would be booked by are the uncorrected ones it exists to correct)
-        explore_s = engine_s + (max(0.0, predictions[chosen] - kept) if probe and not self._exploring(chosen)
-                                else 0.0)
+        # Step 6: the engine's exposed overhead.
+        planned_max = max((self.exposed_planner_s(cm, n) for n in plans), default=0.0)
+        engine_s = cm.params.engine_overhead_s + max(0.0, planned_max - self.exposed_planner_s(cm, chosen))
         src = plans[chosen]
         info = dict(src.info)
         predicted_s = float(predictions[chosen] + engine_s)
@@ -579,12 +496,7 @@ class AdaptivePolicy:
             "pending": list(pending) if pending else None,
             "probe": probe,
             "anchor_s": float(self._anchor_s.get(chosen, 0.0)),
-            "dormant": bool(dormant),
-            "explore_s": float(explore_s),
-            # what the best candidate was predicted to save over the policy in force (the budget's gain: what
-            # weighing found; 0 on the first decision, which has nothing in force to improve on)
-            "saved_s": float(max(0.0, feasible[cur] - feasible[best])) if cur in feasible else 0.0,
-            "none_clear": bool(not dormant and best == "none" and len(feasible) > 1 and min(
+            "none_clear": bool(best == "none" and len(feasible) > 1 and min(
                 (v for n, v in feasible.items() if n != "none"), default=float("inf"))
                 > feasible["none"] * (1 + self.switch_now)),
         }
@@ -610,13 +522,11 @@ class AdaptivePolicy:
         for n in self.policies:
             self._since[n] = 0 if n == chosen else self._since.get(n, 0) + 1
             self._unplanned[n] = 0 if n in preds else self._unplanned.get(n, 0) + 1
-        self.budget.charge(a["predicted_s"], a.get("saved_s", 0.0), a.get("explore_s", 0.0))
-        if not a.get("dormant"):  # a dormant decision weighed none at most: the streaks stand as they were
-            same = set(a.get("same_as_none", ()))  # none under another name cannot win either
-            for n, v in preds.items():  # losing streaks of the candidates that were planned
-                lost = n != chosen and (v > preds[chosen] * (1 + self.switch_now) or n in same)
-                self._lost[n] = self._lost.get(n, 0) + 1 if lost else 0
-            self._none_streak = self._none_streak + 1 if a.get("none_clear") else 0
+        same = set(a.get("same_as_none", ()))  # none under another name cannot win either
+        for n, v in preds.items():  # losing streaks of the candidates that were planned
+            lost = n != chosen and (v > preds[chosen] * (1 + self.switch_now) or n in same)
+            self._lost[n] = self._lost.get(n, 0) + 1 if lost else 0
+        self._none_streak = self._none_streak + 1 if a.get("none_clear") else 0
         if not self.owns_candidates:
             return
         if self._memo is not None and self._memo[0] is plan:
