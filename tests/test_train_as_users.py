@@ -249,3 +249,11 @@ def _wrong_order(rank, world, how):
 def test_a_data_parallel_wrapper_in_the_wrong_order_is_refused_in_one_line(how, says):
     for m in run_ranks(_wrong_order, 2, how):
         assert m is not None and says in m and "\n" not in m, m
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("family,policy,how", [("mixtral", "quota", "ddp-accumulate"),
+                                               ("mixtral", "adaptive", "checkpoint-hf"),
+                                               ("qwen3-moe", "adaptive", "ddp")])
+def test_four_ranks_other_families_and_adaptive(family, policy, how):
+    _check(run_ranks(_scenario, 4, family, POLICIES[policy], how))
