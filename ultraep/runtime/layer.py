@@ -411,7 +411,7 @@ class BalancedExperts(nn.Module):
     # ------------------------------------------------------------------ activation checkpointing
     def _recompute(self, hidden_states, top_k_index, top_k_weights):
         """The forward of an activation-checkpoint recompute: the original call's plan, routes and replicas, with
-        no second load all-gather, plan or commit (docs/design.md, "Activation checkpointing").
+        no second load all-gather, plan or commit (docs/design.md, "Training as users train").
 
         * Non-reentrant checkpoint (``use_reentrant=False``, transformers' default): the original call's graph
           runs the backward; the recompute only reproduces the tensors it saved, in the same order. Its replicas
