@@ -14,6 +14,17 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync"]
 
 
+def require_browser() -> None:
+    """Skip the calling test module unless Debian's chromium, Playwright and Streamlit are here."""
+    import pytest
+
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium; .ci/run does)",
+                    allow_module_level=True)
+    pytest.importorskip("playwright.sync_api", reason="the Python playwright package is not installed")
+    pytest.importorskip("streamlit")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,16 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from browser_utils import CHROMIUM, CHROMIUM_ARGS, free_port, wait_healthy
+from browser_utils import CHROMIUM, CHROMIUM_ARGS, free_port, require_browser, wait_healthy
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [("Layers", "layers"), ("Experts", "experts"), ("Policies", "policies"), ("Transfers", "transfers"),
          ("Compare", "compare"), ("SQL", "sql")]
 
-if not CHROMIUM.exists():
-    pytest.skip(f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium; .ci/run does)",
-                allow_module_level=True)
-pytest.importorskip("playwright.sync_api", reason="the Python playwright package is not installed")
-pytest.importorskip("streamlit")
+require_browser()
 
 import ultraep  # noqa: E402
 from ultraep.telemetry import Recorder  # noqa: E402
