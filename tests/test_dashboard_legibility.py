@@ -159,6 +159,9 @@ def test_no_text_of_any_chart_overlaps_on_any_page(runs, browser, tmp_path):
             if found:
                 problems[f"{path} at {width} px"] = found
             if path == "overview":
+                # the figures render after the charts on a busy machine (measured: none yet at load 13): wait for both
+                page.wait_for_function("() => document.querySelectorAll('[data-testid=\"stMetricValue\"]').length >= 2",
+                                       timeout=90_000)
                 metrics = {m.locator('[data-testid="stMetricLabel"]').inner_text().strip():
                            m.locator('[data-testid="stMetricValue"]').inner_text().strip()
                            for m in page.locator('[data-testid="stMetric"]').all()}
