@@ -212,3 +212,35 @@ def test_scale_out_link_shared_per_domain():
     lat = 2 * 500e-6  # dispatch + combine latency
     ratio = (cm.predict(plan).a2a_fwd_s - lat) / (per_gpu.predict(plan).a2a_fwd_s - lat)
     assert ratio == pytest.approx(8.0, rel=1e-6)
+
+
+def test_calibration_learns_the_runtimes_call_overhead_and_the_engines_own():
+    """Two additive terms (seconds, not scales): the call's layer time minus its measured terms, and an engine
+    decision's measured plan_s minus the planner figures the model charges it."""
+    import dataclasses
+
+    from ultraep.cost import call_residual
+
+    cm = _cm()
+    bd = cm.ideal(_uniform(64, 128, 65536))
+    measured = {"compute_fwd_s": 0.010, "compute_bwd_s": 0.020, "a2a_fwd_s": 0.004, "a2a_bwd_s": 0.003,
+                "copy_s": 0.001, "plan_s": 0.0005, "weight_sync_s": 0.5}  # the flight time is not on the path
+    # 0.050 - (0.010 + 0.020 + 0.004 + 0.003 + 0.001 + 0.0005) = 0.0115
+    assert call_residual(measured, 0.050) == pytest.approx(0.0115)
+    assert call_residual(measured, 0.030) == 0.0  # never negative
+    cal = Calibrator(cm, alpha=0.5)
+    rows = cal.observe(bd, measured, total_s=0.050)
+    assert cal.params.call_overhead_s == pytest.approx(0.0115)  # the first observation weighs 1
+    assert any(r["term"] == "call_overhead_s" and r["measured_s"] == pytest.approx(0.0115) for r in rows)
+    cal.observe(cal.model.ideal(_uniform(64, 128, 65536)), measured, total_s=0.040)  # weight 1/2: (0.0115+0.0015)/2
+    assert cal.params.call_overhead_s == pytest.approx(0.0065)
+    # the model charges it on every call, the ideal included
+    without = cal.model.with_params(cal.params.model_copy(update={"call_overhead_s": 0.0}))
+    load = _uniform(64, 128, 65536)
+    assert cal.model.ideal(load).total_s == pytest.approx(without.ideal(load).total_s + 0.0065)
+    # an engine's decision: 2 ms measured, 0.3 ms planning of the chosen, 0.5 ms of candidates planned beyond it
+    plan_scale = cal.params.plan_scale
+    eng = dataclasses.replace(bd, plan_s=0.0003, engine_s=cal.params.engine_overhead_s + 0.0005)
+    cal.observe(eng, {"plan_s": 0.002})
+    assert cal.params.engine_overhead_s == pytest.approx(0.002 - 0.0003 - 0.0005)
+    assert cal.params.plan_scale == plan_scale  # left to the fixed plans

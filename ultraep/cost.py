@@ -104,7 +104,15 @@ class CostParams(BaseModel):
                     "plans (``Plan.planner_s``: the policy's own ``planner_s``).",
     )
     engine_overhead_s: float = Field(
-        default=5e-6, ge=0, description="Decision overhead of the adaptive engine per layer, seconds."
+        default=5e-6, ge=0,
+        description="Decision overhead of the adaptive engine per layer, seconds (its own work beyond the planning "
+        "of the candidates). Calibrated from the measured plan_s of calls whose plan carries an engine cost.",
+    )
+    call_overhead_s: float = Field(
+        default=0.0, ge=0,
+        description="Per-call seconds of the runtime outside every modelled term: the load all-gather, rerouting, "
+        "token permute/unpermute and the glue between phases. Calibrated from each call's measured layer time "
+        "minus its measured terms; 0 (the presets) models a runtime whose overheads vanish next to the terms.",
     )
     scale_out_shared: bool = Field(
         default=False,
@@ -140,6 +148,7 @@ class CostBreakdown:
     grad_reduce_exposed_s: float = 0.0
     non_moe_bwd_s: float = 0.0
     copy_s: float = 0.0
+    call_overhead_s: float = 0.0
     bwd_s: float = 0.0
     total_s: float = 0.0
     gemm_straggler_s: float = 0.0
@@ -454,7 +463,8 @@ class CostModel:
             ag_s = ag_max / (self.bw_L[1] * self.a2a_eff) + self.lat_L[1] if ag_max > 0 else 0.0
             ag_s *= p.a2a_scale
             ag_exposed = max(0.0, ag_s - self.prefetch_window)
-        fwd = engine_s + plan_exposed + sync_exposed + a2a + compute + ag_exposed + p.non_moe_fwd_s + copy_s
+        fwd = (engine_s + plan_exposed + sync_exposed + a2a + compute + ag_exposed + p.non_moe_fwd_s + copy_s
+               + p.call_overhead_s)
         if p.mode == "training":
             comp_b = p.backward_compute_factor * compute
             a2a_b = p.backward_a2a_factor * a2a
@@ -475,7 +485,7 @@ class CostModel:
             hybrid_ag_s=ag_s, hybrid_ag_exposed_s=ag_exposed, non_moe_fwd_s=p.non_moe_fwd_s, fwd_s=fwd,
             compute_bwd_s=comp_b, a2a_bwd_s=a2a_b, restore_exposed_s=restore, grad_reduce_s=grad_s,
             grad_reduce_exposed_s=grad_exposed, non_moe_bwd_s=p.non_moe_bwd_s if p.mode == "training" else 0.0,
-            copy_s=copy_s, bwd_s=bwd, total_s=fwd + bwd,
+            copy_s=copy_s, call_overhead_s=p.call_overhead_s, bwd_s=bwd, total_s=fwd + bwd,
             gemm_straggler_s=float(comp_R.max() - comp_R.mean()) if comp_R.size else 0.0,
             token_straggler=float(tokens.max() - mean) if tokens.size else 0.0,
             imbalance=float(tokens.max() / mean) if mean > 0 else 1.0,
@@ -532,6 +542,18 @@ def cost_model_from_record(record: dict[str, Any], path: str = "cost_model") -> 
     return CostModel(built["topology"], built["hardware"], built["expert"], built["params"])
 
 
+#: the measured terms a call's layer time is the sum of on its critical path (besides the runtime's own overhead)
+SUMMED_TERMS = ("compute_fwd_s", "compute_bwd_s", "a2a_fwd_s", "a2a_bwd_s", "copy_s", "plan_s")
+
+
+def call_residual(measured: dict[str, float], total_s: float) -> float:
+    """Seconds of a call's measured layer time ``total_s`` outside its measured terms (``measured``, the
+    :data:`ultraep.timings.TERMS` a runtime reports): the load all-gather, rerouting, permute/unpermute and the
+    glue between phases, which no term models. The replica weights' exposed wait is in it too (the runtime reports
+    the transfer's flight time, not its exposed part); it is 0.1 ms against 20-30 ms on the gloo runtime. >= 0."""
+    return max(0.0, float(total_s) - sum(float(measured.get(k, 0.0)) for k in SUMMED_TERMS))
+
+
 class Calibrator:
     """Learns the per-term scales of :class:`CostParams` from measured timings.
 
@@ -540,6 +562,12 @@ class Calibrator:
     of the log ratio, whose weight is ``max(α, 1/n)`` for the n-th observation of a term (a running mean
     first, so a few observations replace the seed figures instead of nudging them). ``compute_bwd_s`` measurements update ``backward_compute_factor`` the same way
     (ratio to the forward compute). Terms predicted or measured as 0 are skipped.
+
+    Two terms are additive seconds, not scales, and use the same weights on the seconds themselves:
+    ``call_overhead_s`` from the call's layer time minus its measured terms (:func:`call_residual`; the runtime's
+    load all-gather, reroute and permute, which no term covers), and ``engine_overhead_s`` from the measured
+    ``plan_s`` of a call whose plan carries an engine cost (``engine_s > 0``: an adaptive decision) minus the
+    planner figures the model already charges it; such a call leaves ``plan_scale`` to the fixed plans.
 
     Args:
         model: the cost model whose params are calibrated (a new model is kept in :attr:`model`).
@@ -569,13 +597,33 @@ class Calibrator:
         return self.model.params
 
     def observe(self, predicted: CostBreakdown, measured: dict[str, float], *, step: int = 0, microbatch: int = 0,
-                layer: int = 0) -> list[dict[str, Any]]:
-        """Fold one layer's measured timings in; return the rows ``term, predicted_s, measured_s, ratio``."""
+                layer: int = 0, total_s: float | None = None) -> list[dict[str, Any]]:
+        """Fold one layer's measured timings in; return the rows ``term, predicted_s, measured_s, ratio``.
+        ``total_s``: the call's measured layer time, which calibrates ``call_overhead_s`` (see :func:`call_residual`)."""
         p = self.model.params
         pred = predicted.as_dict()
         updates: dict[str, float] = {}
         rows = []
+        if total_s is not None and total_s > 0:  # the runtime's work outside every measured term: additive seconds
+            resid = call_residual(measured, total_s)
+            a = self._alpha("call_overhead_s")
+            updates["call_overhead_s"] = (1 - a) * p.call_overhead_s + a * resid
+            rows.append({"term": "call_overhead_s", "predicted_s": pred.get("call_overhead_s", 0.0),
+                         "measured_s": resid, "ratio": float(resid / pred["call_overhead_s"])
+                         if pred.get("call_overhead_s") else float("nan")})
         for key, value in measured.items():
+            if key == "plan_s" and predicted.engine_s > 0:
+                # an engine's plan: the measured plan_s is its whole decision, the planning of the chosen candidate
+                # (plan_s), the candidates planned beyond it and its own overhead (engine_s). The planner figures
+                # keep the scale fixed plans calibrate; the remainder is the engine's overhead (additive seconds).
+                whole = pred.get("plan_s", 0.0) + predicted.engine_s
+                planned_beyond = predicted.engine_s - p.engine_overhead_s
+                own = max(0.0, float(value) - pred.get("plan_s", 0.0) - planned_beyond)
+                a = self._alpha("engine_overhead_s")
+                updates["engine_overhead_s"] = (1 - a) * p.engine_overhead_s + a * own
+                rows.append({"term": key, "predicted_s": whole, "measured_s": float(value),
+                             "ratio": float(value / whole) if whole > 0 else float("nan")})
+                continue
             if key in FACTOR_TERMS:  # a backward term: its ratio to the forward term it multiplies
                 factor, fwd_key = FACTOR_TERMS[key]
                 base = pred.get(fwd_key, 0.0)

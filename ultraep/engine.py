@@ -169,7 +169,8 @@ class Engine:
         if pending is None:
             return []
         bd, chosen = pending
-        rows = self.calibrator.observe(bd, measured, step=step, microbatch=microbatch, layer=layer)
+        rows = self.calibrator.observe(bd, measured, step=step, microbatch=microbatch, layer=layer,
+                                       total_s=measured_total_s)
         self._models.clear()
         for lay, pol in self._policies.items():  # policies that predict use the calibrated model
             _refresh(pol, self.cost_model_for(lay))

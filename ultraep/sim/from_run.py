@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from ultraep.cost import CostModel, cost_model_from_record
+from ultraep.cost import SUMMED_TERMS, CostModel, call_residual, cost_model_from_record
 from ultraep.errors import TraceError
 
 #: what a figure is: measured by the runtime, predicted for the machine of the run, or projected to another cluster
@@ -38,11 +38,40 @@ def recorded_cost_model(path, run_id: str) -> CostModel:
     if row is None:
         raise TraceError(f"{path}:steps", f"run {run_id!r} recorded no cost model: it was recorded before the "
                          "runtime kept one with every step, or without next_step(); use a preset --topology", run_id)
-    cm = cost_model_from_record(json.loads(row[0])["cost_model"], path=f"{path}:steps.cost_model")
+    record = json.loads(row[0])["cost_model"]
+    cm = cost_model_from_record(record, path=f"{path}:steps.cost_model")
+    if "call_overhead_s" not in record.get("params", {}):  # recorded before the term existed: learn it as the
+        # engine's calibrator would have, from the run's own measurements
+        cm = cm.with_params(cm.params.model_copy(update={"call_overhead_s": learned_call_overhead(con, run_id)}))
     kind = con.execute("SELECT any_value(kind) FROM runs WHERE run_id = ?", [run_id]).fetchone()
     if kind and kind[0] == "prefill" and cm.params.mode != "prefill":
         cm = cm.with_params(cm.params.model_copy(update={"mode": "prefill"}))
     return cm
+
+
+#: one row per measured layer call, reduced over its ranks as the engine reduces them (``ultraep.runtime.phases``:
+#: the slowest rank's compute, copies, planning and layer time; each all-to-all exchange the fastest rank's)
+_CALL_TERMS_SQL = """
+SELECT step, microbatch, layer,
+  max(other['measured.compute_fwd_s']), max(other['measured.compute_bwd_s']),
+  min(dispatch_s) + min(combine_s), min(other['combine_bwd_s']) + min(other['dispatch_bwd_s']),
+  max(other['measured.copy_s']), max(plan_s), max(measured_s)
+FROM timings WHERE run_id = ? AND measured_s IS NOT NULL AND other['measured.compute_fwd_s'] IS NOT NULL
+GROUP BY ALL HAVING count(*) = (SELECT max(rank) + 1 FROM timings WHERE run_id = ?)
+ORDER BY step, microbatch, layer"""
+
+
+def learned_call_overhead(con, run_id: str, alpha: float = 0.2) -> float:
+    """``call_overhead_s`` as the engine's :class:`~ultraep.cost.Calibrator` learns it (weights ``max(alpha, 1/n)``
+    over the calls in order, ``alpha`` the engine's default) from a recorded run's measured calls, for runs recorded
+    before the model had the term. 0 when the run measured no complete call."""
+    est, n = 0.0, 0
+    for row in con.execute(_CALL_TERMS_SQL, [run_id, run_id]).fetchall():
+        measured = {k: (0.0 if v is None else float(v)) for k, v in zip(SUMMED_TERMS, row[3:9])}
+        n += 1
+        a = max(alpha, 1.0 / n)
+        est = (1 - a) * est + a * call_residual(measured, row[9])
+    return est
 
 
 def measured_summary(path, run_id: str) -> dict:
