@@ -1,0 +1,62 @@
+"""benchmarks/bench_validate.py runs end to end on a tiny shape (issue 35): it measures every policy recorded, replays
+the calibrate-on run's routing on its learned model, prints the validation table and adaptive against the best fixed
+policy, and re-predicts the kept recordings (``--from``) to the same table. It crashed once with an AttributeError
+nobody saw for a day; this keeps it from breaking silently again."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import pytest
+import torch  # noqa: F401 - imported before fork so ranks start fast
+import transformers  # noqa: F401
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import bench_validate  # noqa: E402
+from benchmarks.bench_runtime import Shape  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """One tiny shape measured and recorded by the benchmark's own runner: (its rows, what adaptive ran, the dir)."""
+    runs = tmp_path_factory.mktemp("validate") / "tiny"
+    args = argparse.Namespace(slots=2, iters=4, warmup=1, seed=0, backend="gloo", calibrate_on="quota")
+    rows, ran = bench_validate._shape_rows(Shape("tiny", tokens=64, hidden=32, ffn=32), args, runs)
+    return rows, ran, runs
+
+
+def test_every_policy_has_a_measured_and_a_predicted_layer_time(recorded):
+    rows, ran, _ = recorded
+    assert [r[1] for r in rows] == ["none", "quota", "feplb", "adaptive"]
+    for src, pol, m, p, mx, px in rows:
+        assert src == "tiny" and m > 0 and p > 0 and math.isfinite(m) and math.isfinite(p), (pol, m, p)
+        assert mx == pytest.approx(rows[0][2] / m) and px == pytest.approx(rows[0][3] / p)
+    assert rows[0][4] == 1.0 and rows[0][5] == 1.0
+    # adaptive ran one policy or several, one decision per timed call (4 calls after 1 warm-up step)
+    assert sum(ran.values()) == 4 and set(ran) <= {"none", "quota", "feplb", "eplb"}
+
+
+def test_adaptive_against_the_best_fixed_policy():
+    rows = [("s", "none", 2.0, 2.2, 1.0, 1.0), ("s", "quota", 1.0, 1.1, 2.0, 2.0), ("s", "feplb", 1.5, 1.0, 1.33, 2.2),
+            ("s", "adaptive", 1.1, 1.05, 1.82, 2.1)]
+    ratio, best, predicted = bench_validate.adaptive_vs_best(rows)
+    # measured: adaptive 1.1 / quota 1.0 (the fastest fixed); predicted: 1.05 / feplb's 1.0 (the fastest predicted)
+    assert (ratio, best, predicted) == (pytest.approx(1.1), "quota", pytest.approx(1.05))
+    assert bench_validate.adaptive_vs_best(rows[:3]) is None
+
+
+def test_the_tables_print_and_from_re_predicts_the_same(recorded, capsys, monkeypatch):
+    rows, ran, runs = recorded
+    out = bench_validate.print_tables([("tiny", rows, ran)], "title")
+    text = capsys.readouterr().out
+    assert "adaptive / best fixed" in text and "worst |predicted / measured - 1|" in text
+    assert {r["metric"] for r in out} >= {"measured_layer_time", "predicted_layer_time",
+                                          "measured_adaptive_vs_best_fixed"}
+    again, ran2 = bench_validate.recorded_rows(runs, "tiny", ["none", "quota", "feplb", "adaptive"], "quota", 1)
+    assert again == rows and ran2 == ran  # deterministic: the recordings, re-predicted
+    monkeypatch.setattr(sys, "argv", ["bench_validate", "--from", str(runs.parent), "--shapes", "nope"])
+    with pytest.raises(SystemExit, match="--shapes: unknown shape 'nope'"):
+        bench_validate.main()
