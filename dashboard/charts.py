@@ -190,6 +190,21 @@ def rank_load_stacked(df, which: str, *, ymax: float | None = None, top: int = 1
     return _layout(fig, x="rank", y="tokens received", title=f"rank load {word} balancing")
 
 
+def activation_by_rank(df, layer: int):
+    """Bars per rank: the peak expert-activation MB it held before and after balancing; a dashed line for each
+    marks the mean rank's (the mean over ranks and calls)."""
+    go = _go()
+    fig = go.Figure()
+    for which, color in (("before", BEFORE), ("after", AFTER)):
+        fig.add_bar(x=df["rank"], y=df[f"peak_{which}_MB"], name=f"peak {which} balancing", marker_color=color)
+        mean = float(df[f"mean_{which}_MB"].mean()) if len(df) else 0.0
+        fig.add_hline(y=mean, line_dash="dash", line_color=color, annotation_text=f"mean rank {which}: {mean:.1f} MB")
+    _layout(fig, x="rank", y="expert activations (MB)", title=f"expert activation memory per rank, layer {layer}")
+    fig.update_layout(barmode="group")
+    int_axis(fig, "x", df["rank"])
+    return fig
+
+
 def _expert_palette(n: int) -> list[str]:
     import plotly.colors as pc
 

@@ -27,7 +27,7 @@ from ultraep.dashboard import page_sql as sql
 from ultraep.dashboard.cache import facts_arrow, facts_query, mirror_query, store
 from ultraep.dashboard.mirror import RunMirror
 from ultraep.telemetry import semconv as sc
-from ultraep.telemetry.queries import RANK_LOAD_BY_EXPERT, Query
+from ultraep.telemetry.queries import ACTIVATION_MEMORY, ACTIVATION_MEMORY_BY_RANK, RANK_LOAD_BY_EXPERT, Query
 
 MAX_BINS = 240
 
@@ -164,6 +164,25 @@ def rank_load_by_expert(run_dir, run_id: str, layer: int, step: int, microbatch:
         return cur.execute(q.sql, q.bind(run_id=run_id, layer=layer, step=step, microbatch=microbatch)).df()
     finally:
         cur.close()
+
+
+def _store_query(run_dir, query: Query, **params):
+    cur = store(run_dir)
+    try:
+        return cur.execute(query.sql, query.bind(**params)).df()
+    finally:
+        cur.close()
+
+
+def activation_memory(run_dir, run_id: str):
+    """Per layer: the busiest rank's peak expert-activation MB before/after balancing against the mean rank's
+    (store, ``queries.ACTIVATION_MEMORY``; empty for a run that recorded none, e.g. a simulation)."""
+    return _store_query(run_dir, ACTIVATION_MEMORY, run_id=run_id)
+
+
+def activation_memory_by_rank(run_dir, run_id: str, layer: int):
+    """Per rank of ``layer``: peak and mean expert-activation MB before/after (``queries.ACTIVATION_MEMORY_BY_RANK``)."""
+    return _store_query(run_dir, ACTIVATION_MEMORY_BY_RANK, run_id=run_id, layer=layer)
 
 
 # --------------------------------------------------------------------------- experts

@@ -465,13 +465,31 @@ GROUP BY run_id, layer ORDER BY run_id, layer
         "against the mean rank's: what a rank must reserve for activations. Needs every rank's timings.",
 )
 
+ACTIVATION_MEMORY_BY_RANK = Query(
+    "activation_memory_by_rank", "Expert activation memory of each rank" + _EXCLUDED,
+    f"""
+SELECT run_id, layer, rank, count(*) AS calls,
+       max(other['activation_bytes_before']) FILTER (WHERE {SETTLED}) / 1e6 AS peak_before_MB,
+       max(other['activation_bytes_after']) FILTER (WHERE {SETTLED}) / 1e6 AS peak_after_MB,
+       avg(other['activation_bytes_before']) FILTER (WHERE {SETTLED}) / 1e6 AS mean_before_MB,
+       avg(other['activation_bytes_after']) FILTER (WHERE {SETTLED}) / 1e6 AS mean_after_MB
+FROM timings {WARM_JOIN}
+WHERE {_RUN} AND ($layer IS NULL OR layer = $layer) AND other['activation_bytes_after'] IS NOT NULL
+GROUP BY ALL ORDER BY run_id, layer, rank
+""",
+    params=("run_id", "layer"),
+    doc="Per layer and rank: the peak and mean over the calls (warm-up excluded) of the expert-activation bytes the "
+        "rank held without and with balancing (``activation_memory`` compares the busiest rank with the mean rank; "
+        "this shows every rank). ``layer`` NULL: every layer.",
+)
+
 ALL: dict[str, Query] = {q.name: q for q in (
     OVERVIEW, LAYER_IMBALANCE, LAYER_SUMMARY, RANK_LOAD, RANK_LOAD_BY_EXPERT, EXPERT_LOAD, DECISION_TIMELINE,
     POLICY_SHARES,
     PREDICTED_VS_MEASURED, PREDICTION_SUMMARY, PHASE_PREDICTION_ERRORS, TRANSFER_BYTES_PER_STEP, TRANSFER_SUMMARY,
     REPLICA_CACHE,
     POLICY_COMPARISON,
-    STEP_SUMMARY, PHASE_TIMES, STEP_TIMES, NONE_ESTIMATE, ACTIVATION_MEMORY,
+    STEP_SUMMARY, PHASE_TIMES, STEP_TIMES, NONE_ESTIMATE, ACTIVATION_MEMORY, ACTIVATION_MEMORY_BY_RANK,
 )}
 
 # What `ultraep report` prints, in order.

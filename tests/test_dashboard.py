@@ -41,8 +41,9 @@ def make_plan(step: int, mb: int, layer: int, policy: str, salt: int = 0):
 
 
 def record_run(runs_dir, name: str, *, steps: int = 4, microbatches: int = 2, layers: int = 3,
-               policies=POLICIES, ranks=(0, 1), close: bool = True, model: str = "toy-moe"):
-    """Record a run with the real Recorder from every rank in ``ranks`` (same run name)."""
+               policies=POLICIES, ranks=(0, 1), close: bool = True, model: str = "toy-moe", activation: bool = True):
+    """Record a run with the real Recorder from every rank in ``ranks`` (same run name); ``activation``: with the
+    expert activation bytes the runtime records."""
     recs = [Recorder.open(runs_dir, name, kind="train", model=model, world_size=2, rank=r, topology=TOPO,
                           flush_interval_s=None) for r in ranks]
     for step in range(steps):
@@ -61,7 +62,11 @@ def record_run(runs_dir, name: str, *, steps: int = 4, microbatches: int = 2, la
                     rec.record_timings(step, mb, layer, {
                         "plan_s": 1e-4 * slow, "transfer_s": 2e-4 * layer * slow,
                         "measured_s": (1.1e-3 * (1 + layer) + 1e-5 * step) * slow,
-                        "predicted_s": 1e-3 * (1 + layer)})
+                        "predicted_s": 1e-3 * (1 + layer),
+                        # rank 0 holds the hot experts' rows until balancing spreads them (expert activations)
+                        **({"activation_bytes_before": 1e6 * (4 - 3 * rec.rank) * (1 + layer + step),
+                            "activation_bytes_after": 1e6 * (2.5 - rec.rank) * (1 + layer + step)}
+                           if activation else {})})
                     rec.record_transfer_times(step, mb, layer, [1e-3 * slow] * len(plan.transfers))
         for rec in recs:
             rec.record_step(step, loss=1.0 / (step + 1), step_time_s=0.05)
@@ -83,7 +88,7 @@ def runs(tmp_path_factory):
     with Recorder.open(root, "fx", kind="train", model="toy-moe", world_size=2, rank=0, topology=TOPO,
                        flush_interval_s=None) as again:
         again.record_plan(0, 0, 0, make_plan(0, 0, 0, "none", salt=7))
-    record_run(root, "fx-b", steps=3, policies=("quota", "none"), ranks=(0,))
+    record_run(root, "fx-b", steps=3, policies=("quota", "none"), ranks=(0,), activation=False)
     Recorder.open(root, "empty", kind="train", model="toy-moe", flush_interval_s=None).close()
     return root
 
@@ -262,6 +267,39 @@ def test_layers_heatmaps_and_rank_load_equal_sql(runs):
         bars = [t for t in stacked if t["type"] == "bar"]
         summed = np.sum([_decode(t["y"]) for t in bars], axis=0)
         assert list(summed) == [r["load_after"] for r in ranks]
+
+
+def test_layers_activation_memory_equals_sql(runs):
+    at = select_run(app(runs, "layers"), "fx")
+    assert_ok(at)
+    con = open_run(runs / "fx")
+    shown = frame(at, "layer", "peak_busiest_before_MB", "peak_busiest_after_MB", "peak_over_mean_after")
+    expected = canned(con, queries.ACTIVATION_MEMORY, run_id="fx")
+    assert list(shown["layer"]) == [r["layer"] for r in expected] == [0, 1, 2]
+    for col in ("peak_busiest_before_MB", "peak_busiest_after_MB", "mean_rank_MB", "peak_over_mean_before",
+                "peak_over_mean_after"):
+        np.testing.assert_allclose(shown[col], [r[col] for r in expected])
+    # by hand, layer 2: steps 1-3 settled (step 0 is the warm-up step), the last step the largest, so the peaks are
+    # rank 0's at step 3: 4 MB x (1 + 2 + 3) = 24 MB before, 2.5 MB x 6 = 15 MB after
+    assert shown["peak_busiest_before_MB"].iloc[2] == pytest.approx(24.0)
+    assert shown["peak_busiest_after_MB"].iloc[2] == pytest.approx(15.0)
+    at.selectbox(key="layers_activation_layer").set_value(2).run()
+    assert_ok(at)
+    bars = [t for t in figures(at)["expert activation memory per rank, layer 2"]["data"] if t["type"] == "bar"]
+    ranks = canned(con, queries.ACTIVATION_MEMORY_BY_RANK, run_id="fx", layer=2)
+    assert [t["name"] for t in bars] == ["peak before balancing", "peak after balancing"]
+    np.testing.assert_allclose(_decode(bars[0]["y"]), [r["peak_before_MB"] for r in ranks])
+    np.testing.assert_allclose(_decode(bars[1]["y"]), [24.0 * 2.5 / 4, 6.0 * 1.5])  # rank 0 15 MB, rank 1 9 MB
+
+
+def test_a_run_without_activation_memory_says_so(runs):
+    at = select_run(app(runs, "layers"), "fx")
+    assert not [el for el in at.info if "activation memory" in el.value]
+    at = select_run(app(runs, "layers"), "fx-b")  # recorded without activation bytes (e.g. an older run)
+    assert_ok(at)
+    assert [el for el in at.info if "recorded no expert activation memory" in el.value]
+    with pytest.raises(KeyError):
+        frame(at, "layer", "peak_busiest_before_MB")
 
 
 # --------------------------------------------------------------------------- experts

@@ -62,7 +62,10 @@ def record_steps(rec, rng, steps, policy_of) -> None:
                                 predictions=pred, chosen_predicted_s=pred[pol])
             rec.record_timings(step, 0, layer, {"plan_s": 5e-5, "transfer_s": 1e-5 * len(plan.transfers),
                                                 "measured_s": pred[pol] * float(rng.uniform(0.95, 1.2)),
-                                                "predicted_s": pred[pol]})
+                                                "predicted_s": pred[pol],
+                                                # the rank's expert activations: a hot layer holds 2x before
+                                                "activation_bytes_before": 4e7 * (1 + layer % 2),
+                                                "activation_bytes_after": 4e7})
         rec.record_step(step, loss=2.0 / (1 + 0.1 * step), step_time_s=0.2)
 
 
@@ -168,6 +171,11 @@ def test_dashboard_in_chromium_on_a_run_being_written(tmp_path):
                     _settle(page)
                     assert page.locator('[data-testid="stException"]').count() == 0, path
                     assert page.locator("h1").first.inner_text().strip() == title
+                    if path == "layers":  # the activation-memory view draws its per-rank chart (issue 35)
+                        view = page.locator('[data-testid="stPlotlyChart"]').filter(
+                            has_text="expert activation memory per rank")
+                        view.first.wait_for()
+                        assert "Expert activation memory" in page.locator('[data-testid="stMain"]').inner_text()
                     page.screenshot(path=str(shots / f"{path}.png"), full_page=True)
                 browser.close()
         finally:
