@@ -151,3 +151,35 @@ def test_the_simulator_reports_activation_memory_before_and_after(capsys, tmp_pa
     tr.write(tmp_path / "t.parquet")
     assert main(["simulate", str(tmp_path / "t.parquet"), "--policies", "none,quota", "--no-progress"]) == 0
     assert "expert activations per rank (MB)" in capsys.readouterr().out
+
+
+def test_a_run_recorded_before_call_overhead_learns_it_from_its_timings(tmp_path):
+    """A cost model recorded without ``call_overhead_s`` (older runs) gets it as the engine's calibrator would have
+    learned it: per call, the slowest rank's layer time minus the terms the engine observes (compute, copies and
+    planning the slowest rank's, each all-to-all exchange the fastest rank's), weights max(0.2, 1/n) in call order."""
+    from ultraep.sim import build_cost_model
+    from ultraep.sim.from_run import recorded_cost_model
+    from ultraep.telemetry import Recorder
+
+    old = json.loads(json.dumps(cost_record(build_cost_model("gb200-nvl72", 2, 8, 2))))
+    del old["params"]["call_overhead_s"]
+    recs = [Recorder.open(tmp_path, "old", world_size=2, rank=r, flush_interval_s=None) for r in (0, 1)]
+    for step in range(3):
+        for r, rec in enumerate(recs):
+            slow = 1.0 + r  # rank 1 computes twice as long; rank 0's exchanges are the fastest
+            rec.record_timings(step, 0, 0, {
+                "measured_s": 1.0 + 0.1 * step, "plan_s": 0.001, "dispatch_s": 0.010 * slow, "combine_s": 0.020 * slow,
+                "combine_bwd_s": 0.005 * slow, "dispatch_bwd_s": 0.005 * slow, "measured.compute_fwd_s": 0.2 * slow,
+                "measured.compute_bwd_s": 0.3 * slow, "measured.copy_s": 0.0})
+        recs[0].record_step(step, extra={"cost_model": old})
+    for rec in recs:
+        rec.close()
+    # every call: terms 0.4 + 0.6 + (0.010 + 0.020) + (0.005 + 0.005) + 0 + 0.001 = 1.041 s; layer 1.0, 1.1, 1.2 s
+    # -> residuals 0 (clamped), 0.059, 0.159; weights 1, 1/2, 1/3: 0 -> 0.0295 -> 0.0295 * 2/3 + 0.159 / 3 = 0.0727
+    cm = recorded_cost_model(tmp_path / "old", "old")
+    assert cm.params.call_overhead_s == pytest.approx(0.0295 * 2 / 3 + 0.159 / 3)
+    rec = json.loads(json.dumps(old))
+    rec["params"]["call_overhead_s"] = 0.5  # a run that recorded it keeps its own
+    with Recorder.open(tmp_path, "new", flush_interval_s=None) as r:
+        r.record_step(0, extra={"cost_model": rec})
+    assert recorded_cost_model(tmp_path / "new", "new").params.call_overhead_s == 0.5
