@@ -244,3 +244,21 @@ def test_calibration_learns_the_runtimes_call_overhead_and_the_engines_own():
     cal.observe(eng, {"plan_s": 0.002})
     assert cal.params.engine_overhead_s == pytest.approx(0.002 - 0.0003 - 0.0005)
     assert cal.params.plan_scale == plan_scale  # left to the fixed plans
+
+
+def test_a_weight_flight_hidden_behind_the_compute_only_lowers_its_scale():
+    """The runtime's flight of replica weights is post -> first seen complete, and it looks only when it waits:
+    a flight that ended inside the forward's all-to-all plus compute is an upper bound of the transfer."""
+    import dataclasses
+
+    cm = _cm()
+    bd = dataclasses.replace(cm.ideal(_uniform(64, 128, 65536)), weight_sync_s=0.010)
+    cal = Calibrator(cm, alpha=0.5)
+    hidden = {"a2a_fwd_s": 0.02, "compute_fwd_s": 0.3}
+    cal.observe(bd, {**hidden, "weight_sync_s": 0.2})  # 0.2 s <= 0.32 s: the wait came first, nothing learned
+    assert cal.params.weight_sync_scale == 1.0
+    cal.observe(bd, {**hidden, "weight_sync_s": 0.005})  # a smaller upper bound still lowers it (weight 1)
+    assert cal.params.weight_sync_scale == pytest.approx(0.5)
+    bd = dataclasses.replace(bd, weight_sync_s=0.005)
+    cal.observe(bd, {**hidden, "weight_sync_s": 0.64})  # longer than the window: the wait blocked, a measurement
+    assert cal.params.weight_sync_scale == pytest.approx(math.exp(0.5 * math.log(0.5) + 0.5 * math.log(64.0)))
