@@ -217,7 +217,7 @@ def _shared_norm(rank, world, budget, drop_replica_grad):
     dist.all_reduce(mine)  # the equivalence rule: data parallelism's all-reduce of the shared norm
     dist.all_reduce(want)
     diffs["post_expert_norm.weight"] = rel(mine, want)
-    return diffs, kept, replicas, ultraep.runtime_of(model).buffers.restorations
+    return diffs, kept, replicas, ultraep.runtime_of(model).shared_slots.restorations
 
 
 @pytest.mark.parametrize("budget", [None, 0], ids=["kept", "restore"])

@@ -122,3 +122,20 @@ def test_the_transport_rooms_import_nothing_above_them(edges):
     high = {"ultraep.runtime.replicas", "ultraep.runtime.layer", "ultraep.runtime.wrap"}
     assert low <= set(ig.project_modules())
     assert [(e.src, e.dst, e.kind) for e in edges if e.src in low and e.dst in high] == []
+
+
+#: issue 33: the modules that do replica work and hold replica memory (the job, its transports and point-to-point
+#: batches, the per-layer store and its residency table, the clock) ...
+REPLICA_ROOMS = {"ultraep.runtime.replicas", "ultraep.runtime.replica_transport", "ultraep.runtime.transport",
+                 "ultraep.runtime.replica_store", "ultraep.runtime.replica_cache", "ultraep.runtime.clock"}
+#: ... and the modules that build them: the balanced layer and the runtime
+REPLICA_BUILDERS = {"ultraep.runtime.layer", "ultraep.runtime.wrap"}
+
+
+def test_replica_work_never_imports_the_layer_or_the_runtime(edges):
+    """Issue 33, item 1: a replica job gets a narrow ``ReplicaContext`` from its layer, so nothing that does replica
+    work or owns replica memory imports ``BalancedExperts`` (``runtime.layer``) or ``EPRuntime`` (``runtime.wrap``):
+    no edge of any kind, at module level, inside a function or under ``if TYPE_CHECKING:``."""
+    assert REPLICA_ROOMS | REPLICA_BUILDERS <= set(ig.project_modules())
+    up = [str(e) for e in edges if e.src in REPLICA_ROOMS and e.dst in REPLICA_BUILDERS]
+    assert up == [], "replica work imports the layer or the runtime:\n" + "\n".join(up)

@@ -63,7 +63,7 @@ def _serve(rank, world, cache: bool, transport: str = "auto"):
         ids = _ids(rank, 9)
         errs.append(rel_error(model(input_ids=ids).logits, ref(input_ids=ids).logits))
         calls.append(_calls(rt))
-    return errs, calls, [lay.cache is not None for lay in rt.layers]
+    return errs, calls, [lay.store.cache is not None for lay in rt.layers]
 
 
 @pytest.mark.numerics
@@ -339,7 +339,7 @@ def _recorded_serving(rank, world, runs):
             model(input_ids=_ids(rank, batch))
             rt.next_step()
     rec.close()
-    return sum(lay.cache.hits for lay in rt.layers), sum(lay.cache.misses for lay in rt.layers)
+    return sum(lay.store.cache.hits for lay in rt.layers), sum(lay.store.cache.misses for lay in rt.layers)
 
 
 def test_cache_hits_and_bytes_saved_are_recorded_and_shown(tmp_path):

@@ -60,7 +60,7 @@ def _equivalence(rank, world, family, config, steps):
         "logits": rel_error(out, ref_out), "grad": grads, "other": other,
         "replicas": [layer.last_plan.num_replicas for layer in rt.layers],
         "imbalance": [(layer.last_plan.imbalance_before, layer.last_plan.imbalance_after) for layer in rt.layers],
-        "restorations": rt.buffers.restorations,
+        "restorations": rt.shared_slots.restorations,
     }
 
 

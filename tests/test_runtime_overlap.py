@@ -65,7 +65,7 @@ def _budget(rank, world, budget):
     ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 2, "replica_memory_budget": budget})
     rt = ultraep.runtime_of(model)
     model(input_ids=_skewed_ids(rank)).logits.float().pow(2).mean().backward()
-    return [layer.replica_mode for layer in rt.layers], rt.buffers.restorations
+    return [layer.store.mode for layer in rt.layers], rt.shared_slots.restorations
 
 
 @pytest.mark.parametrize("budget, modes", [

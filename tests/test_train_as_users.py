@@ -145,7 +145,7 @@ def _scenario(rank, world, family, config, how, steps=STEPS):
         ref_opt.step()
         rt.next_step(loss=float(loss_sum))
     replicas = sum(h[5] for h in rt.history)  # (step, layer, policy, before, after, replicas, ...) per call
-    return {"problems": problems[:8], "replicas": replicas, "restorations": rt.buffers.restorations,
+    return {"problems": problems[:8], "replicas": replicas, "restorations": rt.shared_slots.restorations,
             "policies": sorted({h[2] for h in rt.history})}
 
 

@@ -27,6 +27,7 @@ unbalanced model's.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,8 +40,9 @@ from ultraep.runtime.clock import clamp0, clock_for
 from ultraep.runtime.recompute import RecomputeAnchor, Replay as _Replay, Replays
 from ultraep.runtime.comm import AllToAll, all_gather_bytes, gather_load
 from ultraep.errors import CollectiveFailedError, PendingGradientsError, PlanDivergenceError
-from ultraep.runtime.replica_cache import MasterEpoch, ReplicaCache
-from ultraep.runtime.replicas import DeferredGrads, GradSink, ReplicaExperts, ReplicaJob
+from ultraep.runtime.replica_cache import MasterEpoch
+from ultraep.runtime.replica_store import ReplicaMemory, ReplicaStore
+from ultraep.runtime.replicas import DeferredGrads, GradSink, ReplicaContext, ReplicaExperts, ReplicaJob
 from ultraep.timings import TERMS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,7 +69,8 @@ class BalancedExperts(nn.Module):
     """
 
     def __init__(self, container: nn.Module, adapter: "ExpertsAdapter", layer: int, name: str,
-                 runtime: "EPRuntime") -> None:
+                 runtime: "EPRuntime", memory: ReplicaMemory) -> None:
+        """``memory``: this layer's share of the replica memory budget (``replica_store.split_budget``, final)."""
         super().__init__()
         from ultraep.topology import Topology
 
@@ -102,9 +105,13 @@ class BalancedExperts(nn.Module):
             self.add_module(n, getattr(container, n))  # rank like data-parallel ones, saved/trained under their key
         self.policy_name = cfg.layer_options(layer).kind
         self.last_plan = None
-        self.replica_mode = "none"  # "kept" / "restore" once the runtime split its replica memory budget
-        #: replicas kept across calls while their masters are unchanged (a "kept" layer with the cache on)
-        self.cache: ReplicaCache | None = None
+        #: the layer's replica memory: own buffers or the shared ones, the replica cache, who holds them
+        self.store = ReplicaStore(memory, self.topology.home_E, runtime.shared_slots)
+        #: what the layer's replica jobs see of it and of the runtime (they hold neither)
+        self.replica_context = ReplicaContext(
+            rank=r, transfer_group=runtime.transfer_group, guard=self.collective,
+            expert_forward=partial(adapter.forward, container), master_params=self.master_params,
+            first_expert=self.first_expert, event=partial(runtime.event, layer=layer), transport=cfg.replica_transport)
         self.epoch = MasterEpoch()
         #: replica gradients of calls under ``runtime.no_sync()``, reduced by the next backward outside it
         self.deferred = DeferredGrads()
@@ -252,7 +259,7 @@ class BalancedExperts(nn.Module):
         K = len(phases.RANK_PHASES)
         mine = torch.zeros(_HEAD + K, dtype=torch.int64)
         mine[2] = self.epoch.current(self.master_params())  # the replica cache's master epoch of this rank
-        mine[3] = int(self.cache is not None and not rt.buffers.busy(self.layer))  # its buffers are free to use
+        mine[3] = int(self.store.cache_usable())  # its cache buffers are free to use
         if obs is not None:
             mine[1] = 1
             mine[_HEAD:] = torch.as_tensor(np.round(obs[2] * 1e9).astype(np.int64))
@@ -289,13 +296,8 @@ class BalancedExperts(nn.Module):
                 f"reduced to their masters: the masters of rank(s) {ranks} changed (an optimizer step or a weight "
                 "load) first. Run the last microbatch of each step, forward and backward, outside no_sync() "
                 "(as with DDP).", ranks)
-        cached = self.cache is not None and bool(extra[:, 3].all())
-        if cached:
-            resident = self.cache.resident(epoch_R, R)
-        else:
-            resident = np.zeros((R, E), dtype=bool)
-            if self.cache is not None:  # some rank cannot use its buffers: this call overwrites what they held
-                self.cache.clear()
+        cached = self.store.cache is not None and bool(extra[:, 3].all())
+        resident = self.store.resident(cached, epoch_R, R, E)  # (the cache forgets when some rank cannot use it)
         decision = eng.decide(rt.step, max(rt.microbatch, 0), self.layer, load, resident)
         eng.commit(decision)
         if rt.config.check_plan_hash:
@@ -324,16 +326,13 @@ class BalancedExperts(nn.Module):
             grads = "flush"  # (a call without replicas still runs a job: it only reduces the pending gradients)
         if plan.num_replicas or grads == "flush":
             like = [p[0].detach() for p in self.master_params()]
-            if cached:
-                kept, hits = self._cached_slots(plan, epoch_R, like)
-            else:
-                kept = rt.buffers.private(self.layer, like, t.num_redundant_slots)
-            job = ReplicaJob(self, plan, kept, grads, self.deferred, clock=clk)
+            slots, hits = self.store.slots(plan, epoch_R, like, cached, rt.rank, t.expert_bytes)
+            job = ReplicaJob(self.replica_context, plan, slots, grads, self.deferred, clock=clk)
             if grads == "defer":
                 self.deferred.add_plan(plan, epoch_R)
             job.needs_backward = needs_backward
             if job.kept and needs_backward:
-                rt.buffers.set_busy(self.layer, job)
+                self.store.hold(job)
             job.post_weights()
             plan = job.plan  # with a transfer for every replica: what actually moves
         return job, plan, hits
@@ -423,15 +422,14 @@ class BalancedExperts(nn.Module):
         call = self.replays.take(self.name)
         if call.had_grad:
             job = call.job
-            if job is not None and not job.kept and job.generation != rt.buffers.generation:
+            if job is not None and job.lease.overwritten():
                 job.restore_weights()  # a later layer reused the shared buffers (the backward would restore too)
             clk = job.clock if job is not None else clock_for(hidden_states)
             out, *_ = self._route(hidden_states, top_k_index, top_k_weights, call.plan, job, True, {}, clk, call)
             return out.to(hidden_states.dtype)
         needs_backward = torch.is_grad_enabled()
         plan = transfers_for(call.plan)  # every replica streams: nothing is known to be resident any more
-        if self.cache is not None:  # and the streams overwrite the cache's buffers (on every rank alike)
-            self.cache.clear()
+        self.store.forget()  # and the streams overwrite the cache's buffers (on every rank alike)
         clk = clock_for(hidden_states)
         job, plan, _ = self._start_replicas(plan, call.epoch_R, False, needs_backward, clk)
         marks: dict = {}
@@ -441,18 +439,6 @@ class BalancedExperts(nn.Module):
             self._hook_backward(out, send, _LayerCall(plan, {}, job, clk.now(), (rt.step, 0), True, None, marks,
                                                       clk, recompute=True))
         return out.to(hidden_states.dtype)
-
-    def _cached_slots(self, plan, epoch_R: np.ndarray, like: list[torch.Tensor]):
-        """This rank's ``[N][J]`` slot buffers for ``plan`` from the layer's cache buffers (a resident replica's
-        slot is the buffer that already holds it; an unused slot gets a buffer no replica of this plan needs),
-        and how many of this rank's replicas were resident."""
-        t = self.topology
-        M, N = t.num_masters, t.num_redundant_slots
-        bufs = self.runtime.buffers.private(self.layer, like, self.cache.capacity)
-        where, hits = self.cache.admit(plan.replicas, epoch_R, self.runtime.rank, t.expert_bytes)
-        spare = iter(sorted(set(range(self.cache.capacity)) - set(where.values())))
-        row = plan.phy2log_RS[self.runtime.rank, M:]
-        return [bufs[where[int(e)]] if e >= 0 else bufs[next(spare)] for e in row[:N]], hits
 
     # ------------------------------------------------------------------ backward bookkeeping
     def _hook_backward(self, out, send, call: "_LayerCall") -> None:

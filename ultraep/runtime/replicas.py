@@ -32,23 +32,26 @@ start of the backward, and why stage-1 receives go out with the relays' sends (S
 Replica weights and activations live from forward to backward when they fit the runtime's replica memory
 budget (``BalancerConfig.replica_memory_budget``; per-layer buffers, mode ``kept``); beyond it the layers share
 one set of buffers, and a layer whose replicas were overwritten restores them (a blocking exchange) and
-recomputes the replica forward in its backward (mode ``restore``).
+recomputes the replica forward in its backward (mode ``restore``); :mod:`ultraep.runtime.replica_store` owns
+that memory and hands each job its :class:`~ultraep.runtime.replica_store.ReplicaSlots`.
+
+A job sees its layer and runtime only through a :class:`ReplicaContext` (the groups, a guard around each
+exchange, the one-expert function, the masters, the event sink, the transport choice): it never holds the layer
+or the runtime, and this module imports neither (``tests/test_import_graph.py``).
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable, ContextManager
 
 import numpy as np
 import torch
 
 from ultraep.runtime.clock import HostClock
+from ultraep.runtime.replica_store import ReplicaSlots
 from ultraep.runtime.replica_transport import DirectTransport, TiledTransport
 from ultraep.runtime.transport import Transfer, TransferHandle
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ultraep.runtime.layer import BalancedExperts
 
 TAG_WEIGHTS = 11  # gloo matches by tag too; NCCL ignores tags, so the canonical order alone must match
 TAG_GRADS = 12
@@ -61,62 +64,6 @@ def _keep(t: torch.Tensor) -> torch.Tensor:
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-class ReplicaBuffers:
-    """Replica weight buffers of one runtime: per-layer sets within the memory budget, one shared set beyond.
-
-    ``budget_bytes`` caps the bytes of per-layer sets; layers reserve in the order they are wrapped.
-    ``generation`` counts syncs into the shared set, so a backward can tell whether a later layer overwrote
-    its replicas; ``restorations`` counts the restores that caused.
-    """
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget_bytes = int(budget_bytes)
-        self.reserved_bytes = 0
-        self._private: dict[int, list[list[torch.Tensor]] | None] = {}
-        self._busy: dict[int, weakref.ref] = {}
-        self._sets: dict[tuple, list[list[torch.Tensor]]] = {}
-        self.generation = 0
-        self.restorations = 0
-
-    def reserve(self, layer: int, nbytes: int) -> bool:
-        """Give ``layer`` its own buffers (``nbytes`` = N x expert bytes, or more for its replica cache) if the
-        budget still holds them."""
-        if self.reserved_bytes + nbytes > self.budget_bytes:
-            return False
-        self.reserved_bytes += nbytes
-        self._private.setdefault(layer, None)  # allocated on first use (a second reservation adds cache room)
-        return True
-
-    def private(self, layer: int, like: list[torch.Tensor], num_slots: int) -> list[list[torch.Tensor]] | None:
-        """``[N][J]`` buffers owned by ``layer``, or None when they still hold replicas a backward will read
-        (several forwards before one backward, e.g. gradient accumulation in a pipeline schedule)."""
-        if layer not in self._private or self.busy(layer):
-            return None
-        have = self._private[layer]
-        if have is None or len(have) < num_slots:
-            have = [[torch.empty_like(t) for t in like] for _ in range(num_slots)]
-            self._private[layer] = have
-        return have[:num_slots]
-
-    def set_busy(self, layer: int, job: "ReplicaJob") -> None:
-        """``job`` keeps its replicas in ``layer``'s buffers until its backward ran (or its graph is freed)."""
-        self._busy[layer] = weakref.ref(job)
-
-    def busy(self, layer: int) -> bool:
-        ref = self._busy.get(layer)
-        job = ref() if ref is not None else None
-        return job is not None and job._graph is not None
-
-    def shared(self, like: list[torch.Tensor], num_slots: int) -> list[list[torch.Tensor]]:
-        """``[N][J]`` tensors shaped like one expert's tensors ``like`` (allocated once per layout)."""
-        key = tuple((tuple(t.shape), t.dtype, t.device) for t in like)
-        have = self._sets.get(key, [])
-        while len(have) < num_slots:
-            have.append([torch.empty_like(t) for t in like])
-        self._sets[key] = have
-        return have[:num_slots]
 
 
 class DeferredGrads:
@@ -153,6 +100,24 @@ class DeferredGrads:
             self.epoch_R = np.array(epoch_R, copy=True)
         self.pairs |= _replica_pairs(plan)
 
+    def pairs_for(self, plan, grads: str) -> set[tuple[int, int]]:
+        """``(replica rank, expert)`` whose gradients the backward of a call of ``plan`` moves in mode ``grads``:
+        none (``"defer"``: they wait here), the plan's replicas (``"reduce"``), or those and every pending one
+        (``"flush"``)."""
+        if grads == "defer":
+            return set()
+        pairs = _replica_pairs(plan)
+        return pairs | self.pairs if grads == "flush" else pairs
+
+    def route(self, grads: str, mine: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+        """This call's replica gradients ``{expert: [J]}`` → what its backward sends in mode ``grads``: nothing
+        (``"defer"``: summed here), them and everything pending (``"flush"``), or them (``"reduce"``)."""
+        if grads == "defer":
+            for e, gw in mine.items():
+                self.add(e, gw)
+            return {}
+        return self.merge(mine) if grads == "flush" else mine
+
     def add(self, expert: int, grads: list[torch.Tensor]) -> None:
         have = self.sums.get(expert)
         if have is None:
@@ -187,62 +152,90 @@ def _replica_pairs(plan) -> set[tuple[int, int]]:
     return {(int(a), int(plan.phy2log_RS[a, M + b])) for a, b in zip(r, s)}
 
 
+@dataclass(frozen=True)
+class ReplicaContext:
+    """What a layer's replica jobs use of their layer and runtime, and nothing else (built once by the layer).
+
+    ``guard(phase, peers)``: a context manager around one exchange (a backend failure becomes a
+    :class:`~ultraep.errors.CollectiveFailedError` naming the layer, ``phase`` and ``peers``).
+    ``expert_forward(x, ws)``: one expert's rows ``[n, H]`` with its J tensors ``ws`` → ``[n, H]``.
+    ``master_params()``: this rank's J master tensors ``[M, ...]`` (read per job: a load may replace them).
+    ``event(name)``: the runtime's step trace (tests pin the order). ``transport``:
+    ``BalancerConfig.replica_transport``."""
+
+    rank: int
+    transfer_group: object
+    guard: Callable[[str, list[int]], ContextManager]
+    expert_forward: Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor]
+    master_params: Callable[[], list[torch.Tensor]]
+    first_expert: int
+    event: Callable[[str], None]
+    transport: str = "auto"
+
+
+def _transport_for(ctx: ReplicaContext, plan, schedule, layout, grad_schedule, grad_layout, slots, params):
+    """Per-tensor messages on CPU (gloo) without relays, else tile-packed (replica_transport.py)."""
+    M, dev = plan.topology.num_masters, params[0].device
+    relays = bool((plan.transfers.stage > 0).any())
+    direct = not relays and (ctx.transport == "direct" or (ctx.transport == "auto" and not params[0].is_cuda))
+    if direct:
+        return DirectTransport(schedule, grad_schedule, grad_layout, slots, M, dev)
+    return TiledTransport(schedule, layout, grad_schedule, grad_layout, slots, M, dev)
+
+
+def _transfer_seconds(transfers, me: int, recv_seconds: dict) -> list[float]:
+    """Measured seconds of each of ``transfers`` that rank ``me`` received (keys ``(src, stage, expert)``); NaN
+    for transfers into other ranks."""
+    out = [float("nan")] * len(transfers)
+    for i in range(len(transfers) if recv_seconds else 0):
+        key = (int(transfers.src[i]), int(transfers.stage[i]), int(transfers.expert[i]))
+        if int(transfers.dst[i]) == me and key in recv_seconds:
+            out[i] = recv_seconds[key]
+    return out
+
+
 class ReplicaJob:
     """One layer's replicas for one plan, forward and backward (see the module docstring for the steps).
 
-    ``phases`` collects this rank's measured seconds per phase (the ``timings`` keys); ``events`` (when the
+    ``phases`` collects this rank's measured seconds per phase (the ``timings`` keys); ``ctx.event`` (when the
     runtime traces) the order of the steps.
     """
 
-    def __init__(self, layer: "BalancedExperts", plan, kept_slots: list[list[torch.Tensor]] | None,
-                 grads: str = "reduce", deferred: DeferredGrads | None = None, clock=None) -> None:
-        """``kept_slots``: this layer's own ``[N][J]`` buffers for replica slots ``M..S-1`` (mode ``kept``; slot
-        ``M + i`` computes with ``kept_slots[i]``, which may already hold its weights), or None (shared buffers).
+    def __init__(self, ctx: ReplicaContext, plan, slots: ReplicaSlots, grads: str = "reduce",
+                 deferred: DeferredGrads | None = None, clock=None) -> None:
+        """``slots``: the ``[N][J]`` buffers of replica slots ``M..S-1`` (slot ``M + i`` computes with
+        ``slots.tensors[i]``, which may already hold its weights) — the layer's own (``slots.kept``: replicas
+        and graph live to the backward) or the shared ones (restore + recompute in backward).
 
         ``grads``: what the backward does with the replicas' weight gradients — ``"reduce"`` them to the masters
         (the default), ``"defer"`` them into ``deferred`` (under ``no_sync``), or ``"flush"``: reduce them
         together with everything ``deferred`` holds."""
         from ultraep.kernels import ExpertLayout, GradReduceSchedule, StreamSchedule
 
-        self.layer = layer
-        self.rt = layer.runtime
+        self.ctx = ctx
         self.clock = clock if clock is not None else HostClock()  # the layer call's (CUDA events on CUDA)
         t = plan.topology
         # ``plan.transfers`` are exactly the replicas this call streams (the engine planned with the layer's
         # replica cache: resident replicas are reused in place, every other one is sent)
         self.plan = plan
-        self.M, self.S, self.me = t.num_masters, t.num_slots, self.rt.rank
-        self.params = layer.master_params()
-        like = [p[0].detach() for p in self.params]
-        self.layout = ExpertLayout.of(like)
+        self.M, self.S, self.me = t.num_masters, t.num_slots, ctx.rank
+        self.params = ctx.master_params()
+        self.layout = ExpertLayout.of([p[0].detach() for p in self.params])
         self.grad_layout = self.layout.with_dtype(torch.float32)
         self.schedule = StreamSchedule.from_plan(plan, self.me, self.layout)
-        # this rank's replicas of the plan: {expert: slot}
         row = plan.phy2log_RS[self.me]
-        self.slot_of = {int(row[s]): s for s in range(self.M, self.S) if row[s] >= 0}
-        self.grads_mode, self.deferred = grads, deferred
-        pairs = _replica_pairs(plan)
-        if grads == "defer":  # nothing moves in this backward; the pairs wait in ``deferred``
-            pairs = set()
-        elif grads == "flush":
-            pairs |= deferred.pairs
-        self.grad_schedule = GradReduceSchedule.from_replicas(pairs, t.home_E, self.me, self.grad_layout)
+        self.slot_of = {int(row[s]): s for s in range(self.M, self.S) if row[s] >= 0}  # this rank's {expert: slot}
+        self.grads_mode = grads
+        self.deferred = deferred if deferred is not None else DeferredGrads()
+        self.grad_schedule = GradReduceSchedule.from_replicas(self.deferred.pairs_for(plan, grads), t.home_E,
+                                                              self.me, self.grad_layout)
         self.grad_bytes_sent = 0
-        self.kept = kept_slots is not None
-        self.slots = kept_slots if self.kept else self.rt.buffers.shared(like, t.num_redundant_slots)
-        # Transport (replica_transport.py): per-tensor messages on CPU (gloo) without relays, else tile-packed
-        relays = bool((plan.transfers.stage > 0).any())
-        mode = self.rt.config.replica_transport
-        self.direct = not relays and (mode == "direct" or (mode == "auto" and not self.params[0].is_cuda))
-        dev = self.params[0].device
-        self.transport = (DirectTransport(self.schedule, self.grad_schedule, self.grad_layout, self.slots, self.M, dev)
-                          if self.direct else
-                          TiledTransport(self.schedule, self.layout, self.grad_schedule, self.grad_layout, self.slots,
-                                         self.M, dev))
+        self.lease, self.kept, self.slots = slots, slots.kept, slots.tensors
+        self.transport = _transport_for(ctx, plan, self.schedule, self.layout, self.grad_schedule,
+                                        self.grad_layout, self.slots, self.params)
         self.counts: list[int] = []
         self.needs_backward = False
         self.x_rep: torch.Tensor | None = None
-        self.generation = -1
         self.bytes_sent = 0
         self.phases: dict[str, float] = {}
         self._weights: TransferHandle | None = None  # batch W0
@@ -251,25 +244,27 @@ class ReplicaJob:
         self._recv_seconds: dict[tuple[int, int, int], float] = {}
         self._graph = None  # kept mode: (x, weights, y) of the replica forward, for its backward
 
+    @property
+    def holds_replicas(self) -> bool:
+        """Whether this job's own buffers still hold replicas its backward will read (the store asks)."""
+        return self._graph is not None
+
     def _add(self, key: str, seconds) -> None:
         self.phases[key] = self.phases.get(key, 0.0) + seconds
-
-    def _event(self, name: str) -> None:
-        self.rt.event(name, self.layer.layer)
 
     # ------------------------------------------------------------------ weights (forward)
     def post_weights(self) -> None:
         """Step 1: issue batch W0 — every stage-0 receive of replica weights and this rank's stage-0 sends;
         never waits."""
         t0 = self.clock.now()
-        first = self.layer.first_expert
+        first = self.ctx.first_expert
         sending = {e for m in self.schedule.sends0 for e in m.experts}
-        tr = Transfer(self.rt.transfer_group, TAG_WEIGHTS)
+        tr = Transfer(self.ctx.transfer_group, TAG_WEIGHTS)
         self.transport.add_weights(tr, {e: [p.detach()[e - first] for p in self.params] for e in sending})
-        with self.layer.collective("replica weight sync (post)", tr.peers()):
+        with self.ctx.guard("replica weight sync (post)", tr.peers()):
             self._weights = tr.execute()
         self.bytes_sent = tr.send_bytes()
-        self._event("weight_sync_posted")
+        self.ctx.event("weight_sync_posted")
         self._add("weight_post_s", self.clock.now() - t0)
 
     def relay(self) -> None:
@@ -279,10 +274,10 @@ class ReplicaJob:
         if not sched.sends1 and not any(m.stage == 1 for m in sched.recvs):
             return
         t0 = self.clock.now()
-        with self.layer.collective("replica weight sync (relay stage)", [m.peer for m in sched.recvs]):
+        with self.ctx.guard("replica weight sync (relay stage)", [m.peer for m in sched.recvs]):
             if sched.sends1:
                 self._weights.wait_recvs()
-            tr = Transfer(self.rt.transfer_group, TAG_WEIGHTS)
+            tr = Transfer(self.ctx.transfer_group, TAG_WEIGHTS)
             self.transport.add_relay(tr)
             self._relay = tr.execute()
         self.bytes_sent += tr.send_bytes()
@@ -292,18 +287,16 @@ class ReplicaJob:
         """Step 3: block until this rank's replica weights arrived, then unpack them into the slots."""
         t0 = self.clock.now()
         handles = [h for h in (self._weights, self._relay) if h is not None]
-        with self.layer.collective("replica weight sync (wait)", [m.peer for m in self.schedule.recvs]):
+        with self.ctx.guard("replica weight sync (wait)", [m.peer for m in self.schedule.recvs]):
             for h in handles:
                 h.poll()
             for h in handles:
                 h.wait_recvs()
-        self._event("weight_sync_waited")
+        self.ctx.event("weight_sync_waited")
         t1 = self.clock.now()
         self.transport.unpack()
         self._add("weight_unpack_s", self.clock.now() - t1)
-        if not self.kept:
-            self.rt.buffers.generation += 1
-            self.generation = self.rt.buffers.generation
+        self.lease.filled()
         sec: dict = {}
         for h in handles:
             sec.update(h.recv_seconds())
@@ -315,7 +308,7 @@ class ReplicaJob:
         """Complete this rank's weight sends (after the combine: every receiver has long waited)."""
         for h in (self._weights, self._relay):
             if h is not None:
-                with self.layer.collective("replica weight sync (send)", []):
+                with self.ctx.guard("replica weight sync (send)", []):
                     h.wait_sends()
         self._weights = self._relay = None
         self.transport.release_weights()
@@ -323,16 +316,7 @@ class ReplicaJob:
     def transfer_seconds(self) -> list[float]:
         """Measured seconds of each of ``plan.transfers`` this rank received (posting to first seen
         complete, an upper bound); NaN for transfers into other ranks."""
-        tr = self.plan.transfers
-        out = [float("nan")] * len(tr)
-        w = self._recv_seconds
-        if not w:
-            return out
-        for i in range(len(tr)):
-            key = (int(tr.src[i]), int(tr.stage[i]), int(tr.expert[i]))
-            if int(tr.dst[i]) == self.me and key in w:
-                out[i] = w[key]
-        return out
+        return _transfer_seconds(self.plan.transfers, self.me, self._recv_seconds)
 
     # ------------------------------------------------------------------ weights (backward restore)
     def restore_weights(self) -> None:
@@ -342,21 +326,14 @@ class ReplicaJob:
         self.relay()
         self.wait_weights()
         self.finish_sends()
-        self.rt.buffers.restorations += 1
+        self.lease.restored()
         self._add("restore_s", self.clock.now() - t0)
 
     # ------------------------------------------------------------------ compute
-    def _chunks(self, x: torch.Tensor):
-        at = 0
-        for i, c in enumerate(self.counts):
-            yield i, x[at:at + c]
-            at += c
-
     def compute(self, x_rep: torch.Tensor, build_graph: bool) -> torch.Tensor:
         """Replica rows ``[Nr, H]`` → outputs ``[Nr, H]``; with ``build_graph`` the autograd graph of this
         forward is kept for the backward (mode ``kept``: no recompute)."""
         t0 = self.clock.now()
-        fwd, mod = self.layer.adapter.forward, self.layer.container
         if build_graph:
             # the replica graph keeps its own tensors, out of any saved-tensor hooks around the layer: under a
             # non-reentrant activation checkpoint its backward (a nested torch.autograd.grad, a graph task of its
@@ -364,13 +341,13 @@ class ReplicaJob:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _same):
                 xr = x_rep.detach().requires_grad_(True)
                 ws = [[w.detach().requires_grad_(True) for w in slot] for slot in self.slots]
-                y = self._run(fwd, mod, xr, ws)
+                y = self._run(xr, ws)
             self._graph = (xr, ws, y)
             out = y.detach()
         else:
             with torch.no_grad():
-                out = self._run(fwd, mod, x_rep, self.slots)
-        self._event("replica_compute")
+                out = self._run(x_rep, self.slots)
+        self.ctx.event("replica_compute")
         self._add("replica_compute_s", self.clock.now() - t0)
         return out
 
@@ -378,12 +355,16 @@ class ReplicaJob:
         """An activation-checkpoint recompute of this job's replica forward (the original call's graph runs the
         backward): the outputs from the weights the slots still hold. It saves nothing, as the original forward
         saved nothing under the checkpoint (its replica graph keeps its own tensors, see :meth:`compute`)."""
-        fwd, mod = self.layer.adapter.forward, self.layer.container
         with torch.no_grad():
-            return self._run(fwd, mod, x_rep, self.slots)
+            return self._run(x_rep, self.slots)
 
-    def _run(self, fwd, mod, x, slots) -> torch.Tensor:
-        outs = [fwd(mod, xs, slots[i]) if xs.shape[0] else xs.new_zeros(xs.shape) for i, xs in self._chunks(x)]
+    def _run(self, x, slots) -> torch.Tensor:
+        """Rows ``[Nr, H]`` (``counts[i]`` rows of slot ``M + i``, in slot order) through the slots' experts."""
+        outs, at = [], 0
+        for i, c in enumerate(self.counts):
+            xs = x[at:at + c]
+            outs.append(self.ctx.expert_forward(xs, slots[i]) if xs.shape[0] else xs.new_zeros(xs.shape))
+            at += c
         return torch.cat(outs) if outs else x.new_zeros(x.shape)
 
     # ------------------------------------------------------------------ backward
@@ -391,56 +372,43 @@ class ReplicaJob:
         """Step 4: replica backward (restore + recompute in mode ``restore``), then post the weight gradients
         to the masters' ranks. Returns the gradient of the replica rows and of the ``shared`` parameters the
         replica forward also read (e.g. a post-expert norm; None where unused or frozen): they stay on this rank."""
-        if self.kept:
-            xr, ws, y = self._graph
-            self._graph = None
-        else:
-            if self.rt.buffers.generation != self.generation:
-                self.restore_weights()
-            t0 = self.clock.now()
-            with torch.enable_grad():
-                xr = self.x_rep.requires_grad_(True)
-                ws = [[w.detach().requires_grad_(True) for w in slot] for slot in self.slots]
-                y = self._run(self.layer.adapter.forward, self.layer.container, xr, ws)
-            self.x_rep = None
-            self._add("recompute_s", self.clock.now() - t0)
+        xr, ws, y = self._replica_graph()
         t1 = self.clock.now()
-        flat_ws = [w for slot in ws for w in slot]
-        train = [p for p in shared if p.requires_grad]
-        if y.requires_grad:
-            g = torch.autograd.grad(y, [xr, *flat_ws, *train], grad, allow_unused=True)
-        else:  # no replica got a row: every gradient is zero
-            g = [None] * (1 + len(flat_ws) + len(train))
-        g_train = iter(g[1 + len(flat_ws):])
-        g_shared = [next(g_train) if p.requires_grad else None for p in shared]
-        gx = g[0] if g[0] is not None else torch.zeros_like(xr)
-        J = len(self.params)
-        wgrads = {self.M + i: [gw if gw is not None else torch.zeros_like(w)
-                               for gw, w in zip(g[1 + i * J:1 + (i + 1) * J], ws[i])] for i in range(len(ws))}
-        self._event("replica_backward")
+        gx, wgrads, g_shared = _replica_grads(xr, ws, y, grad, shared)
+        self.ctx.event("replica_backward")
         t2 = self.clock.now()
-        eg = {e: wgrads[s] for e, s in self.slot_of.items()}  # this call's gradient of each replica here
-        if self.grads_mode == "defer":
-            for e, gw in eg.items():
-                self.deferred.add(e, gw)
-            eg = {}
-        elif self.grads_mode == "flush":
-            eg = self.deferred.merge(eg)
-        gs = self.grad_schedule
-        for e in (e for m in gs.sends for e in m.experts if e not in eg):  # deferred by a call whose backward
-            eg[e] = [torch.zeros(s.shape, dtype=torch.float32, device=grad.device)  # never ran: zero (flush only)
-                     for s in self.grad_layout.specs]
-        tr = Transfer(self.rt.transfer_group, TAG_GRADS)  # batch G: these sends and this rank's receives
+        eg = self.deferred.route(self.grads_mode, {e: wgrads[s - self.M] for e, s in self.slot_of.items()})
+        for e in (e for m in self.grad_schedule.sends for e in m.experts if e not in eg):  # deferred by a call
+            eg[e] = [torch.zeros(s.shape, dtype=torch.float32, device=grad.device)  # whose backward never ran:
+                     for s in self.grad_layout.specs]  # zero (flush only)
+        tr = Transfer(self.ctx.transfer_group, TAG_GRADS)  # batch G: these sends and this rank's receives
         self.transport.add_grad_sends(tr, eg)
         self.transport.add_grad_recvs(tr)
         self.grad_bytes_sent = tr.send_bytes()
-        with self.layer.collective("replica gradient reduction (post)", tr.peers()):
+        with self.ctx.guard("replica gradient reduction (post)", tr.peers()):
             self._grads = tr.execute()
-        self._event("grad_sent")
+        self.ctx.event("grad_sent")
         t3 = self.clock.now()
         self._add("replica_backward_s", t2 - t1)
         self._add("grad_post_s", t3 - t2)
         return gx, g_shared
+
+    def _replica_graph(self):
+        """``(x, weights, y)`` of the replica forward: the graph kept in forward, or (mode ``restore``) the
+        replicas restored if a later layer overwrote them, and the forward recomputed."""
+        if self.kept:
+            graph, self._graph = self._graph, None
+            return graph
+        if self.lease.overwritten():
+            self.restore_weights()
+        t0 = self.clock.now()
+        with torch.enable_grad():
+            xr = self.x_rep.requires_grad_(True)
+            ws = [[w.detach().requires_grad_(True) for w in slot] for slot in self.slots]
+            y = self._run(xr, ws)
+        self.x_rep = None
+        self._add("recompute_s", self.clock.now() - t0)
+        return xr, ws, y
 
     def reduce_grads(self) -> list[torch.Tensor]:
         """Step 5: wait for the replicas' gradients of this rank's masters; return, for every expert in
@@ -449,10 +417,9 @@ class ReplicaJob:
         if self._grads is None:  # pragma: no cover - the replicas' backward (Step 4) runs before the sink
             raise RuntimeError("replica gradient reduction: the sink ran before the replicas' backward")
         t0 = self.clock.now()
-        with self.layer.collective("replica gradient reduction (wait)",
-                                   sorted({m.peer for m in self.grad_schedule.recvs})):
+        with self.ctx.guard("replica gradient reduction (wait)", sorted({m.peer for m in self.grad_schedule.recvs})):
             self._grads.wait_recvs()
-        self._event("grad_reduced")
+        self.ctx.event("grad_reduced")
         t1 = self.clock.now()
         sums = self.transport.reduce(self.contributing())
         out = [a.to(p.dtype) for e in self.contributing() for a, p in zip(sums[e], self.params)]
@@ -466,9 +433,27 @@ class ReplicaJob:
 
     def finish_grad_sends(self) -> None:
         if self._grads is not None:
-            with self.layer.collective("replica gradient reduction (send)", []):
+            with self.ctx.guard("replica gradient reduction (send)", []):
                 self._grads.wait_sends()
             self._grads = None
+
+
+def _replica_grads(xr, ws, y, grad, shared):
+    """Autograd through one replica forward ``y(xr, ws)``: returns the rows' gradient ``[Nr, H]``, each slot's J
+    weight gradients ``[N][J]`` (zeros where unused) and the ``shared`` parameters' (None where frozen/unused)."""
+    flat_ws = [w for slot in ws for w in slot]
+    train = [p for p in shared if p.requires_grad]
+    if y.requires_grad:
+        g = torch.autograd.grad(y, [xr, *flat_ws, *train], grad, allow_unused=True)
+    else:  # no replica got a row: every gradient is zero
+        g = [None] * (1 + len(flat_ws) + len(train))
+    g_train = iter(g[1 + len(flat_ws):])
+    g_shared = [next(g_train) if p.requires_grad else None for p in shared]
+    gx = g[0] if g[0] is not None else torch.zeros_like(xr)
+    J = len(ws[0]) if ws else 0
+    wgrads = [[gw if gw is not None else torch.zeros_like(w) for gw, w in zip(g[1 + i * J:1 + (i + 1) * J], ws[i])]
+              for i in range(len(ws))]
+    return gx, wgrads, g_shared
 
 
 class ReplicaExperts(torch.autograd.Function):

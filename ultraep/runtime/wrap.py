@@ -21,8 +21,7 @@ from ultraep.config import BalancerConfig
 from ultraep.runtime import data_parallel
 from ultraep.runtime.layer import BalancedExperts
 from ultraep.errors import UltraEPError
-from ultraep.runtime.replica_cache import ReplicaCache
-from ultraep.runtime.replicas import ReplicaBuffers
+from ultraep.runtime.replica_store import SharedSlots, split_budget
 from ultraep.runtime.transport import open_transfer_group
 
 log = logging.getLogger("ultraep")
@@ -42,7 +41,8 @@ class WrapReport:
 
 
 class EPRuntime:
-    """Per-model runtime state shared by the balanced layers: group, config, buffers, counters, recorder."""
+    """Per-model runtime state shared by the balanced layers: group, config, shared replica buffers, counters,
+    recorder."""
 
     def __init__(self, config: BalancerConfig, group, recorder=None) -> None:
         self.config = config
@@ -60,7 +60,8 @@ class EPRuntime:
         # Replica weights and gradients travel point-to-point on a group of their own, so they never queue
         # behind the token all-to-alls (NCCL serialises one communicator's operations on one stream).
         self.transfer_group = open_transfer_group(ranks, backend, timeout)
-        self.buffers = ReplicaBuffers(0)
+        #: the replica buffers the ``restore`` layers share (each layer's own are in its ``store``)
+        self.shared_slots = SharedSlots()
         self.recorder = recorder
         self.layers: list = []
         self.report = WrapReport()
@@ -83,29 +84,6 @@ class EPRuntime:
     def event(self, name: str, layer: int) -> None:
         if self.events is not None:
             self.events.append((name, layer))
-
-    def reserve_replica_memory(self) -> None:
-        """Split ``config.replica_memory_budget`` over the layers, in layer order: a layer whose replica weights
-        fit keeps them (and their activations) from forward to backward; the others share buffers."""
-        budget = replica_budget_bytes(self.config.replica_memory_budget, self.layers)
-        self.buffers = ReplicaBuffers(budget)
-        for layer in self.layers:
-            t = layer.topology
-            if t.num_redundant_slots:
-                layer.replica_mode = "kept" if self.buffers.reserve(
-                    layer.layer, t.num_redundant_slots * t.expert_bytes) else "restore"
-        if not self.config.replica_cache:
-            return
-        # The replica cache lives in the kept layers' own buffers; what the budget still holds adds up to N more
-        # per layer (layer order), so replicas that leave a plan survive a while (LRU) for when they come back.
-        for layer in self.layers:
-            if layer.replica_mode == "kept":
-                t = layer.topology
-                N = t.num_redundant_slots
-                more = min(N, (self.buffers.budget_bytes - self.buffers.reserved_bytes) // t.expert_bytes)
-                if more > 0:
-                    self.buffers.reserve(layer.layer, more * t.expert_bytes)
-                layer.cache = ReplicaCache(t.home_E, N + max(0, more))
 
     @contextmanager
     def no_sync(self):
@@ -225,7 +203,7 @@ class EPRuntime:
         hw, _, _, copy_s = local_seed(like, like[0].is_cuda)
         # the layers plan with their replica residency, so a plan's transfers are exactly what moves
         params = CostParams(weight_sync_overlap=True, resend_all_replicas=False, copy_s_per_byte=copy_s,
-                            restore_in_backward=any(la.replica_mode == "restore" for la in self.layers))
+                            restore_in_backward=any(la.store.mode == "restore" for la in self.layers))
         cm = CostModel(first.topology, hw, first.expert_spec, params)
         # plans and decisions are recorded by the layers (with the transfers that really moved), not the engine
         self.engine = Engine(self.config, first.topology, cost_model=cm, recorder=None,
@@ -283,16 +261,31 @@ def _available_bytes(device) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def replica_budget_bytes(budget, layers) -> int:
-    """Bytes of ``BalancerConfig.replica_memory_budget`` for this rank's ``layers``."""
+def replica_budget_bytes(budget, sizes: list[tuple[int, int, int]], device) -> int:
+    """Bytes of ``BalancerConfig.replica_memory_budget`` for this rank's layers (``sizes``: per layer N, expert
+    bytes and masters per rank; ``device``: where the masters live)."""
     if budget == "auto":
-        if not layers:
+        if not sizes:
             return 0
-        return _available_bytes(layers[0].master_params()[0].device) // 4
+        return _available_bytes(device) // 4
     if isinstance(budget, float):
-        masters = sum(p.numel() * p.element_size() for layer in layers for p in layer.master_params())
-        return int(budget * masters)
+        return int(budget * sum(m * b for _, b, m in sizes))
     return int(budget)
+
+
+def replica_memory(config: BalancerConfig, found: list, world_size: int) -> list:
+    """Each layer's :class:`~ultraep.runtime.replica_store.ReplicaMemory`, decided before any layer is built (so
+    each is built in its final mode): ``config.replica_memory_budget`` split in layer order over the experts
+    containers ``found`` (``(name, module)``), from their sizes alone."""
+    sizes, device = [], None
+    for layer, (_, mod) in enumerate(found):
+        adapter = adapter_for(mod)
+        like = [getattr(mod, n)[0] for n in adapter.param_names]
+        device = like[0].device if device is None else device
+        expert_bytes = int(sum(t.numel() * t.element_size() for t in like))
+        sizes.append((config.slots_for(layer), expert_bytes, adapter.num_experts(mod) // world_size))
+    budget = replica_budget_bytes(config.replica_memory_budget, sizes, device)
+    return split_budget(budget, [(n, b) for n, b, _ in sizes], config.replica_cache)
 
 
 def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=None, *, recorder=None) -> nn.Module:
@@ -327,19 +320,20 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
     runtime = EPRuntime(config, group, recorder)
     R = runtime.world_size
     for layer, (name, mod) in enumerate(found):
-        adapter = adapter_for(mod)
-        E = adapter.num_experts(mod)
+        E = adapter_for(mod).num_experts(mod)
         if E % R:
             raise UltraEPError(f"{name}.num_experts", f"{E} experts cannot be split over {R} ranks "
                                f"(experts must be divisible by the EP group size)", E)
         config.validate_for(R, E // R)
+    memory = replica_memory(config, found, R)  # every layer's share of the replica budget, before any is built
+    for layer, (name, mod) in enumerate(found):
+        adapter = adapter_for(mod)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        balanced = BalancedExperts(mod, adapter, layer, name, runtime)
+        balanced = BalancedExperts(mod, adapter, layer, name, runtime, memory[layer])
         setattr(parent, attr, balanced)
         runtime.layers.append(balanced)
         runtime.report.layers.append((layer, name, balanced.policy_name, adapter.name))
-    runtime.reserve_replica_memory()
     runtime.build_engine()
     object.__setattr__(model, _ATTR, runtime)
     runtime.model_ref = weakref.ref(model)
