@@ -267,7 +267,9 @@ def replica_budget_bytes(budget, sizes: list[tuple[int, int, int]], device) -> i
     if budget == "auto":
         if not sizes:
             return 0
-        return _available_bytes(device) // 4
+        # read before the layers copy their masters (wrap sizes every layer first): take those bytes off, so the
+        # budget is never above what it was when free memory was read after the copies
+        return max(0, _available_bytes(device) - sum(m * b for _, b, m in sizes)) // 4
     if isinstance(budget, float):
         return int(budget * sum(m * b for _, b, m in sizes))
     return int(budget)
