@@ -11,7 +11,7 @@ from typing import get_args
 
 from ultraep.config import ALL_POLICIES, CandidateName, PolicyName
 
-from .base import Policy, assemble_plan, identity_plan, plan_resident
+from .base import Policy, assemble_plan, identity_plan, plan_resident, plan_with_residency
 from .eplb import EplbPolicy, rebalance_experts
 from .none import NonePolicy
 from .quota import QuotaPolicy
@@ -35,7 +35,8 @@ POLICIES.update({
 # the simulator's default list every policy (import-time checks: configurable iff registered).
 _CHOOSERS = {n for n in POLICIES if is_chooser(n)}
 if (set(POLICIES) != set(get_args(PolicyName)) or set(get_args(CandidateName)) != set(POLICIES) - _CHOOSERS
-        or set(ALL_POLICIES) != set(POLICIES) or BASELINE not in POLICIES):  # pragma: no cover
+        or set(ALL_POLICIES) != set(POLICIES) or BASELINE not in POLICIES
+        or not getattr(POLICIES[BASELINE], "fallback", False)):  # pragma: no cover
     raise ImportError(
         f"policy registry {sorted(POLICIES)} (choosers {sorted(_CHOOSERS)}, baseline {BASELINE!r}) disagrees with "
         f"config PolicyName {sorted(get_args(PolicyName))} / CandidateName {sorted(get_args(CandidateName))} / "
@@ -61,4 +62,5 @@ __all__ = [
     "assemble_plan",
     "identity_plan",
     "plan_resident",
+    "plan_with_residency",
 ]

@@ -9,6 +9,7 @@ Legend: R ranks, E experts, S slots per rank, P replicas in the plan.
 
 from __future__ import annotations
 
+import time
 from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
@@ -17,7 +18,7 @@ from numba import njit
 from ultraep.plan import ExpertDomains, Plan, Replicas, Transfers
 from ultraep.topology import Topology
 
-from .split import even_split
+from ultraep.plan.routes import even_split
 from ultraep.plan.transfers import RELAY_MODES, schedule_transfers, transfers_for
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -30,7 +31,11 @@ class Policy(Protocol):
     Optional class attributes a policy declares about itself (absent = the default): ``planner_s`` (its
     planning seconds on the critical path, put on every plan it makes for the cost model; 0),
     ``planner_exposed`` (False when planning hides behind compute; True), ``needs_cost_model``,
-    ``uses_residency``, ``one_shot_options``, ``step_count_options``, ``chooses_among_policies``."""
+    ``uses_residency``, ``one_shot_options``, ``step_count_options``, ``chooses_among_policies``, and what a
+    chooser asks of its candidates: ``fallback`` (does nothing, always on time: ``none``), ``screenable`` (a
+    stateless planner on the critical path that may be skipped when it cannot pay: ``quota``) and
+    ``placement_interval`` (a historical placement, resident this many decisions, sends all its replicas
+    when switched to: ``eplb``). The planning time is measured by :func:`plan_resident`, not by the policy."""
 
     name: ClassVar[str]
 
@@ -58,7 +63,17 @@ class Stateless:
 
 
 def plan_resident(policy, load_RE: np.ndarray, topology: Topology, resident_RE: np.ndarray | None) -> Plan:
-    """``policy``'s plan when ``resident_RE[r, e]`` (bool ``[R, E]``) says which ranks already hold valid
+    """:func:`plan_with_residency`, timed: the returned plan's ``solve_time_s`` is the wall time of this call
+    (the policy's planning, and for a chooser the planning of its candidates). Measured here, once, where the
+    engine and ``plan_layer`` call a policy, rather than by each policy writing into its frozen plan."""
+    t0 = time.perf_counter()
+    plan = plan_with_residency(policy, load_RE, topology, resident_RE)
+    return plan.with_solve_time(time.perf_counter() - t0)
+
+
+def plan_with_residency(policy, load_RE: np.ndarray, topology: Topology, resident_RE: np.ndarray | None) -> Plan:
+    """``policy``'s plan, untimed (a chooser plans its candidates with it; :func:`plan_resident` times the
+    whole call), when ``resident_RE[r, e]`` (bool ``[R, E]``) says which ranks already hold valid
     weights of which experts, with transfers for exactly the non-resident replicas
     (:func:`~ultraep.plan.transfers.transfers_for`). A policy that declares ``uses_residency = True`` plans with
     it (it may prefer resident replicas) and returns such transfers itself (the plan object it returns is

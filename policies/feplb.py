@@ -44,7 +44,6 @@ master left (expert 0 arrived by a move and moves only once) → stop. Maximum 1
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 from numba import njit
@@ -159,14 +158,13 @@ class FeplbPolicy:
         return dyn
 
     def plan(self, load_RE: np.ndarray, topology: Topology) -> Plan:
-        t0 = time.perf_counter()
         t = topology
         lam_E = load_RE.sum(axis=0)
         ell_R = np.bincount(t.home_E, weights=lam_E, minlength=t.num_ranks).astype(np.int64)
         info = {"token_straggler_before": _straggler(ell_R)}
         if t.num_redundant_slots == 0 or t.D == 1 or self.num_dynamic == 0:
             info.update(token_straggler_after=info["token_straggler_before"], moves=[], num_dynamic_experts=0)
-            return identity_plan(self.name, t, load_RE, time.perf_counter() - t0, info, static_overlap=True,
+            return identity_plan(self.name, t, load_RE, info=info, static_overlap=True,
                                  planner_s=self.planner_s)
         dyn = self.dynamic_experts(lam_E, t)
         e, r, s, q, after = feplb_greedy(ell_R, lam_E, t.masters_RM, dyn, t.D, t.num_redundant_slots, self.min_tokens)
@@ -176,10 +174,8 @@ class FeplbPolicy:
             moves=[{"expert": int(a), "src": int(t.home_E[a]), "dst": int(b), "tokens": int(c)}
                    for a, b, c in zip(e, r, q)],
         )
-        plan = assemble_plan(self.name, t, load_RE, e, r, s, q, relay="direct", info=info, static_overlap=True,
+        return assemble_plan(self.name, t, load_RE, e, r, s, q, relay="direct", info=info, static_overlap=True,
                              planner_s=self.planner_s)
-        object.__setattr__(plan, "solve_time_s", time.perf_counter() - t0)
-        return plan
 
     def commit(self, plan: Plan) -> None:
         self.advance(plan.load_RE)

@@ -48,7 +48,6 @@ Quotas of expert 0: 4 on its master, 4 on rank 3, 2 on rank 2 → every rank rec
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 from numba import njit
@@ -332,6 +331,9 @@ class QuotaPolicy(Stateless):
     #: planning seconds on the critical path (the cost model's seed; calibration scales it): UltraEP's GPU
     #: planner 0.07 ms + reroute 0.04 ms at EP64 (UltraEP README)
     planner_s = 1.1e-4
+    #: stateless with its planner on the critical path: a chooser may skip planning it when even a perfect
+    #: balance could not pay for that planner (adaptive's Step 1 gain bound)
+    screenable = True
 
     def __init__(self, balance_eps: float = 0.01, min_replica_quota: int = 1, relay: str = "auto",
                  cache_tolerance: float = 0.02) -> None:
@@ -358,10 +360,9 @@ class QuotaPolicy(Stateless):
         (which is solved only when the resident plan misses the fast-path τ): a near-equal balance with no
         weights to move beats a marginally better one that moves them. Deterministic in its inputs, so
         every rank holding the same ``resident_RE`` computes the same plan."""
-        t0 = time.perf_counter()
         t = topology
         if t.num_redundant_slots == 0 or t.D == 1:
-            return identity_plan(self.name, t, load_RE, time.perf_counter() - t0, planner_s=self.planner_s)
+            return identity_plan(self.name, t, load_RE, planner_s=self.planner_s)
         if self._no_pref is None or self._no_pref.shape != (t.num_ranks, t.num_experts):
             self._no_pref = np.zeros((t.num_ranks, t.num_experts), dtype=np.int8)
         blind = self._no_pref
@@ -386,7 +387,6 @@ class QuotaPolicy(Stateless):
             quota_RS=quota,
             replicas=Replicas(ptr, reps[0], reps[1], reps[2]),
             transfers=Transfers(trans[0], trans[1], trans[2], trans[3], trans[4]),
-            solve_time_s=time.perf_counter() - t0,
             info={"tau": tau},
             planner_s=self.planner_s,
         )

@@ -62,13 +62,12 @@ def _round(x):
 
 def tables(pol) -> dict:
     """The adaptive engine's outcome tables: measured outcomes (both bases), clocks, run counters, streaks."""
-    t = pol.tracker if hasattr(pol, "tracker") else pol
-    s = pol.schedule if hasattr(pol, "schedule") else pol
+    t, s = pol.outcomes, pol.schedule  # (read from the single class's own fields when the fixture was made)
     return _round({
         "outcome": dict(t._outcome), "outcome_anchor": dict(t._outcome_anchor),
         "clock": {n: [list(ts), list(xs)] for n, (ts, xs) in t._clock.items()},
         "ran": sorted(s._ran), "since": dict(s._since), "unplanned": dict(s._unplanned), "lost": dict(s._lost),
-        "none_streak": s._none_streak, "current": pol.current if hasattr(pol, "current") else pol._current, "corrections": {
+        "none_streak": s._none_streak, "current": pol.current, "corrections": {
             n: t.correction(n) for n in pol.policies},
     })
 

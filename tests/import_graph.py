@@ -12,7 +12,7 @@ What counts as an edge ``A -> B`` (A's source names B, B one of the project's mo
   bodies, ``try`` blocks), ``function`` (inside a function: runs on first call, and still a dependency —
   counted like ``top``), ``type_checking`` (under ``if TYPE_CHECKING:``; never runs, so it cannot close a
   cycle at run time; reported apart and left out of the cycles);
-* an edge points at the module named, not at the packages around it (importing ``ultraep.policies.split``
+* an edge points at the module named, not at the packages around it (importing ``ultraep.policies.quota``
   also runs ``policies/__init__.py``; that edge is not drawn, so a cycle only through an ``__init__`` that
   imports its submodules is not reported).
 

@@ -168,13 +168,13 @@ def test_a_candidate_that_ran_keeps_its_measured_time_when_calibration_drifts():
     truth = {"none": 2e-3, "quota": 1e-3}  # what each really takes on this machine
     for _ in range(OUTCOME_WARMUP + 12):
         _run(pol, cm, load, truth.get)
-    assert pol._outcome_anchor.keys() == {"none", "quota"} and pol._current == "quota"
+    assert pol.outcomes._outcome_anchor.keys() == {"none", "quota"} and pol.current == "quota"
     # calibration learned from quota's runs now says compute is 5x slower: the calibrated model would put none
     # (never run since) at 5x what it measured; its estimate stays at its measured time
     pol.cost_model = cm.with_params(cm.params.model_copy(update={"compute_scale": 5.0}))
     a = pol.plan(load, cm.topology).info["adaptive"]
     assert a["predictions"]["none"] == pytest.approx(truth["none"], rel=0.05)
-    calibrated_none = pol.cost_model.predict(pol._memo[1]["none"]).total_s * pol.correction("none")
+    calibrated_none = pol.cost_model.predict(pol._memo[1]["none"]).total_s * pol.outcomes.correction("none")
     assert calibrated_none > 3 * truth["none"]
 
 
@@ -201,15 +201,16 @@ def test_a_candidate_due_for_a_probe_is_not_screened_for_its_measured_outcome():
     cm = _cm()
     pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota", "feplb"), probe_every=32)
     load = _load(1.0)
-    pol._current, pol._ran, pol._observed = "feplb", {"none", "quota", "feplb"}, 10
-    pol._outcome["quota"] = pol._outcome_anchor["quota"] = (float(np.log(50.0)), 1)  # one run, looked 50x slow
+    pol.hysteresis.current, pol.schedule._ran, pol.outcomes.observed = "feplb", {"none", "quota", "feplb"}, 10
+    slow = (float(np.log(50.0)), 1)  # one run, looked 50x slow
+    pol.outcomes._outcome["quota"] = pol.outcomes._outcome_anchor["quota"] = slow
     ref = {"feplb": 1.01 * cm.ideal(load).total_s}
-    pol._since = {"none": 9, "feplb": 0, "quota": 3}
-    pol._unplanned = {"quota": 3}  # screened since it ran
+    pol.schedule._since = {"none": 9, "feplb": 0, "quota": 3}
+    pol.schedule._unplanned = {"quota": 3}  # screened since it ran
     assert "quota" in pol.screened(load, cm.topology, others_s=ref)  # not due yet: the bound holds
-    pol._since["quota"] = pol._unplanned["quota"] = 4
+    pol.schedule._since["quota"] = pol.schedule._unplanned["quota"] = 4
     assert "quota" not in pol.screened(load, cm.topology, others_s=ref)
-    pol._outcome_anchor["quota"] = (float(np.log(50.0)), 3)  # measured enough: due only every probe_every
+    pol.outcomes._outcome_anchor["quota"] = (float(np.log(50.0)), 3)  # measured enough: due only every probe_every
     assert "quota" in pol.screened(load, cm.topology, others_s=ref)
 
 
@@ -221,10 +222,10 @@ def test_outcome_is_the_median_of_the_last_runs():
         pol.observe_outcome("none", 1.0, 1.0)
     for m in (1.0, 1.1, 3.0, 0.9, 1.0):  # one 3x outlier among ratios near 1
         pol.observe_outcome("none", 1.0, m)
-    assert pol.correction("none") == pytest.approx(1.0)
+    assert pol.outcomes.correction("none") == pytest.approx(1.0)
     for m in (2.0, 2.0, 2.0):  # a lasting change moves it within half a window
         pol.observe_outcome("none", 1.0, m)
-    assert pol.correction("none") == pytest.approx(2.0)
+    assert pol.outcomes.correction("none") == pytest.approx(2.0)
 
 
 def test_a_candidate_that_does_what_none_does_is_not_chosen_over_none_for_noise():
@@ -254,7 +255,7 @@ def test_the_policy_in_force_is_compared_on_the_same_basis_as_its_rivals():
     truth = {"none": 2e-3, "quota": 1e-3}
     for _ in range(OUTCOME_WARMUP + 30):
         _run(pol, cm, load, truth.get)
-    assert pol._current == "quota" and pol._outcome_anchor["none"][1] >= 1
+    assert pol.current == "quota" and pol.outcomes._outcome_anchor["none"][1] >= 1
     pol.cost_model = cm.with_params(cm.params.model_copy(update={"compute_scale": 5.0}))  # a calibration jump
     a = pol.plan(load, cm.topology).info["adaptive"]
     assert a["predictions"]["quota"] == pytest.approx(truth["quota"], rel=0.05)
@@ -280,7 +281,7 @@ def test_a_probe_measured_while_the_whole_machine_ran_slower_is_credited(monkeyp
         cm = _cm()
         pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=128, probe_max_loss=10.0)
         if not credit:
-            monkeypatch.setattr(pol, "_credit", lambda ref, when, now=None: 0.0)
+            monkeypatch.setattr(pol.outcomes, "credit", lambda ref, when, now=None: 0.0)
         truth = {"none": 0.9e-3, "quota": 1.0e-3}  # the model picks quota first; none is really faster
         warm = [1.4, 1.3, 1.2]  # the machine's slowdown in its first calls, then none
         return pol, _drive(pol, cm, _load(0.2), truth, lambda i, n: warm[i] if i < len(warm) else 1.0, 12)
@@ -288,10 +289,10 @@ def test_a_probe_measured_while_the_whole_machine_ran_slower_is_credited(monkeyp
     pol, chosen = run(credit=True)
     # none's probe inside the warm-up is not counted: it is probed again at once, still in the slow part
     assert chosen[:OUTCOME_WARMUP + 1] == ["quota", "none", "none"]
-    assert pol._current == "none" and chosen[-1] == "none"
+    assert pol.current == "none" and chosen[-1] == "none"
     # without the credit, none looked 1.08 against quota's 1.0 and waited for its next probe (16 decisions)
     pol, chosen = run(credit=False)
-    assert pol._current == "quota" and chosen[3:] == ["quota"] * 9
+    assert pol.current == "quota" and chosen[3:] == ["quota"] * 9
 
 
 def test_a_policy_in_force_that_slows_down_itself_does_not_make_its_rivals_look_slower():
@@ -301,4 +302,4 @@ def test_a_policy_in_force_that_slows_down_itself_does_not_make_its_rivals_look_
     pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=128, probe_max_loss=10.0)
     truth = {"none": 1.1e-3, "quota": 1.0e-3}
     chosen = _drive(pol, cm, _load(0.2), truth, lambda i, n: 1.3 if (i >= 6 and n == "quota") else 1.0, 14)
-    assert chosen[:2] == ["quota", "none"] and pol._current == "none"
+    assert chosen[:2] == ["quota", "none"] and pol.current == "none"

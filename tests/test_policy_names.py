@@ -71,3 +71,25 @@ def test_the_scan_finds_each_form_of_comparison():
     ''')
     got = name_comparisons(ast.parse(src), {"none", "quota", "eplb", "feplb", "hybridep", "adaptive"})
     assert got == [(2, "adaptive"), (3, "eplb"), (4, "none"), (5, "quota"), (7, "feplb")]
+
+
+#: the adaptive engine and its parts: what they need to know about a candidate they ask its class (``fallback``,
+#: ``screenable``, ``placement_interval``, ``planner_exposed``), never its name (issue 33, item 7)
+ADAPTIVE_PARTS = ("policies/adaptive.py", "policies/outcomes.py", "policies/probes.py")
+
+
+def test_no_policy_name_comparison_in_the_adaptive_engine():
+    names = set(available_policies())
+    hits = []
+    for rel in ADAPTIVE_PARTS:
+        path = ig.ROOT / rel
+        hits += [f"{rel}:{line}: compares with policy name {v!r}"
+                 for line, v in name_comparisons(ast.parse(path.read_text(), filename=str(path)), names)]
+        # a module-level tuple of names compared indirectly (``n in SCREENABLE``) is the same branch by another way
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Tuple, ast.List, ast.Set)):
+                target = ast.unparse(node.targets[0])
+                if target != "DEFAULT_CANDIDATES" and any(isinstance(c, ast.Constant) and c.value in names
+                                                          for c in node.value.elts):
+                    hits.append(f"{rel}:{node.lineno}: {target} lists policy names")
+    assert not hits, "branch on a policy name in the adaptive engine (ask the candidate's class):\n" + "\n".join(hits)

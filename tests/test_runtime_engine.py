@@ -139,7 +139,7 @@ def test_probe_runs_a_rejected_candidate_once_per_period_and_keeps_the_current()
     # a nearly uniform load: none is the cheapest; quota is probed, at most once per probe_every decisions
     assert chosen.count("none") >= 34
     assert 1 <= probes <= 40 // 8 + 1
-    assert pol._current == "none"
+    assert pol.current == "none"
 
 
 def test_probe_regret_is_bounded_by_max_loss():

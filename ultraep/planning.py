@@ -68,7 +68,7 @@ def plan_layer(
         arr = validate_load(load, topology.num_ranks, topology.num_experts)
     # the [R, R, S] routes and per-plan copies are the big allocations: refuse what cannot fit, before planning
     check_plan(topology.num_ranks, topology.num_experts, topology.num_redundant_slots)
-    from ultraep.policies import get_policy_class
+    from ultraep.policies import get_policy_class, plan_resident
 
     # a policy says how it plans once, without history (EPLB: from this load, the EPLB+ baseline)
     options = {**getattr(get_policy_class(policy), "one_shot_options", {}), **options}
@@ -78,7 +78,7 @@ def plan_layer(
         from ultraep.policies import make_policy
 
         pol = make_policy(policy, **options)
-    return pol.plan(arr, topology)
+    return plan_resident(pol, arr, topology, None)  # timed there: the plan's solve_time_s
 
 
 _WARM: dict[str, float] = {}

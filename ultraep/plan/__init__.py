@@ -28,7 +28,7 @@ first use: ``import ultraep.plan`` stays numpy-only.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -155,6 +155,11 @@ class Plan:
     def __post_init__(self) -> None:
         for name in ("load_RE", "phy2log_RS", "quota_RS"):
             getattr(self, name).setflags(write=False)
+
+    def with_solve_time(self, seconds: float) -> "Plan":
+        """A copy of this plan whose ``solve_time_s`` is ``seconds`` (measured by whoever called the policy:
+        :func:`ultraep.policies.plan_resident`). The copy shares every array and ``info``."""
+        return replace(self, solve_time_s=float(seconds))
 
     @property
     def decision(self) -> Choice | None:

@@ -1,0 +1,177 @@
+"""The adaptive engine's measured outcomes: what each candidate's layer time measured against what was predicted.
+
+One :class:`OutcomeTracker` per adaptive layer. It keeps, per candidate, the median log-ratio of measured to
+predicted layer time over its last runs, on two bases: against the calibrated model of the time, and against
+the *anchor* (the model as handed over, before any calibration), which does not move when calibration learned
+from other candidates' runs drifts. Each anchor measurement is paired with the policy in force when it was
+taken (the *clock*), so one taken while the whole machine ran slower is credited with the difference.
+
+It knows nothing of policies beyond their names: the chooser tells it which candidate ran, which was in force,
+and what the anchor model predicted (:class:`~ultraep.policies.adaptive.AdaptivePolicy` composes it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+
+import numpy as np
+
+#: a candidate measured fewer times than this has an uncertain outcome (one early call can be a warm-up outlier):
+#: it is re-probed every probe_every / 8 decisions until it has this many measurements
+FEW_RUNS = 3
+#: the first measured calls of a layer are slower whatever runs (first allocations, caches): they do not feed
+#: the outcome corrections, and a candidate probed then counts as not run yet (it is probed again)
+OUTCOME_WARMUP = 2
+#: the machine's level now is the median of the policy in force's last CLOCK_RUNS measurements
+CLOCK_RUNS = 3
+
+
+class OutcomeTracker:
+    """Measured outcomes, clocks and credits of one chooser's candidates.
+
+    Args:
+        anchor: the cost model as handed over (measured outcomes are kept relative to it).
+        window: measured outcomes per candidate whose median corrects its predictions.
+        switch_now: the chooser's relative gain that switches at once; a machine faster by less than this is
+            not credited (below it, the difference of two medians is noise).
+        probe_every: the chooser's probe period; the clock keeps ``2 * probe_every`` measurements per policy.
+    """
+
+    def __init__(self, anchor, window: int, switch_now: float, probe_every: int) -> None:
+        self.anchor = anchor
+        self.window = max(1, int(window))
+        self.switch_now = float(switch_now)
+        self.probe_every = int(probe_every)
+        self.anchor_s: dict[str, float] = {}  # this decision's anchor-model predictions of the candidates
+        self.anchor_plans: dict | None = None  # the candidate plans anchor_s belongs to
+        self.observing: tuple[str, float] | None = None  # the committed choice and its anchor prediction
+        self.observed = 0  # measured outcomes offered so far (the first OUTCOME_WARMUP are skipped)
+        self.decisions = 0  # decisions committed so far (the clock's time axis)
+        #: per candidate: median of log(measured / predicted layer time) over its last runs, and how often it ran,
+        #: against the calibrated model of the time (``_outcome``) and against the anchor model (``_outcome_anchor``)
+        self._outcome: dict[str, tuple[float, int]] = {}
+        self._outcome_anchor: dict[str, tuple[float, int]] = {}
+        self._outcome_hist: dict[tuple[str, str], list] = {}  # (table, candidate) -> its last measurements
+        #: per candidate, (decision, log-ratio against the anchor) of its last 2 probe_every measurements: the clock
+        #: that tells how much faster the machine runs now than when a measurement was taken (:meth:`credit`)
+        self._clock: dict[str, tuple[list[int], list[float]]] = {}
+
+    # ------------------------------------------------------------------ folding measurements in
+    def observe(self, name: str, predicted_s: float, measured_s: float, current: str | None) -> bool:
+        """Fold one measured layer time of candidate ``name`` in (``current``: the policy in force). Returns False
+        when the measurement fell in the warm-up and ``name`` was a probe: it says nothing, probe it again.
+
+        A median, not a running mean: one call slowed 2x by something else on the machine (a scheduler hiccup,
+        a neighbour's burst) must not make a candidate look 2x worse until its next probe — with a mean it was
+        screened out and never re-measured. A real change (a slower link) moves the median after half a window."""
+        self.observed += 1
+        when = self.decisions - 1  # the decision being observed (committed just before its call ran)
+        x = None
+        if self.observing is not None and self.observing[0] == name and self.observing[1] > 0:
+            x = float(np.log(measured_s / self.observing[1]))
+            if name == current or self.observed > OUTCOME_WARMUP:  # the clock reads the warm-up too
+                self._tick(name, when, x)
+        if self.observed <= OUTCOME_WARMUP:
+            return name == current
+        if predicted_s > 0:
+            hist = self._outcome_hist.setdefault(("calibrated", name), [])
+            hist.append(float(np.log(measured_s / predicted_s)))
+            del hist[:-self.window]
+            self._outcome[name] = (float(np.median(hist)), self._outcome.get(name, (0.0, 0))[1] + 1)
+        if x is not None:
+            self._fold_anchor(name, when, x, current)
+        return True
+
+    def _tick(self, name: str, when: int, x: float) -> None:
+        ts, xs = self._clock.setdefault(name, ([], []))
+        ts.append(when)
+        xs.append(x)
+        keep = 2 * max(1, self.probe_every)
+        del ts[:-keep], xs[:-keep]
+
+    def _fold_anchor(self, name: str, when: int, x: float, current: str | None) -> None:
+        """Add ``name``'s anchor log-ratio ``x`` of decision ``when``, paired with the policy in force, and
+        re-credit the histories read on ``name``'s clock (only its clock moved)."""
+        hist = self._outcome_hist.setdefault(("anchor", name), [])
+        hist.append((when, x, current or name))
+        del hist[:-self.window]
+        self._outcome_anchor[name] = (0.0, self._outcome_anchor.get(name, (0.0, 0))[1] + 1)
+        now = self.level(name)
+        for (kind, n), h in self._outcome_hist.items():
+            if kind == "anchor" and (n == name or any(ref == name for _, _, ref in h)):
+                credited = [v - self.credit(ref, t, now if ref == name else None) for t, v, ref in h]
+                self._outcome_anchor[n] = (statistics.median(credited), self._outcome_anchor[n][1])
+
+    # ------------------------------------------------------------------ the clock
+    def level(self, ref: str, when: int | None = None) -> float | None:
+        """The clock: ``ref``'s log-ratio around decision ``when`` — the mean of its measurements just before, at
+        and just after it (an A-B-A pairing: a probe runs between two calls of the policy in force) — or, with
+        ``when`` None, now: the median of its last CLOCK_RUNS measurements."""
+        if ref not in self._clock:
+            return None
+        ts, xs = self._clock[ref]
+        if when is None:
+            return statistics.median(xs[-CLOCK_RUNS:])
+        lo, hi = bisect.bisect_left(ts, when), bisect.bisect_right(ts, when)
+        near = xs[max(0, lo - 1):hi + 1]
+        return sum(near) / len(near) if near else None
+
+    def credit(self, ref: str, when: int, now: float | None = None) -> float:
+        """How much faster (log) the machine runs now than at decision ``when``, read on ``ref``, the policy that was
+        in force then (measured around it, and measured last): a measurement taken then is credited with it.
+
+        The interleaved benchmark showed why: every call is 10-30 % slower in a process's first iterations
+        (allocator, caches), and one early measurement of quota (764 ms where it settles at 570) kept FEPLB in
+        force, 4-7 % slower, for the rest of the run. Only a *faster* machine is credited, beyond ``switch_now``:
+        a policy in force that itself slows down (its own cost, not the machine's) must not make its rivals look
+        slower and keep it in force. ``now``: ``ref``'s level now, when the caller has it."""
+        then, now = self.level(ref, when), self.level(ref) if now is None else now
+        if then is None or now is None:
+            return 0.0
+        return max(0.0, then - now - math.log1p(self.switch_now))
+
+    # ------------------------------------------------------------------ reading outcomes
+    def runs(self, name: str) -> int:
+        """How often ``name`` was measured against the anchor."""
+        return self._outcome_anchor.get(name, (0.0, 0))[1]
+
+    def correction(self, name: str) -> float:
+        """Multiplier of ``name``'s calibrated prediction: its own measured/predicted ratio when it has run, else
+        the mean of the others' (the model's error is largely shared), else 1."""
+        if name in self._outcome:
+            return float(np.exp(self._outcome[name][0]))
+        if self._outcome:
+            return float(np.exp(np.mean([v for v, _ in self._outcome.values()])))
+        return 1.0
+
+    def anchored(self, name: str, current: str | None) -> bool:
+        """Whether ``name`` is estimated on the anchor basis. Every candidate that has run is — except the policy
+        in force while it has fewer than FEW_RUNS measurements or no rival has run. Comparing the policy in force
+        on the calibrated basis with rivals on the anchor basis made the engine flap: calibration follows each
+        call, so one call slowed by something else (2x at 64 tokens per rank) raised only the current's estimate
+        and switched it away at once, the next call switched back (T=64: none <-> feplb every call)."""
+        if name not in self._outcome_anchor:
+            return False
+        if name != current:
+            return True
+        return self._outcome_anchor[name][1] >= FEW_RUNS and any(n != name for n in self._outcome_anchor)
+
+    def estimate(self, name: str, calibrated_s: float, current: str | None) -> float:
+        """A candidate's predicted layer time (``calibrated_s``: the calibrated model's prediction of its plan):
+
+        * a candidate that has run: the anchor model's prediction times its measured/anchor ratio — its
+          measured layer time carried to this load by a model that does not move. Calibration learned from the
+          other candidates' runs can drift its calibrated prediction far from what it measured (on tiny
+          layers fixed per-call costs are mistaken for compute: ``none`` looked 1.9x slower than it ran);
+        * the policy in force, the same once it has FEW_RUNS measurements and a rival has run too (both then
+          compare on one basis; see :meth:`anchored`); before that ``calibrated_s`` times its measured/predicted
+          ratio, so a change the calibrator sees (a slower link) reaches it at once;
+        * a candidate that never ran: ``calibrated_s`` times the others' mean ratio, until its probe.
+        """
+        if name == current and name in self._outcome and not self.anchored(name, current):
+            return calibrated_s * self.correction(name)
+        if name in self._outcome_anchor and name in self.anchor_s:
+            return self.anchor_s[name] * float(np.exp(self._outcome_anchor[name][0]))
+        return calibrated_s * self.correction(name)

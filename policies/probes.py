@@ -1,0 +1,110 @@
+"""The adaptive engine's probe schedule: which candidate is due for a probe, for re-planning, or rests.
+
+One :class:`ProbeSchedule` per adaptive layer. It counts, per candidate, the decisions since it last ran and
+since it was last planned, and its losing streak; from these it says which candidate is *due* for a probe
+(run once to be measured), which must be *re-evaluated* (planned whatever the screen says), and which *rests*
+(neither planned nor predicted). The period of a candidate measured fewer than FEW_RUNS times is shorter
+(its outcome is uncertain), read from the :class:`~ultraep.policies.outcomes.OutcomeTracker`.
+
+Regret bound: a resting candidate is re-planned at least once per ``probe_every`` decisions, and a probe runs
+a candidate predicted at most ``probe_max_loss`` slower than the best, once per ``probe_every`` decisions.
+"""
+
+from __future__ import annotations
+
+from .outcomes import FEW_RUNS, OutcomeTracker
+
+#: a candidate that lost clearly this many planned decisions in a row rests — not planned, not predicted — until
+#: it is due for re-evaluation: its planning and prediction are then paid once per ``probe_every`` decisions
+#: (only candidates whose history can advance without a plan rest: those with an ``advance`` method)
+LOSING_STREAK = 8
+
+
+class ProbeSchedule:
+    """Due, period, resting and re-evaluation of one chooser's candidates.
+
+    Args:
+        probe_every: decisions between probes (and re-plannings) of a candidate; 0 turns probing and resting off.
+        probe_max_loss: a due candidate is probed only if predicted at most this (relative) slower than the best.
+        switch_now: a planned candidate predicted slower than the chosen one by more than this lost clearly.
+        outcomes: the chooser's measured outcomes (how often each candidate was measured).
+    """
+
+    def __init__(self, probe_every: int, probe_max_loss: float, switch_now: float, outcomes: OutcomeTracker) -> None:
+        self.probe_every = int(probe_every)
+        self.probe_max_loss = float(probe_max_loss)
+        self.switch_now = float(switch_now)
+        self.outcomes = outcomes
+        self._since: dict[str, int] = {}  # decisions since each candidate last ran
+        self._unplanned: dict[str, int] = {}  # decisions since each candidate was last planned
+        self._ran: set[str] = set()  # candidates that ran at least once
+        self._none_streak = 0  # consecutive decisions the fallback won by more than switch_now
+        self._lost: dict[str, int] = {}  # consecutive decisions a planned candidate lost by more than switch_now
+
+    # ------------------------------------------------------------------ reading the schedule
+    def has_run(self, name: str) -> bool:
+        return name in self._ran
+
+    def since_run(self, name: str) -> int:
+        return self.probe_every if name not in self._ran else self._since.get(name, 0)
+
+    def period(self, name: str) -> int:
+        """``probe_every``, or ``probe_every / 8`` for a candidate measured fewer than FEW_RUNS times (only where
+        outcomes are measured at all: a simulation measures nothing)."""
+        few = self.outcomes.observed and self.outcomes.runs(name) < FEW_RUNS
+        return max(1, self.probe_every // 8) if few else self.probe_every
+
+    def due(self, name: str) -> bool:
+        """Whether ``name`` is due for a probe: it has not run for its :meth:`period`."""
+        return self.probe_every > 0 and self.since_run(name) >= self.period(name)
+
+    def reevaluate(self, name: str) -> bool:
+        """Whether ``name`` must be planned this decision whatever the screen says: it was not planned for
+        ``probe_every`` decisions, or it ran, is due for a probe and was not planned for its probe period
+        (screening must not starve a candidate for its measured outcome: it could be screened *because* of that
+        outcome, and one slow run kept quota out for good). Planned while due but too slow to be probed, it
+        waits another period: re-planning it every decision until then cost the engine as much as never
+        screening it (eplb at 64 tokens per rank)."""
+        unplanned = self._unplanned.get(name, 0)
+        return self.probe_every > 0 and (unplanned >= self.probe_every or (
+            name in self._ran and self.due(name) and unplanned >= self.period(name)))
+
+    def rests(self, name: str, fallback_in_force: bool) -> bool:
+        """The streak rule for a candidate not due for re-evaluation: it lost clearly LOSING_STREAK decisions in a
+        row, or the fallback (``none``) is in force and has won clearly for ``probe_every`` decisions."""
+        return self.probe_every > 0 and (self._lost.get(name, 0) >= LOSING_STREAK or (
+            fallback_in_force and self._none_streak >= self.probe_every))
+
+    def probe(self, feasible: dict[str, float], chosen: str, best: str) -> str | None:
+        """The candidate to probe this decision, if any: due, not the chosen one, and predicted within
+        ``probe_max_loss`` of the best (``feasible``: corrected predictions). Never-run candidates come first:
+        until a candidate has run, its prediction borrows the others' measured/predicted ratio, which says
+        nothing about its own overheads; then the one that ran longest ago."""
+        due = [n for n in sorted(feasible) if n != chosen and self.due(n)
+               and feasible[n] <= (1 + self.probe_max_loss) * feasible[best]]
+        if not due:
+            return None
+        return max(due, key=lambda n: (n not in self._ran, self.since_run(n), n))
+
+    def reason(self, name: str, current: str | None) -> str:
+        """The decision's reason when ``name`` is probed while ``current`` stays in force."""
+        why = "has not run yet" if name not in self._ran else f"last ran {self.since_run(name)} decisions ago"
+        return f"probe: {name} {why} (kept {current})"
+
+    # ------------------------------------------------------------------ advancing it
+    def forget(self, name: str) -> None:
+        """``name``'s run says nothing (measured in the warm-up): it counts as not run yet."""
+        self._ran.discard(name)
+
+    def record(self, names, chosen: str, predictions: dict[str, float], same: set[str], fallback_clear: bool) -> None:
+        """One committed decision: ``chosen`` ran; the candidates in ``predictions`` were planned (the others in
+        ``names`` were not); a planned candidate lost clearly if predicted slower than the chosen one by more
+        than ``switch_now``, or did what the fallback does (``same``); ``fallback_clear``: the fallback won clearly."""
+        self._ran.add(chosen)
+        for n in names:
+            self._since[n] = 0 if n == chosen else self._since.get(n, 0) + 1
+            self._unplanned[n] = 0 if n in predictions else self._unplanned.get(n, 0) + 1
+        for n, v in predictions.items():
+            lost = n != chosen and (v > predictions[chosen] * (1 + self.switch_now) or n in same)
+            self._lost[n] = self._lost.get(n, 0) + 1 if lost else 0
+        self._none_streak = self._none_streak + 1 if fallback_clear else 0
