@@ -175,7 +175,7 @@ def test_engine_outcome_reaches_the_adaptive_layer():
         d = eng.decide(step, 0, 0, load)
         eng.commit(d)
         eng.observe(step, 0, 0, {}, measured_total_s=3 * d.predicted.total_s)
-        assert eng.policy_for(0).correction(d.chosen) == pytest.approx(3.0 if step == OUTCOME_WARMUP else 1.0)
+        assert eng.policy_for(0).outcomes.correction(d.chosen) == pytest.approx(3.0 if step == OUTCOME_WARMUP else 1.0)
 
 
 def test_candidates_losing_clearly_rest_and_their_history_still_advances():
