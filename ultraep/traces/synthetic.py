@@ -31,7 +31,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from ultraep.errors import ConfigError
-from ultraep.limits import check_bound, check_synthetic_trace, limit
+from ultraep.limits import check_bound, check_memory, check_synthetic_trace, check_work, limit
 from ultraep.sim.workload import fit_popularity, solve_inclusion
 
 from .trace import Trace, TraceMeta
@@ -169,3 +169,59 @@ def synthetic_trace(spec: SyntheticSpec, *, progress: Callable[[int, int], None]
     if spec.per_source:
         return Trace.from_rank_counts(counts, meta, steps=steps, microbatches=mbs)
     return Trace.from_global_counts(counts, meta, steps=steps, microbatches=mbs)
+
+
+def resampled_trace(source: Trace, *, num_ranks: int, tokens_per_rank: int, num_steps: int,
+                    steps_per_source_point: int = 1, seed: int = 0) -> Trace:
+    """Per-rank routing drawn from a recorded trace's popularity, at a token count of your choosing.
+
+    Real routing dumps often hold counts summed over many tokens (OLMoE's routing analysis: about 200 000 tokens per
+    domain) where a question needs a few tokens per rank per step (one sequence of ~120 tokens per rank: where
+    balancing cannot pay). Step ``t`` takes the popularity of the source's point ``t // steps_per_source_point``
+    (cycling through the source's points in order: a domain shift each time), and every token of every rank draws
+    its ``top_k`` distinct experts from it without replacement (Gumbel top-k: exactly sequential sampling
+    proportional to popularity), so the counts carry the sampling noise of ``tokens_per_rank`` real tokens.
+
+    ``source``: a trace with ``top_k`` set; all its layers are kept. Returns a trace with per-source counts
+    ``[num_steps, L, num_ranks, E]``. Shapes: popularity ``[E]`` per layer and source point."""
+    k, E = source.meta.top_k, source.meta.num_experts
+    if k is None:
+        raise ConfigError("top_k", "the source trace does not say its top_k; pass it to the importer (top_k=...)", None)
+    if k > E:
+        raise ConfigError("top_k", f"({k}) must be <= the trace's {E} experts", k)
+    for name, v in (("num_ranks", num_ranks), ("tokens_per_rank", tokens_per_rank), ("num_steps", num_steps),
+                    ("steps_per_source_point", steps_per_source_point)):
+        if v < 1:
+            raise ConfigError(name, f"must be >= 1, got {v}", v)
+    layers = [int(x) for x in source.layers]
+    L = len(layers)
+    value = f"{num_steps:,} x {L:,} x {num_ranks:,} x {tokens_per_rank:,} x {E:,}"
+    field = "num_steps x layers x num_ranks x tokens_per_rank x experts"
+    # the counts [T, L, R, E] int64 and one rank's Gumbel keys [tokens, E] float64 at a time (with argpartition's)
+    check_memory(field, value, 8.0 * num_steps * L * num_ranks * E + 3 * 8.0 * tokens_per_rank * E,
+                 "the resampled counts and one rank's sampling keys")
+    check_work(field, value, 30.0 * num_steps * L * num_ranks * tokens_per_rank * E, "the resampled trace")
+    # popularity [points, L, E] of the source: every source rank's counts summed
+    pop = np.stack([np.stack([load.sum(axis=0) for _, _, load in source.layer_loads(l, 1)]) for l in layers], axis=1)
+    pop = pop.astype(np.float64)
+    if (pop.sum(axis=2) <= 0).any():
+        raise ConfigError("source", "a layer of the source trace routes no tokens at some point", None)
+    rng = np.random.default_rng(seed)
+    if ((pop > 0).sum(axis=2) < k).any():
+        raise ConfigError("source", f"a layer of the source trace routes to fewer than top_k = {k} experts at some "
+                          "point: no token could pick k distinct experts from it", k)
+    counts = np.zeros((num_steps, L, num_ranks, E), dtype=np.int64)
+    for t in range(num_steps):
+        p = pop[(t // steps_per_source_point) % len(pop)]  # [L, E]
+        with np.errstate(divide="ignore"):
+            logp = np.log(p / p.sum(axis=1, keepdims=True))  # -inf: never chosen
+        for j in range(L):
+            for r in range(num_ranks):
+                keys = logp[j] + rng.gumbel(size=(tokens_per_rank, E))  # [tokens, E]
+                top = np.argpartition(-keys, k - 1, axis=1)[:, :k]  # [tokens, k] distinct experts per token
+                counts[t, j, r] = np.bincount(top.reshape(-1), minlength=E)
+    meta = TraceMeta(num_experts=E, num_ranks=num_ranks, top_k=k, model=source.meta.model, source="resampled",
+                     description=f"resampled from {source.meta.source or 'a trace'}: {tokens_per_rank} tokens per "
+                     f"rank per step, {steps_per_source_point} step(s) per source point, seed {seed}")
+    return Trace.from_rank_counts(counts, meta, steps=np.arange(num_steps), microbatches=np.zeros(num_steps, np.int64),
+                                  layers=layers)
