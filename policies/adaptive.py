@@ -43,11 +43,13 @@ from ultraep.cost import model_for
 from ultraep.plan import Choice, Plan
 from ultraep.topology import Topology
 
-from .base import identity_plan, plan_with_residency
+from .base import plan_with_residency
 from .candidates import Candidates
+from .exploration import OF_GAIN, SHARE, ExplorationBudget
 from .outcomes import CLOCK_RUNS, FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker
 from .hysteresis import Hysteresis
 from .probes import LOSING_STREAK, ProbeSchedule
+from .screening import Screen
 
 DEFAULT_CANDIDATES = ("none", "quota", "eplb", "feplb", "hybridep")
 
@@ -71,6 +73,8 @@ class AdaptivePolicy:
         probe_every, probe_max_loss: a candidate not run for ``probe_every`` decisions runs once if predicted at
             most ``probe_max_loss`` (relative) slower than the best (Step 5b).
         outcome_window: measured outcomes per candidate whose median corrects its predictions.
+        explore_share, explore_of_gain: weighing may cost ``explore_share`` of the run's layer time plus
+            ``explore_of_gain`` of what it found, over the run (:mod:`.exploration`; ``explore_share=None``: no bound).
         candidate_options: per-candidate option dicts, e.g. ``{"quota": {"balance_eps": 0.02}}``.
         cost_model: the :class:`~ultraep.cost.CostModel` (not a config value; engine/simulator pass it).
         policies: ready candidate instances (shared with a caller, e.g. the simulator).
@@ -86,6 +90,7 @@ class AdaptivePolicy:
     def __init__(self, candidates=DEFAULT_CANDIDATES, margin: float = 0.005, patience: int = 2,
                  switch_now: float = 0.02, deadline_s: float | None = None, screen: bool = True,
                  probe_every: int = 32, probe_max_loss: float = 0.25, outcome_window: int = 5,
+                 explore_share: float | None = SHARE, explore_of_gain: float = OF_GAIN,
                  candidate_options: dict | None = None, cost_model=None, policies: dict | None = None,
                  owns_candidates: bool = True) -> None:
         self.candidates = Candidates(policies) if policies is not None else Candidates.build(
@@ -95,14 +100,17 @@ class AdaptivePolicy:
         self.hysteresis = Hysteresis(margin, patience, switch_now)
         self.switch_now = self.hysteresis.switch_now
         self.deadline_s = deadline_s
-        self.screen = bool(screen)
         self.cost_model = cost_model
         self.owns_candidates = bool(owns_candidates)
         # the model as handed over, before any calibration: measured outcomes are kept relative to it, so a
         # candidate's correction does not drift when calibration (learned from other candidates' runs) moves
         self.outcomes = OutcomeTracker(cost_model, outcome_window, self.switch_now, probe_every)
         self.schedule = ProbeSchedule(probe_every, probe_max_loss, self.switch_now, self.outcomes)
+        self.budget = ExplorationBudget(None if explore_share is None else float(explore_share),
+                                        float(explore_of_gain))
+        self.screening = Screen(self.candidates, self.schedule, self.outcomes, self.budget, screen)
         self._memo: tuple[Plan, dict] | None = None  # the last decision and its candidate plans, for commit
+        self._weighing: dict | None = None  # what the budget keeps of the decision being made (Step 0)
 
     @property
     def current(self) -> str | None:
@@ -140,52 +148,9 @@ class AdaptivePolicy:
             t.anchor_plans = plans
 
     # ------------------------------------------------------------------ Step 1: screening
-    def screened(self, load_RE: np.ndarray, topology: Topology, *, none_s: float | None = None,
-                 ideal_s: float | None = None, others_s: dict[str, float] | None = None) -> list[str]:
-        """Step 1: stateless candidates that cannot win. ``none_s`` and ``ideal_s`` (predicted totals of the
-        fallback and of the ideal) may be passed when known; ``others_s`` (the corrected predictions of the
-        candidates planned anyway: the fallback, the historical and off-critical-path ones) tightens the bound: a
-        candidate can never beat the ideal plus its own planner, so if that already loses to one of them it is
-        skipped."""
-        if not self.screen:
-            return []
-        cm = self._cost(topology)
-        todo = [n for n in self.policies if self.candidates.screenable(n) and n != self.current  # hysteresis
-                and not self.schedule.reevaluate(n)]
-        out = [n for n in todo if self.schedule.rests(n, self.current == self.fallback)]
-        todo = [n for n in todo if n not in out]
-        if not todo:
-            return out
-        if none_s is None:
-            none_s = cm.predict(identity_plan(self.fallback, topology, load_RE)).total_s
-        if ideal_s is None:
-            ideal_s = cm.ideal(load_RE).total_s
-        gain_ub = none_s - ideal_s
-        out += [n for n in todo if self.candidates.exposed_planner_s(cm, n) >= gain_ub]
-        if others_s:
-            ref = min(others_s.values())
-            out += [n for n in todo if n not in out
-                    and ideal_s * self.outcomes.correction(n) + self.candidates.exposed_planner_s(cm, n) >= ref]
-        return out
-
-    def resting(self) -> list[str]:
-        """Step 1, first part: the candidates not planned (nor predicted) this decision because of a losing streak;
-        the fallback, the policy in force, and candidates whose history cannot advance without a plan always plan.
-        Regret: a resting candidate is re-planned at least once per ``probe_every`` decisions, so one that became
-        the best is found within that many decisions, and meanwhile nothing is paid for it. At 64 tokens per rank
-        this cut the engine's per-call planning from 1.5 ms to 0.8-0.9 ms (none alone: 0.5 ms; the layer: 70 ms)."""
-        if not self.screen:
-            return []
-        c, s, fb_in_force = self.candidates, self.schedule, self.current == self.fallback
-        return [n for n in self.policies if n not in (self.fallback, self.current)
-                and c.can_rest(n) and not s.reevaluate(n) and s.rests(n, fb_in_force)]
-
-    def references(self, breakdowns: dict) -> dict[str, float]:
-        """Corrected predictions of the always-planned candidates in ``breakdowns`` that bound the screen (a
-        historical placement only when resident: the plain prediction omits its switching cost)."""
-        return {n: self.estimate(n, bd.total_s) for n, bd in breakdowns.items()
-                if n in self.policies and not self.candidates.screenable(n)
-                and not self.candidates.switches(n, self.current)}
+    def screened(self, load_RE: np.ndarray, topology: Topology, **known) -> list[str]:
+        """Step 1's gain bound (:meth:`.Screen.screened`) on this chooser's state."""
+        return self.screening.screened(self._cost(topology), load_RE, topology, self.current, **known)
 
     def _predict(self, cm, name: str, plan: Plan, resident: bool = False):
         """Step 3 for one candidate (see :meth:`Candidates.predict`: a historical placement switched to pays)."""
@@ -195,25 +160,49 @@ class AdaptivePolicy:
     def plan(self, load_RE: np.ndarray, topology: Topology, resident_RE: np.ndarray | None = None) -> Plan:
         cm = self._cost(topology)
         has = resident_RE is not None
+        idle = self._idle_plan(cm, load_RE, topology, resident_RE)  # Step 0: the exploration budget
+        if idle is not None:
+            return idle
         # Step 1: the resting candidates; the others not screened by the gain bound are planned first (cheap or
         # off the critical path), then the bound screens the rest
-        rest = set(self.resting())
+        rest = set(self.screening.resting(self.current))
         plans = {n: plan_with_residency(p, load_RE, topology, resident_RE) for n, p in self.policies.items()
                  if not self.candidates.screenable(n) and n not in rest}
         bds = {n: self._predict(cm, n, pl, has) for n, pl in plans.items()}
         self._anchor_predictions(topology, plans, has)
         fb = self.fallback
-        skip = rest | set(self.screened(load_RE, topology, none_s=bds[fb].total_s if fb in bds else None,
-                                        others_s=self.references(bds)))
+        ideal_s = cm.ideal(load_RE).total_s if self.budget.share is not None else None
+        skip = rest | set(self.screening.screened(cm, load_RE, topology, self.current, ideal_s=ideal_s,
+                                                  none_s=bds[fb].total_s if fb in bds else None,
+                                                  others_s=self.screening.references(bds, self.current)))
         plans.update({n: plan_with_residency(p, load_RE, topology, resident_RE) for n, p in self.policies.items()
                       if self.candidates.screenable(n) and n not in skip})
+        if ideal_s is not None and fb in bds:  # what the budget keeps of this weighing (Step 0)
+            floors = {n: ideal_s + self.candidates.exposed_planner_s(cm, n) for n in skip}
+            self._weighing = {"stake_s": bds[fb].total_s - ideal_s, "floors": floors}
         return self.decide(plans, topology, screened=sorted(skip), breakdowns=bds, resident=has)
 
+    def _idle_plan(self, cm, load_RE: np.ndarray, topology: Topology, resident_RE) -> Plan | None:
+        """Step 0: with the fallback in force, nothing in contention, too little at stake on this load and the
+        budget spent (:meth:`ExplorationBudget.idle`), the fallback's plan alone: nothing weighed, no overhead; the
+        other candidates' histories advance with the load in :meth:`commit`. Otherwise None (weigh)."""
+        fb = self.fallback
+        if self.current != fb or self.budget.share is None or not all(map(self.candidates.can_rest, self.policies)):
+            return None
+        pl = plan_with_residency(self.policies[fb], load_RE, topology, resident_RE)
+        bd = cm.predict(pl)
+        fb_s = self.estimate(fb, bd.total_s)
+        stake = bd.total_s - cm.ideal(load_RE).total_s
+        if not self.budget.idle(self.policies, fb, fb_s, stake, self.switch_now, cm.params.engine_overhead_s):
+            return None
+        return self.decide({fb: pl}, topology, screened=sorted(n for n in self.policies if n != fb),
+                           breakdowns={fb: bd}, resident=resident_RE is not None, idle=True)
+
     def decide(self, plans: dict[str, Plan], topology: Topology | None = None, screened=(),
-               breakdowns: dict | None = None, resident: bool = False) -> Plan:
+               breakdowns: dict | None = None, resident: bool = False, idle: bool = False) -> Plan:
         """Steps 3-6 on ready candidate plans ``{name: plan}`` (all of the same load and topology).
         ``breakdowns``: their cost-model predictions when the caller already has them; ``resident``: the plans'
-        transfers are exactly what moves (see :meth:`_predict`)."""
+        transfers are exactly what moves (see :meth:`_predict`); ``idle``: Step 0 planned the fallback alone."""
         topology = topology or next(iter(plans.values())).topology
         cm = self._cost(topology)
         if self.outcomes.anchor_plans is plans:  # plan() started them; add candidates planned since
@@ -235,8 +224,11 @@ class AdaptivePolicy:
             if probe_of is not None:
                 chosen, reason, probe = probe_of, self.schedule.reason(probe_of, self.current), True
         self._anchor_predictions(topology, plans, resident, names=[chosen])  # what its outcome is measured against
+        if idle:
+            reason = f"idle: {self.fallback} in force, nothing in contention, exploration budget spent"
         facts = {"late": late, "same_as_none": same, "screened": list(screened), "pending": pending, "probe": probe,
-                 "none_clear": _clear_win(feasible, best, self.fallback, self.switch_now)}
+                 "none_clear": _clear_win(feasible, best, self.fallback, self.switch_now), "idle": idle,
+                 "saved_s": max(0.0, feasible[self.current] - feasible[best]) if self.current in feasible else 0.0}
         plan = self._assemble(cm, plans, bds, predictions, chosen, reason, facts, resident)  # Step 6
         self._memo = (plan, plans)
         return plan
@@ -264,7 +256,7 @@ class AdaptivePolicy:
         the planning of candidates slower than the chosen one's own planner, since they ran before the choice)."""
         exposed = self.candidates.exposed_planner_s
         planned_max = max((exposed(cm, n) for n in plans), default=0.0)
-        engine_s = cm.params.engine_overhead_s + max(0.0, planned_max - exposed(cm, chosen))
+        engine_s = 0.0 if facts["idle"] else cm.params.engine_overhead_s + max(0.0, planned_max - exposed(cm, chosen))
         src = plans[chosen]
         own = src.planner_s if src.planner_s is not None else 0.0
         costs = {"engine_s": float(engine_s), "planner_s": float(cm.params.planner_s.get(chosen, own)),
@@ -279,7 +271,13 @@ class AdaptivePolicy:
         preds, chosen = a["predictions"], a["chosen"]
         self.outcomes.observing = (chosen, float(a.get("anchor_s", 0.0)))  # what observe_outcome will measure
         self.outcomes.decisions += 1
-        self.schedule.record(self.policies, chosen, preds, set(a.get("same_as_none", ())), bool(a.get("none_clear")))
+        same, idle = set(a.get("same_as_none", ())), bool(a.get("idle"))
+        self.schedule.record(self.policies, chosen, preds, same, bool(a.get("none_clear")), weighed=not idle)
+        weighing, self._weighing = self._weighing, None
+        if not idle and weighing is not None:
+            self.budget.note(preds, self.fallback, same, weighing["floors"], weighing["stake_s"])
+        loss = preds[chosen] - preds.get(a.get("previous"), preds[chosen]) if a.get("probe") else 0.0
+        self.budget.charge(a.get("predicted_s", 0.0), a.get("saved_s", 0.0), plan.engine_s + max(0.0, loss))
         if self.owns_candidates:
             self._commit_candidates(plan, a)
         self._memo = None
@@ -329,7 +327,8 @@ def _decided(src: Plan, policy: str, chosen: str, reason: str, predictions: dict
         "predicted_s": predicted_s, "late": facts["late"], "same_as_none": facts["same_as_none"],
         "screened": facts["screened"], "previous": facts["previous"],
         "pending": list(pending) if pending else None, "probe": facts["probe"],
-        "anchor_s": facts["anchor_s"], "none_clear": facts["none_clear"],
+        "anchor_s": facts["anchor_s"], "none_clear": facts["none_clear"], "idle": facts["idle"],
+        "saved_s": float(facts["saved_s"]),
     }
     choice = Choice(chosen, reason, dict(info["adaptive"]["predictions"]), predicted_s, tuple(facts["screened"]),
                     facts["probe"])

@@ -96,14 +96,18 @@ class ProbeSchedule:
         """``name``'s run says nothing (measured in the warm-up): it counts as not run yet."""
         self._ran.discard(name)
 
-    def record(self, names, chosen: str, predictions: dict[str, float], same: set[str], fallback_clear: bool) -> None:
+    def record(self, names, chosen: str, predictions: dict[str, float], same: set[str], fallback_clear: bool,
+               weighed: bool = True) -> None:
         """One committed decision: ``chosen`` ran; the candidates in ``predictions`` were planned (the others in
         ``names`` were not); a planned candidate lost clearly if predicted slower than the chosen one by more
-        than ``switch_now``, or did what the fallback does (``same``); ``fallback_clear``: the fallback won clearly."""
+        than ``switch_now``, or did what the fallback does (``same``); ``fallback_clear``: the fallback won clearly.
+        A decision that weighed nothing (``weighed=False``: the exploration budget's idle one) leaves the streaks."""
         self._ran.add(chosen)
         for n in names:
             self._since[n] = 0 if n == chosen else self._since.get(n, 0) + 1
             self._unplanned[n] = 0 if n in predictions else self._unplanned.get(n, 0) + 1
+        if not weighed:
+            return
         for n, v in predictions.items():
             lost = n != chosen and (v > predictions[chosen] * (1 + self.switch_now) or n in same)
             self._lost[n] = self._lost.get(n, 0) + 1 if lost else 0

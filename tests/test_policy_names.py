@@ -75,7 +75,8 @@ def test_the_scan_finds_each_form_of_comparison():
 
 #: the adaptive engine and its parts: what they need to know about a candidate they ask its class (``fallback``,
 #: ``screenable``, ``placement_interval``, ``planner_exposed``), never its name (issue 33, item 7)
-ADAPTIVE_PARTS = ("policies/adaptive.py", "policies/outcomes.py", "policies/probes.py")
+ADAPTIVE_PARTS = ("policies/adaptive.py", "policies/candidates.py", "policies/outcomes.py", "policies/probes.py",
+                  "policies/hysteresis.py", "policies/screening.py", "policies/exploration.py")
 
 
 def test_no_policy_name_comparison_in_the_adaptive_engine():

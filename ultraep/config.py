@@ -170,6 +170,16 @@ class AdaptiveOptions(_Options):
         default=5, ge=1,
         description="A candidate's measured/predicted layer-time ratio is the median of its last this many runs.",
     )
+    explore_share: StrictFloat | None = Field(
+        default=0.003, ge=0.0,
+        description="With 'none' in force and no candidate in contention, weighing the candidates may cost this share "
+        "of the run's layer time, over the run, not per decision (null: every decision weighs).",
+    )
+    explore_of_gain: StrictFloat = Field(
+        default=0.1, ge=0.0,
+        description="... plus this share of what weighing found so far (the best candidate's predicted saving over "
+        "the policy in force).",
+    )
 
 
 LayerPolicy = Annotated[
