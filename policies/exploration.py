@@ -17,7 +17,8 @@ weighed, no decision overhead — only when all of these hold:
 * the fallback (``none``) is in force: with any other policy in force every decision weighs as before;
 * no candidate is *in contention*: at its last weighing each other candidate's corrected prediction (its
   measured outcome where it ran), less what any plan could save more on this load than then (skew appearing),
-  was slower than the fallback now by more than ``switch_now``; a candidate that did exactly what the fallback
+  was slower than the fallback now by more than ``switch_now`` — by more than ``probe_max_loss`` where outcomes
+  are measured (the runtime: as long as the engine would probe it, it is weighed); a candidate that did exactly what the fallback
   does is the fallback under another name; a candidate never weighed is in contention, one screened before
   its first weighing counts at the least it could take (the ideal plus its planner);
 * the budget cannot pay one weighing (the cost model's decision overhead).
