@@ -17,8 +17,9 @@ Scenarios (synthetic traces, ``ultraep.traces.synthetic``):
   HybridEP's expert transmission wins; with the previous two it gives layer mixes whose best single policy
   differs (quota, none, hybridep).
 * ``real routing``: OLMoE's per-domain popularity (``/work/shared/data``) resampled at one 120-token sequence per
-  rank per step, EP8: no balancing pays; adaptive vs the best single policy (issue 35's goal: >= 0.99; the
-  exploration budget that met it was reverted — it kept adaptive off quota on the runtime, docs/benchmarks.md).
+  rank per step, EP8: no balancing pays; adaptive vs the best single policy (issue 35's goal: >= 0.99, met by the
+  exploration budget that can only idle ``none``, policies/exploration.py; docs/benchmarks.md has the first
+  budget, reverted because it kept adaptive off quota on the runtime).
 * ``stationarity``: historical EPLB (interval 50, window 50) on the same layers with drift 0, 0.05 and
   0.2 ranks per step: EPLB loses ground as the load moves; quota does not.
 
