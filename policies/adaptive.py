@@ -6,9 +6,11 @@ overheads. Every decision carries the predictions of all candidates and a reason
 
 Legend: R ranks, E experts.
 
-Steps (one layer, one microbatch):
+Steps (one layer, one microbatch; each part in its own module):
 
-    Step 1: screen: a candidate that lost clearly LOSING_STREAK decisions in a row (or every candidate, once
+    Step 0: the exploration budget (:mod:`.exploration`): with ``none`` in force, no candidate in contention and
+            the budget spent, the decision is idle: ``none`` alone is planned, nothing weighed, no overhead.
+    Step 1: screen (:mod:`.screening`, :mod:`.probes`): a candidate that lost clearly LOSING_STREAK decisions in a row (or every candidate, once
             ``none`` has won clearly for ``probe_every`` decisions) rests: it is not planned nor predicted
             until it is due for re-evaluation; its history still advances with the load (its ``advance``).
             Then a stateless balancing candidate (``quota``) whose *fixed* overhead (its planner time)
@@ -22,13 +24,15 @@ Steps (one layer, one microbatch):
             last pays for sending all of its replicas.
     Step 4: late plans: with ``deadline_s``, a candidate whose planning + weight sync exceeds the
             deadline is dropped; if nothing else is left, ``none`` (always on time) is taken.
-    Step 5: hysteresis: keep the current policy unless the cheapest is faster by more than ``margin``
+    Step 5: hysteresis (:mod:`.hysteresis`): keep the current policy unless the cheapest is faster by more than ``margin``
             (relative) for ``patience`` consecutive decisions, or by more than ``switch_now`` at once.
+    Step 5b: a probe (:mod:`.probes`): a candidate due, within ``probe_max_loss`` of the best, runs once to be
+            measured (:mod:`.outcomes` keeps what it measured).
     Step 6: the chosen plan is returned as policy ``adaptive`` with the engine's exposed overhead
             (``plan.engine_s``: decision time plus the planning of candidates slower than the chosen
             one's own planner, since they ran before the choice).
 
-History (the current policy, the pending switch) advances only in :meth:`commit`; with
+History (the current policy, the pending switch, the schedule, the budget) advances only in :meth:`commit`; with
 ``owns_candidates`` the candidates' own histories advance there too (from the memoised candidate plans,
 or by re-planning ``plan.load_RE`` when a recorded plan is replayed).
 """

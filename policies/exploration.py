@@ -23,9 +23,9 @@ weighed, no decision overhead — only when all of these hold:
   its first weighing counts at the least it could take (the ideal plus its planner);
 * the budget cannot pay one weighing (the cost model's decision overhead).
 
-So where nothing pays, weighing costs at most ``share`` of the run. A candidate never measured that the
-schedule wants re-planned whatever the gain bound says (:mod:`.screening`) also waits until the budget can pay
-its planner; one with a measured outcome never waits.
+So where nothing pays, weighing costs at most ``share`` of the run. Where nothing is measured (the simulator), a
+candidate that the schedule wants re-planned whatever the gain bound says (:mod:`.screening`) also waits until
+the budget can pay its planner; where outcomes are measured it never waits.
 """
 
 from __future__ import annotations

@@ -33,13 +33,14 @@ class Screen:
         self.enabled = bool(enabled)
 
     def reevaluate(self, cm, name: str) -> bool:
-        """Whether the schedule wants ``name`` planned whatever the bound says, and it may be: a candidate never
-        measured (the bound cannot be wrong about it for a measured outcome) waits until the exploration budget
-        can pay its planner; re-planning quota every ``probe_every`` decisions was 1 % of a layer at 120 tokens
-        per rank."""
+        """Whether the schedule wants ``name`` planned whatever the bound says, and it may be. Where nothing is
+        measured (the simulator: the model is the outcome, the bound cannot be wrong) it waits until the
+        exploration budget can pay its planner: re-planning quota every ``probe_every`` decisions was 1 % of a
+        layer at 120 tokens per rank. Where outcomes are measured (the runtime) it never waits: the model may be
+        wrong about a candidate, and only a probe tells."""
         if not self.schedule.reevaluate(name):
             return False
-        return self.outcomes.runs(name) > 0 or self.budget.free() >= self.candidates.exposed_planner_s(cm, name)
+        return self.outcomes.observed > 0 or self.budget.free() >= self.candidates.exposed_planner_s(cm, name)
 
     def resting(self, current: str | None) -> list[str]:
         """The candidates not planned (nor predicted) this decision because of a losing streak; the fallback, the
