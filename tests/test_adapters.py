@@ -199,7 +199,7 @@ def _shared_norm(rank, world, budget, drop_replica_grad):
         w = torch.rand(24, 2, generator=g) + 0.2
         outs.append(model.experts(xs * (call + 1), idx, w))
         refs.append(ref(xr * (call + 1), idx, w))
-        kept.append(layer._record.job.kept)  # this call's replica mode (recorded only after its backward)
+        kept.append(layer.calls.pending.job.kept)  # this call's replica mode (recorded only after its backward)
         replicas.append(layer.last_plan.num_replicas)
     cot = torch.randn(24, 16, generator=g)
     (sum(outs) * cot).sum().backward()

@@ -160,8 +160,8 @@ def test_distributed_errors_join_the_hierarchy_with_distinct_names(monkeypatch, 
     classes = (errors.CollectiveFailedError, errors.PlanDivergenceError, errors.LaunchedRankError)
     assert len({c.__name__ for c in classes}) == 3
     assert all(issubclass(c, errors.DistributedError) and issubclass(c, errors.UltraEPError) for c in classes)
-    # the old names still catch them
-    assert ep.RankFailureError is errors.CollectiveFailedError and launch.RankFailedError is errors.LaunchedRankError
+    # the old in-library aliases are gone (issue 33): one name per error
+    assert not hasattr(ep, "RankFailureError") and not hasattr(launch, "RankFailedError")
     # the CLI: one line, exit code 1 (a failed peer is not a user mistake, which exits with 2)
     parser = cli.build_parser()
 

@@ -72,7 +72,7 @@ def _calibration_reaches_decisions(rank, world):
     # phase B: the replica weights take 50 s to arrive (and the layer time says so)
     slow = compute_bound.copy()
     slow[6], slow[9] = 50.0, 53.0
-    ep.rank_phases = lambda t: slow.copy() if t.get("weight_sync_flight_s", 0.0) > 0 else compute_bound.copy()
+    ep.rank_phases = lambda t: slow.copy() if (t.weight_sync_flight_s or 0.0) > 0 else compute_bound.copy()
     for _ in range(3):
         _call(holder, rt, inputs)
     after = [h[2] for h in rt.history[3:]]

@@ -60,6 +60,11 @@ class Engine:
             runtime's layers may differ); layers not listed derive from ``topology`` and the cost model.
         record_timings: record predictions (and calibration rows) as timing rows; the runtime turns this off
             and puts them into its own per-call timing row.
+        record_on_decide: :meth:`decide` records the plan and decision right away (tests, the simulator); False:
+            the caller records each call with :meth:`record` once it measured it (the runtime, after the call's
+            backward, with the plan whose transfers really moved and the call's timings).
+        record_plans: record plans and decisions (False: only timings; the runtime's ranks other than 0, since
+            plans are identical on every rank).
         policy_factory: ``layer -> policy`` used instead of building the layer's policy from ``config`` (the
             simulator replays several engines side by side and shares policy instances between them, so a
             plan the adaptive engine also weighs is made once); ``config`` still gives slots and the name.
@@ -68,7 +73,8 @@ class Engine:
     def __init__(self, config: BalancerConfig, topology: Topology, *, cost_model: CostModel | None = None,
                  recorder=None, calibration_alpha: float = 0.2, layer_topologies: dict[int, Topology] | None = None,
                  layer_experts: dict | None = None, record_timings: bool = True,
-                 policy_factory: Callable[[int], Any] | None = None) -> None:
+                 policy_factory: Callable[[int], Any] | None = None, record_on_decide: bool = True,
+                 record_plans: bool = True) -> None:
         config.validate_for(topology.num_ranks, topology.num_masters)
         self.config = config
         self.topology = topology
@@ -76,6 +82,8 @@ class Engine:
                                      recorder if record_timings else None)
         self.recorder = recorder
         self.record_timings = record_timings
+        self.record_on_decide = record_on_decide
+        self.record_plans = record_plans
         self._policies: dict[int, Any] = {}
         self._topologies: dict[int, Topology] = dict(layer_topologies or {})
         self._experts: dict[int, Any] = dict(layer_experts or {})
@@ -146,15 +154,31 @@ class Engine:
         self._pending[(step, microbatch, layer)] = (bd, chosen)
         if len(self._pending) > 4096:  # bounded: forget the oldest unobserved predictions
             self._pending.pop(next(iter(self._pending)))
+        decision = Decision(step, microbatch, layer, kind, chosen, reason, preds, bd, plan)
+        if self.record_on_decide and self.recorder is not None:
+            self.record(decision, timings={"predicted_s": bd.total_s, **{
+                f"predicted.{k}": v for k, v in bd.as_dict().items() if k.endswith("_s")}} if self.record_timings
+                else None)
+        return decision
+
+    def record(self, decision: Decision, *, plan: Plan | None = None, timings: dict[str, float] | None = None,
+               transfer_seconds=None) -> None:
+        """The one recording path of a layer call (the runtime's layers and the simulator's replays alike): its
+        plan (``plan``: the one that ran, default the decision's) and decision where this engine records plans,
+        its ``timings`` row, and the measured seconds of its transfers (aligned with ``plan.transfers``)."""
         rec = self.recorder
-        if rec is not None:
-            rec.record_plan(step, microbatch, layer, plan)
-            rec.record_decision(step, microbatch, layer, policy=chosen, reason=reason, predictions=preds,
-                                chosen_predicted_s=bd.total_s)
-            if self.record_timings:
-                rec.record_timings(step, microbatch, layer, {"predicted_s": bd.total_s, **{
-                    f"predicted.{k}": v for k, v in bd.as_dict().items() if k.endswith("_s")}})
-        return Decision(step, microbatch, layer, kind, chosen, reason, preds, bd, plan)
+        if rec is None:
+            return
+        step, mb, layer = decision.step, decision.microbatch, decision.layer
+        plan = decision.plan if plan is None else plan
+        if self.record_plans:
+            rec.record_plan(step, mb, layer, plan)
+            rec.record_decision(step, mb, layer, policy=decision.chosen, reason=decision.reason,
+                                predictions=decision.predictions, chosen_predicted_s=decision.predicted.total_s)
+        if timings is not None:
+            rec.record_timings(step, mb, layer, timings)
+        if transfer_seconds is not None and len(plan.transfers):
+            rec.record_transfer_times(step, mb, layer, transfer_seconds)
 
     def commit(self, decision: Decision) -> None:
         """Accept the decision: the layer's policy history advances."""

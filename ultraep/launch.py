@@ -20,10 +20,6 @@ import traceback
 from ultraep.errors import LaunchedRankError
 
 
-#: the name this error had before it joined the UltraEPError hierarchy (kept for ``except`` clauses)
-RankFailedError = LaunchedRankError
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

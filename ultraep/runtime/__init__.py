@@ -4,7 +4,16 @@ Modules, each with one job (dependencies point down the list):
 
 * :mod:`.wrap` — ``wrap`` / ``unwrap`` / ``runtime_of`` and :class:`EPRuntime`, the per-model state the layers
   share (process groups, config, the engine, replica buffers, the recorder);
-* :mod:`.layer` — :class:`~ultraep.runtime.layer.BalancedExperts`, what runs in place of an experts container;
+* :mod:`.layer` — :class:`~ultraep.runtime.layer.BalancedExperts`, what runs in place of an experts container:
+  one call's collectives in order (load all-gather, plan, replica posts, token path), nothing else;
+* :mod:`.token_path` — Steps 4-7 of a call: reroute, dispatch all-to-all, the slots' experts, combine all-to-all;
+* :mod:`.checkpoint_replay` — the forward of an activation-checkpoint recompute (the original call replayed);
+* :mod:`.call_record` — a call between its forward and its record (backward hooks, flush, the next observation);
+* :mod:`.call_timings` — :class:`~ultraep.runtime.call_timings.CallTimings`, one call's typed phases and their record;
+* :mod:`.load_header` — :class:`~ultraep.runtime.load_header.LoadHeader`, what rides with the load all-gather;
+* :mod:`.phases` — a call's phases as the cost model's terms, reduced over the ranks;
+* :mod:`.guard` — a collective's failure named (layer, phase, peers) as ``CollectiveFailedError``;
+* :mod:`.masters` — a layer's topology and this rank's master slices of the experts container;
 * :mod:`.replicas` — replica weights posted early and waited late, gradients reduced back without a barrier;
 * :mod:`.replica_cache` — replicas kept valid until their master changes;
 * :mod:`.replica_transport` — what a job's weights and gradients become as messages (direct or tiled);

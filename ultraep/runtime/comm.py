@@ -3,6 +3,7 @@
 Legend: R ranks, E experts, N rows, H hidden size.
 
 * :func:`gather_load`: every rank's per-expert counts ``[E]`` → the exact load matrix ``[R, E]`` on all ranks.
+* :func:`check_same_plan`: every rank's plan digest compared (``BalancerConfig.check_plan_hash``).
 * :class:`AllToAll`: ``all_to_all_single`` with split sizes, differentiable (backward is the reverse
   exchange). Split sizes come from the plan, so no count exchange is needed.
 
@@ -18,6 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ultraep.errors import PlanDivergenceError
+
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; both take a flat R * numel output.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -30,6 +33,16 @@ def gather_load(counts_E: torch.Tensor, group=None) -> np.ndarray:
     out = torch.empty(R * E, dtype=torch.int64, device=counts_E.device)  # flat: gloo wants R * numel
     _all_gather(out, counts_E.to(torch.int64).contiguous(), group=group)
     return out.view(R, E).cpu().numpy()
+
+
+def check_same_plan(plan, group, where: str) -> None:
+    """Compare ``plan``'s digest across the ranks of ``group`` (one small all-gather); raise
+    :class:`~ultraep.errors.PlanDivergenceError` on every rank if any rank computed a different plan."""
+    digests = all_gather_bytes(plan.digest().encode(), group)
+    if len(set(digests)) != 1:
+        bad = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise PlanDivergenceError(f"{where}: ranks {bad} computed a different plan than rank 0 "
+                                  f"(digests {[d.decode() for d in digests]}); refusing to exchange tokens")
 
 
 def all_gather_bytes(payload: bytes, group=None) -> list[bytes]:

@@ -3,7 +3,7 @@
 Legend: R ranks, K = ``len(RANK_PHASES)``.
 
     Step 1 (each rank, after a call's backward or, when serving, its forward): :func:`rank_phases` sums the
-           call's raw timings (the ``timings`` keys: ``master_compute_s``, ``weight_post_s``, ...) into
+           call's :class:`~ultraep.runtime.call_timings.CallTimings` (``master_compute_s``, ``weight_post_s``, ...) into
            ``RANK_PHASES`` — the cost model's terms, with the all-to-all kept as its four exchanges.
     Step 2: the ``[K]`` vector rides on the next call's load all-gather (int64 nanoseconds), so every rank
            holds ``[R, K]``.
@@ -24,21 +24,25 @@ RANK_PHASES = ("compute_fwd_s", "compute_bwd_s", "dispatch_s", "combine_s", "com
 _A2A = {"a2a_fwd_s": ("dispatch_s", "combine_s"), "a2a_bwd_s": ("combine_bwd_s", "dispatch_bwd_s")}
 
 
-def rank_phases(t: dict[str, float]) -> np.ndarray:
-    """Step 1: ``[K]`` seconds from one call's recorded timings ``t`` on this rank."""
-    g = t.get
-    bwd = "backward_s" in t
+def rank_phases(t: "CallTimings") -> np.ndarray:
+    """Step 1: ``[K]`` seconds from one call's timings ``t`` (:class:`~ultraep.runtime.call_timings.CallTimings`,
+    read into seconds) on this rank; a phase the call did not run (``None``) counts 0 s."""
+    bwd = t.backward_s is not None
+
+    def z(x) -> float:
+        return 0.0 if x is None else x
+
     return np.array([
-        g("master_compute_s", 0.0) + g("replica_compute_s", 0.0),
-        max(0.0, g("backward_compute_s", 0.0) - g("grad_post_s", 0.0) - g("recompute_s", 0.0)) if bwd else 0.0,
-        g("dispatch_s", 0.0),
-        g("combine_s", 0.0),
-        g("combine_bwd_s", 0.0) if bwd else 0.0,
-        g("dispatch_bwd_s", 0.0) if bwd else 0.0,
-        g("weight_sync_flight_s", 0.0),
-        g("weight_post_s", 0.0) + g("weight_unpack_s", 0.0) + g("grad_post_s", 0.0) + g("grad_reduce_s", 0.0),
-        g("plan_s", 0.0),
-        g("measured_s", 0.0),
+        t.master_compute_s + t.replica_compute_s,
+        max(0.0, t.backward_compute_s - z(t.grad_post_s) - z(t.recompute_s)) if bwd else 0.0,
+        t.dispatch_s,
+        t.combine_s,
+        t.combine_bwd_s if bwd else 0.0,
+        t.dispatch_bwd_s if bwd else 0.0,
+        z(t.weight_sync_flight_s),
+        z(t.weight_post_s) + z(t.weight_unpack_s) + z(t.grad_post_s) + z(t.grad_reduce_s),
+        t.plan_s,
+        t.measured_s,
     ])
 
 

@@ -122,3 +122,4 @@ class RecomputeAnchor(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         ctx.saved_tensors  # noqa: B018 - the read that triggers a pending recompute
         return grad, None
+

@@ -205,29 +205,28 @@ class EPRuntime:
         params = CostParams(weight_sync_overlap=True, resend_all_replicas=False, copy_s_per_byte=copy_s,
                             restore_in_backward=any(la.store.mode == "restore" for la in self.layers))
         cm = CostModel(first.topology, hw, first.expert_spec, params)
-        # plans and decisions are recorded by the layers (with the transfers that really moved), not the engine
-        self.engine = Engine(self.config, first.topology, cost_model=cm, recorder=None,
+        # A layer call is recorded once it is measured (after its backward), through the engine's one recording
+        # path: the plan with the transfers that really moved, the decision, the call's timings. Plans are
+        # identical on every rank: rank 0 records one copy.
+        self.engine = Engine(self.config, first.topology, cost_model=cm, recorder=self.recorder,
                              layer_topologies={la.layer: la.topology for la in self.layers},
-                             layer_experts={la.layer: la.expert_spec for la in self.layers}, record_timings=False)
+                             layer_experts={la.layer: la.expert_spec for la in self.layers}, record_timings=False,
+                             record_on_decide=False, record_plans=self.rank == 0)
 
-    def record_layer(self, layer, plan, timings: dict, job, decision, key: tuple[int, int]) -> None:
-        """Record one layer call (``key`` = its step and microbatch) once its backward ran (or never will)."""
-        step, mb = key
-        chosen = plan.chosen_policy
-        self.history.append((step, layer.layer, chosen, plan.imbalance_before, plan.imbalance_after,
-                             plan.num_replicas, timings["plan_s"], timings["transfer_s"], timings["measured_s"]))
-        rec = self.recorder
-        if rec is None:
-            return
-        if self.rank == 0:  # plans are identical on every rank: one copy is enough
-            self.safe(rec.record_plan, step, mb, layer.layer, plan)
-            if decision is not None:
-                self.safe(rec.record_decision, step, mb, layer.layer, policy=decision.chosen,
-                           reason=decision.reason, predictions=decision.predictions,
-                           chosen_predicted_s=decision.predicted.total_s)
-        self.safe(rec.record_timings, step, mb, layer.layer, dict(timings))
-        if job is not None and len(plan.transfers):
-            self.safe(rec.record_transfer_times, step, mb, layer.layer, job.transfer_seconds())
+    def record_layer(self, layer: int, call, timings, row: dict) -> None:
+        """Record one layer call (a :class:`~ultraep.runtime.call_record.LayerCall` with its
+        :class:`~ultraep.runtime.call_timings.CallTimings`, ``row`` = their record) once its backward ran (or never
+        will): into ``history`` and, when recording, through :meth:`~ultraep.engine.Engine.record`."""
+        plan = call.plan
+        self.history.append((call.key[0], layer, plan.chosen_policy, plan.imbalance_before, plan.imbalance_after,
+                             plan.num_replicas, timings.plan_s, timings.transfer_s, timings.measured_s))
+        if self.recorder is not None:
+            self.safe(self._record_call, call, row)
+
+    def _record_call(self, call, row: dict) -> None:
+        job, plan = call.job, call.plan
+        secs = job.transfer_seconds() if job is not None and len(plan.transfers) else None
+        self.engine.record(call.decision, plan=plan, timings=row, transfer_seconds=secs)
 
 
 def _timeout_of(group):
