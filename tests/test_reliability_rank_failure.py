@@ -41,6 +41,7 @@ def _rank_main(rank: int, port: int, runs_dir: str, kill_at: str, results) -> No
 
     import ultraep
     import ultraep.runtime.layer as ep
+    from ultraep.errors import CollectiveFailedError
     from ultraep.telemetry import Recorder
 
     try:
@@ -73,7 +74,7 @@ def _rank_main(rank: int, port: int, runs_dir: str, kill_at: str, results) -> No
             if rank == VICTIM and kill_at == "backward":
                 os.kill(os.getpid(), signal.SIGKILL)
             out.pow(2).mean().backward()
-        except ep.CollectiveFailedError as exc:
+        except CollectiveFailedError as exc:
             results.put((rank, "CollectiveFailedError", str(exc), exc.layer, exc.phase, exc.peers,
                          time.monotonic() - t0, rt.recorder.errors))
         except BaseException as exc:  # noqa: BLE001 - reported to the test
