@@ -7,6 +7,10 @@ The runtime (and anything else that balances online) asks the engine, per layer 
     engine.commit(decision)                                       # policy history advances
     engine.observe(step, microbatch, layer, {"compute_fwd_s": ..., "a2a_fwd_s": ...})  # calibration
 
+Recording has one path, :meth:`Engine.record` (plan, decision, timings, transfer times): ``decide`` calls it at
+once by default (the simulator, tests); the runtime builds its engine with ``record_on_decide=False`` and calls
+it when a call is measured (after its backward), with the plan whose transfers really moved.
+
 Each layer gets its own policy instance from :class:`~ultraep.config.BalancerConfig` (history is per
 layer), on the topology with that layer's redundant-slot count. ``adaptive`` layers choose among their
 candidates with the cost model (:mod:`ultraep.policies.adaptive`); fixed layers report their own
