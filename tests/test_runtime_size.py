@@ -17,7 +17,7 @@ RUNTIME = ROOT / "ultraep" / "runtime"
 MAX_FUNCTION_LINES = 80
 MAX_CLASS_LINES = 250
 #: ``(file, class)`` over :data:`MAX_CLASS_LINES`, tolerated while issue 33's part B splits it. Only remove entries.
-KNOWN_LARGE_CLASSES = {("layer.py", "BalancedExperts")}
+KNOWN_LARGE_CLASSES: set[tuple[str, str]] = set()  # (BalancedExperts was split in issue 33's part B)
 
 
 def _sizes(kinds) -> list[tuple[str, str, int, int]]:
@@ -58,6 +58,7 @@ def test_the_walk_sees_the_runtime_and_measures_what_it_should():
     sizes = {(f, name): n for f, name, _, n in _sizes((ast.ClassDef, ast.FunctionDef))}
     assert ("replicas.py", "ReplicaJob") in sizes and ("layer.py", "_balanced") in sizes
     assert sizes[("replicas.py", "ReplicaJob")] <= MAX_CLASS_LINES  # issue 33: the job under 250 lines
+    assert sizes[("layer.py", "BalancedExperts")] <= MAX_CLASS_LINES  # issue 33: the layer too
     # a nested function counts on its own (the walk descends into classes and functions)
     src = "class A:\n    def f(self):\n        def g():\n            pass\n        return g\n"
     got = {(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(ast.parse(src))
