@@ -172,8 +172,8 @@ class BalancedExperts(nn.Module):
         rt.event("planned", self.layer)
         needs_backward = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
             p.requires_grad for p in self.master_params() + self.shared_params()))
-        job, plan, hits = self._start_replicas(decision.plan, gathered.epoch_R, cached, needs_backward,  # Step 3:
-                                               clk)  # replica weight posts
+        # Step 3: replica weight posts (point-to-point batch W0)
+        job, plan, hits = self._start_replicas(decision.plan, gathered.epoch_R, cached, needs_backward, clk)
         self.last_plan = plan
         t3 = clk.now()
         replay = Replay(plan, job, needs_backward, gathered.epoch_R) if self.training else None
