@@ -26,6 +26,9 @@ Steps (one layer, one microbatch; each part in its own module):
             deadline is dropped; if nothing else is left, ``none`` (always on time) is taken.
     Step 5: hysteresis (:mod:`.hysteresis`): keep the current policy unless the cheapest is faster by more than ``margin``
             (relative) for ``patience`` consecutive decisions, or by more than ``switch_now`` at once.
+    Step 5a: confirmation (:mod:`.probes`): where outcomes are measured, a switch to a candidate whose own latest
+            measurement is not from the previous decision runs it once as a probe instead; the switch happens at
+            the next decision if the fresh measurement still wins.
     Step 5b: a probe (:mod:`.probes`): a candidate due, within ``probe_max_loss`` of the best, runs once to be
             measured (:mod:`.outcomes` keeps what it measured).
     Step 6: the chosen plan is returned as policy ``adaptive`` with the engine's exposed overhead
@@ -225,14 +228,19 @@ class AdaptivePolicy:
         best = min(feasible, key=lambda n: (feasible[n], n != self.fallback))
         chosen, reason, pending = self.hysteresis.choose(feasible, best, late, self.fallback, self.deadline_s)
         probe = False
-        if self.schedule.probe_every > 0 and self.current is not None:  # Step 5b: bounded-regret probe
-            probe_of = self.schedule.probe(feasible, chosen, best)
-            if probe_of is not None:
+        confirm = self.schedule.confirm(chosen, self.current) if reason.startswith("switch") else None
+        if confirm is not None:  # Step 5a: a switch on stale or no measurement of its own is measured first
+            reason, pending, probe = f"confirm: {reason[len('switch '):]}; {confirm}", None, True
+        elif self.schedule.probe_every > 0 and self.current is not None:  # Step 5b: bounded-regret probe
+            probe_of = self.schedule.probe(feasible, chosen, best, self.fallback)
+            if probe_of is not None and probe_of != self.current:  # the policy in force is measured anyway (a
+                # "probe" of it cancelled the switch this decision had chosen)
                 chosen, reason, probe = probe_of, self.schedule.reason(probe_of, self.current), True
         self._anchor_predictions(topology, plans, resident, names=[chosen])  # what its outcome is measured against
         if idle:
             reason = f"idle: {self.fallback} in force, nothing in contention, exploration budget spent"
         facts = {"late": late, "same_as_none": same, "screened": list(screened), "pending": pending, "probe": probe,
+                 "confirm": confirm is not None,
                  "none_clear": _clear_win(feasible, best, self.fallback, self.switch_now), "idle": idle,
                  "saved_s": max(0.0, feasible[self.current] - feasible[best]) if self.current in feasible else 0.0}
         plan = self._assemble(cm, plans, bds, predictions, chosen, reason, facts, resident)  # Step 6
@@ -276,6 +284,7 @@ class AdaptivePolicy:
         self.hysteresis.commit(a["chosen"], a.get("pending"), bool(a.get("probe")))  # a probe runs once
         preds, chosen = a["predictions"], a["chosen"]
         self.outcomes.observing = (chosen, float(a.get("anchor_s", 0.0)))  # what observe_outcome will measure
+        self.outcomes.restart = chosen if a.get("confirm") else None  # a confirmation replaces its stale history
         self.outcomes.decisions += 1
         same, idle = set(a.get("same_as_none", ())), bool(a.get("idle"))
         self.schedule.record(self.policies, chosen, preds, same, bool(a.get("none_clear")), weighed=not idle)
@@ -332,7 +341,7 @@ def _decided(src: Plan, policy: str, chosen: str, reason: str, predictions: dict
         "chosen": chosen, "reason": reason, "predictions": {n: float(v) for n, v in predictions.items()},
         "predicted_s": predicted_s, "late": facts["late"], "same_as_none": facts["same_as_none"],
         "screened": facts["screened"], "previous": facts["previous"],
-        "pending": list(pending) if pending else None, "probe": facts["probe"],
+        "pending": list(pending) if pending else None, "probe": facts["probe"], "confirm": facts["confirm"],
         "anchor_s": facts["anchor_s"], "none_clear": facts["none_clear"], "idle": facts["idle"],
         "saved_s": float(facts["saved_s"]),
     }

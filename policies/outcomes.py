@@ -47,6 +47,9 @@ class OutcomeTracker:
         self.anchor_s: dict[str, float] = {}  # this decision's anchor-model predictions of the candidates
         self.anchor_plans: dict | None = None  # the candidate plans anchor_s belongs to
         self.observing: tuple[str, float] | None = None  # the committed choice and its anchor prediction
+        #: a confirmation probe's candidate (the chooser's Step 5a): its fresh measurement replaces its history, so
+        #: the switch is decided on it and not on the median of measurements taken on another machine state
+        self.restart: str | None = None
         self.observed = 0  # measured outcomes offered so far (the first OUTCOME_WARMUP are skipped)
         self.decisions = 0  # decisions committed so far (the clock's time axis)
         #: per candidate: median of log(measured / predicted layer time) over its last runs, and how often it ran,
@@ -75,6 +78,9 @@ class OutcomeTracker:
                 self._tick(name, when, x)
         if self.observed <= OUTCOME_WARMUP:
             return name == current
+        if self.restart == name:
+            self._outcome_hist.pop(("calibrated", name), None)
+            self._outcome_hist.pop(("anchor", name), None)
         if predicted_s > 0:
             hist = self._outcome_hist.setdefault(("calibrated", name), [])
             hist.append(float(np.log(measured_s / predicted_s)))

@@ -303,3 +303,42 @@ def test_a_policy_in_force_that_slows_down_itself_does_not_make_its_rivals_look_
     truth = {"none": 1.1e-3, "quota": 1.0e-3}
     chosen = _drive(pol, cm, _load(0.2), truth, lambda i, n: 1.3 if (i >= 6 and n == "quota") else 1.0, 14)
     assert chosen[:2] == ["quota", "none"] and pol.current == "none"
+
+
+def test_the_fallback_is_measured_even_when_the_model_puts_it_far_behind():
+    """At 64 tokens per rank the uncalibrated model put none 27 % above FEPLB, past ``probe_max_loss``, so none was
+    never probed and the engine ran a balancing policy slower than none for the whole run. Where outcomes are
+    measured, the fallback is probed until it has run; once measured faster, it takes over."""
+    from ultraep.policies.adaptive import OUTCOME_WARMUP
+
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=32, probe_max_loss=0.25)
+    load = _load(2.0)
+    first = pol.plan(load, cm.topology).info["adaptive"]
+    assert first["chosen"] == "quota" and first["predictions"]["none"] > 1.25 * first["predictions"]["quota"]
+    pol.commit(pol._memo[0])
+    truth = {"none": 1e-3, "quota": 2e-3}  # on this machine none is twice as fast as the model says it is
+    pol.observe_outcome("quota", first["predicted_s"], truth["quota"])
+    runs = [_run(pol, cm, load, truth.get) for _ in range(OUTCOME_WARMUP + 8)]
+    assert any(r["chosen"] == "none" and r["probe"] for r in runs[:OUTCOME_WARMUP + 2])
+    assert pol.current == "none" and [r["chosen"] for r in runs[-3:]] == ["none"] * 3
+
+
+def test_a_switch_on_a_stale_measurement_measures_the_target_again_first():
+    """A rival measured long ago (on another machine state) is not switched to on that measurement: it runs once
+    as a probe, and the switch happens only if the fresh measurement still wins."""
+    from ultraep.policies.adaptive import OUTCOME_WARMUP
+
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=32, probe_max_loss=10.0)
+    load = _load(1.0)
+    truth = {"none": 1.0e-3, "quota": 1.5e-3}
+    for _ in range(OUTCOME_WARMUP + 16):
+        _run(pol, cm, load, truth.get)
+    assert pol.current == "none" and pol.outcomes.runs("quota") >= 1
+    truth = {"none": 2.0e-3, "quota": 3.0e-3}  # the whole machine slows down; quota's last measurement is stale
+    seen = [_run(pol, cm, load, truth.get) for _ in range(10)]
+    wanted = [a for a in seen if a["reason"].startswith(("switch", "confirm"))]
+    assert wanted and wanted[0]["reason"].startswith("confirm: none -> quota") and wanted[0]["probe"]
+    assert not any(a["reason"].startswith("switch") for a in seen)  # measured again, quota still loses
+    assert pol.current == "none"
