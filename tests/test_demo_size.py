@@ -22,24 +22,36 @@ def _choose(gflops, sh=FULL, steps=30, runs=3, **kw):
 
 
 def test_this_machine_keeps_the_readme_size():
-    """About 118 GFLOP/s (what the README's 0.92 s step implies): 1024 tokens per rank, 30 steps, under 2 min."""
-    s = _choose(118.0)
-    assert (s.tokens, s.steps) == (1024, 30)
-    assert s.total_s <= ds.BUDGET_S and s.scaling_share >= ds.MIN_SCALING_SHARE
-    assert s.step_s == pytest.approx(0.92, rel=0.05)
-    assert s.expert_share == pytest.approx(0.59, abs=0.02)  # what the demo's own timers show here
+    """This project's machine (probe 96.6-102 GFLOP/s): 1024 tokens per rank, 30 steps, under 2 min, and none's step
+    as measured there (1.13-1.20 s p50, nine demo runs of 2026-11-25)."""
+    for g in (96.6, 100.0, 102.0):
+        s = _choose(g)
+        assert (s.tokens, s.steps) == (1024, 30)
+        assert s.total_s <= ds.BUDGET_S and s.scaling_share >= ds.MIN_SCALING_SHARE
+        assert 1.10 <= s.step_s <= 1.25
+        assert 0.5 <= s.expert_share <= 0.7
 
 
 def test_issue_31_machine_shrinks_the_tokens_to_fit():
-    """34 GFLOP/s: the unbalanced step at 1024 tokens is the 3.07 s measured there; the demo shrinks to fit 2 min."""
-    assert ds.predict(34.0, 1024, 30, runs=3, hidden=512, expert_hidden=1024, layers=2).step_s == pytest.approx(
-        3.07, rel=0.02)
+    """34 GFLOP/s: the unbalanced step at 1024 tokens measured 3.07 s on issue 31's machine (slower at GEMMs only); the
+    model, which scales the fixed costs as on a CPU slower throughout, errs on the long side there. The demo shrinks
+    to fit 2 min."""
+    step = ds.predict(34.0, 1024, 30, runs=3, hidden=512, expert_hidden=1024, layers=2).step_s
+    assert 3.07 <= step <= 1.15 * 3.07
     s = _choose(34.0)
-    assert s.tokens < 1024 and s.steps == 30
+    assert s.tokens < 1024 and ds.MIN_STEPS <= s.steps <= 30
     assert s.total_s <= ds.BUDGET_S and s.scaling_share >= ds.MIN_SCALING_SHARE
 
 
-@pytest.mark.parametrize("gflops", [20.0, 34.0, 50.0, 80.0, 118.0, 200.0])
+def test_a_cpu_slower_throughout_is_predicted_as_measured():
+    """Every demo process held to a third of a core (cgroup CFS quota, 2026-11-25 night): probe 34.8 GFLOP/s, none's
+    step p50 1.139 s at 256 tokens per rank. The fixed costs scaled to the machine predict it within 5 %; unscaled
+    (0.05 s) they predicted 0.79 s, and the demo took 128 s against its predicted 82 s."""
+    step = ds.predict(34.8, 256, 30, runs=3, hidden=512, expert_hidden=1024, layers=2).step_s
+    assert step == pytest.approx(1.139, rel=0.05)
+
+
+@pytest.mark.parametrize("gflops", [34.0, 50.0, 80.0, 100.0, 118.0, 200.0])
 def test_the_demo_fits_the_budget_and_keeps_the_regime(gflops):
     s = _choose(gflops)
     assert s.total_s <= ds.BUDGET_S
@@ -56,17 +68,19 @@ def test_a_slower_machine_never_gets_a_bigger_demo():
 
 
 def test_too_slow_for_the_budget_takes_fewer_steps_then_says_so():
-    s = _choose(20.0)
+    s = _choose(34.0)
     assert s.tokens == FULL["seq"] and ds.MIN_STEPS <= s.steps < 30 and s.total_s <= ds.BUDGET_S
+    assert _choose(20.0).total_s > ds.BUDGET_S  # a CPU 5x slower throughout: imports alone take 25 s
     worst = _choose(3.0)
     assert worst.tokens == FULL["seq"] and worst.steps == ds.MIN_STEPS
     assert worst.total_s > ds.BUDGET_S  # the prediction is honest: the line the demo prints shows it
 
 
 def test_quick_scales_the_same_way():
-    fast, slow = _choose(118.0, QUICK, 16), _choose(2.0, QUICK, 16)
+    fast, slow, slowest = _choose(118.0, QUICK, 16), _choose(34.0, QUICK, 16), _choose(2.0, QUICK, 16)
     assert fast.tokens == QUICK["batch"] * QUICK["seq"] and fast.steps == 16
-    assert slow.tokens == QUICK["seq"] and slow.total_s <= ds.BUDGET_S
+    assert slow.tokens <= fast.tokens and slow.total_s <= ds.BUDGET_S
+    assert (slowest.tokens, slowest.steps) <= (slow.tokens, slow.steps)
 
 
 def test_held_steps_size_the_tokens_only():
@@ -85,8 +99,10 @@ def test_resize_uses_the_flags_and_prints_one_line(monkeypatch):
     monkeypatch.setattr(ds, "probe_gflops", lambda h, i: 34.0)
     settings = DemoSettings()
     sized, line = ds.resize(settings, tokens=None, steps=None)
-    assert sized.tokens == _choose(34.0).tokens and sized.steps == 30 and "\n" not in line
-    assert line.startswith("size: machine probe 34.0 GFLOP/s") and f"{sized.tokens} tokens/rank x 30 steps" in line
+    want = _choose(34.0)
+    assert (sized.tokens, sized.steps) == (want.tokens, want.steps) and "\n" not in line
+    assert line.startswith("size: machine probe 34.0 GFLOP/s")
+    assert f"{sized.tokens} tokens/rank x {sized.steps} steps" in line
     assert sized.shape["batch"] * sized.shape["seq"] == sized.tokens
     held, line = ds.resize(dataclasses.replace(settings, tokens=512, steps=6), tokens=512, steps=6)
     assert (held.tokens, held.steps) == (512, 6) and "from --tokens and --steps" in line

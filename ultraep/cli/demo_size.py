@@ -29,8 +29,10 @@ from dataclasses import dataclass
 #: seconds the whole demo may take after set-up (the README's promise)
 BUDGET_S = 120.0
 #: the smallest share of a step that must grow with the tokens (expert compute and the rest that scales):
-#: below it the fixed per-step costs change the regime (balancing saves expert time, not fixed time)
-MIN_SCALING_SHARE = 0.75
+#: below it the fixed per-step costs change the regime (balancing saves expert time, not fixed time). With the
+#: fixed costs scaled to the machine (below), 256 tokens per rank on a CPU held to a third of a core is 0.66 of its
+#: step and balancing still paid 1.28x there (docs/benchmarks.md, 2026-11-25 night)
+MIN_SCALING_SHARE = 0.6
 #: the fewest steps a run may take (10 warm-up steps, then at least 6 timed ones)
 MIN_STEPS = 16
 #: busiest rank's load over the mean under ``none`` (the demo's skew: 1.83-1.85 measured at 2 ranks)
@@ -43,10 +45,17 @@ IMBALANCE = 1.85
 #: none's step on this project's machine at 1024 and at 512 tokens (docs/benchmarks.md, "Demo sizing").
 EFFICIENCY = 1.125
 OTHER_RATIO = 0.62
-#: the rest of a step that does not grow with the tokens (Python, collectives' latency, Adam): an estimate
-FIXED_STEP_S = 0.05
+#: the probe's figure on the machine where the fixed costs below were measured (this project's AMD EPYC: 96.6-102
+#: GFLOP/s). A slower probe scales them up in proportion: on a CPU that is slower throughout (not only at GEMMs),
+#: Python, imports and collectives are slower too. A faster one keeps them (the prediction errs on the long side).
+REF_GFLOPS = 100.0
+#: the rest of a step that does not grow with the tokens (Python, collectives' latency, Adam), at REF_GFLOPS:
+#: none's step measured 1.13-1.20 s at 1024 tokens there, of which the tokens' part predicts 1.03 s; with every
+#: process held to a third of a core (probe 34.8 GFLOP/s) none's step at 256 tokens measured 1.14 s, which this
+#: scaling predicts as 1.11 s (0.05 s unscaled predicted 0.79 s, and the demo took 128 s, not the predicted 82 s)
+FIXED_STEP_S = 0.13
 #: start-up: imports and preload (3 s measured), then per run the ranks' fork, model build and first step
-#: (1.3 s measured): both rounded up, so that the prediction errs on the long side
+#: (1.3 s measured): both rounded up, so that the prediction errs on the long side; at REF_GFLOPS, scaled as above
 STARTUP_S = 5.0
 RUN_START_S = 2.0
 
@@ -98,10 +107,12 @@ def predict(gflops: float, tokens: int, steps: int, *, runs: int, hidden: int, e
         raise ValueError(f"probe figure must be > 0 GFLOP/s, got {gflops}")
     flops = layers * IMBALANCE * top_k * tokens * 6.0 * hidden * expert_hidden * (3.0 if train else 1.0)
     expert_s = flops / (gflops * 1e9 * EFFICIENCY)
-    step_s = expert_s * (1.0 + OTHER_RATIO) + FIXED_STEP_S
-    total = STARTUP_S + runs * (RUN_START_S + steps * step_s)
+    slower = max(1.0, REF_GFLOPS / gflops)  # the fixed costs, measured at REF_GFLOPS, on this machine
+    fixed_s = FIXED_STEP_S * slower
+    step_s = expert_s * (1.0 + OTHER_RATIO) + fixed_s
+    total = slower * STARTUP_S + runs * (slower * RUN_START_S + steps * step_s)
     return DemoSize(tokens=tokens, steps=steps, step_s=step_s, expert_share=expert_s / step_s,
-                    scaling_share=1.0 - FIXED_STEP_S / step_s, total_s=total)
+                    scaling_share=1.0 - fixed_s / step_s, total_s=total)
 
 
 def choose_size(gflops: float, *, runs: int, seq: int, max_tokens: int, default_steps: int, hidden: int,
@@ -123,8 +134,9 @@ def choose_size(gflops: float, *, runs: int, seq: int, max_tokens: int, default_
         if s.total_s <= budget_s:
             return s
     floor = kept[-1]  # the smallest size that keeps the regime: fewer steps instead of fewer tokens
-    per_step = (floor.total_s - STARTUP_S - runs * RUN_START_S) / (runs * default_steps)
-    steps = int((budget_s - STARTUP_S - runs * RUN_START_S) / (runs * per_step)) if per_step > 0 else default_steps
+    start = max(1.0, REF_GFLOPS / gflops) * (STARTUP_S + runs * RUN_START_S)  # as predict() scales them
+    per_step = (floor.total_s - start) / (runs * default_steps)
+    steps = int((budget_s - start) / (runs * per_step)) if per_step > 0 else default_steps
     return predict(gflops, floor.tokens, max(min(min_steps, default_steps), min(default_steps, steps)), **kw)
 
 
