@@ -1,6 +1,6 @@
 """The demo sized to the machine (ultraep/cli/demo_size.py): the choice is a pure function of the probe's
-GFLOP/s; it keeps the whole demo within the budget and >= 75 % of a step growing with the tokens (fixed
-per-step costs <= 25 %) wherever both can hold, scales monotonically with the machine's speed, and the flags
+GFLOP/s; it keeps the whole demo within the budget and >= 60 % of a step growing with the tokens (fixed
+per-step costs <= 40 %) wherever both can hold, scales monotonically with the machine's speed, and the flags
 win."""
 
 from __future__ import annotations

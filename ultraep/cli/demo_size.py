@@ -12,8 +12,8 @@ Step 2 (:func:`choose_size`, a pure function of that figure): predict a step of 
         efficiency the demo's layer reaches) plus the rest of the step (attention, embeddings, loss, Adam,
         collectives: a share of the expert compute plus a fixed part), and the whole demo as start-up plus
         every run's steps. Then take the largest tokens per rank (a multiple of the sequence length, at most
-        the default) whose demo fits the budget; below the smallest size whose step is still >= 75 % work
-        that grows with the tokens (fixed per-step costs <= 25 %), keep that size and take fewer steps.
+        the default) whose demo fits the budget; below the smallest size whose step is still >= 60 % work
+        that grows with the tokens (fixed per-step costs <= 40 %), keep that size and take fewer steps.
 
 The constants are fitted to runs of the demo (docs/benchmarks.md, "Demo sizing"); the prediction is printed
 next to the choice, and ``--tokens`` / ``--steps`` override it.
