@@ -228,7 +228,8 @@ class AdaptivePolicy:
         best = min(feasible, key=lambda n: (feasible[n], n != self.fallback))
         chosen, reason, pending = self.hysteresis.choose(feasible, best, late, self.fallback, self.deadline_s)
         probe = False
-        confirm = self.schedule.confirm(chosen, self.current) if reason.startswith("switch") else None
+        switch = self.current in feasible and chosen != self.current  # hysteresis let the cheapest take over
+        confirm = self.schedule.confirm(chosen, self.current) if switch else None
         if confirm is not None:  # Step 5a: a switch on stale or no measurement of its own is measured first
             reason, pending, probe = f"confirm: {reason[len('switch '):]}; {confirm}", None, True
         elif self.schedule.probe_every > 0 and self.current is not None:  # Step 5b: bounded-regret probe

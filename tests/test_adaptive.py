@@ -314,9 +314,10 @@ def test_the_fallback_is_measured_even_when_the_model_puts_it_far_behind():
     cm = _cm()
     pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=32, probe_max_loss=0.25)
     load = _load(2.0)
-    first = pol.plan(load, cm.topology).info["adaptive"]
+    plan = pol.plan(load, cm.topology)
+    first = plan.info["adaptive"]
     assert first["chosen"] == "quota" and first["predictions"]["none"] > 1.25 * first["predictions"]["quota"]
-    pol.commit(pol._memo[0])
+    pol.commit(plan)
     truth = {"none": 1e-3, "quota": 2e-3}  # on this machine none is twice as fast as the model says it is
     pol.observe_outcome("quota", first["predicted_s"], truth["quota"])
     runs = [_run(pol, cm, load, truth.get) for _ in range(OUTCOME_WARMUP + 8)]

@@ -50,7 +50,7 @@ OTHER_RATIO = 0.62
 #: Python, imports and collectives are slower too. A faster one keeps them (the prediction errs on the long side).
 REF_GFLOPS = 100.0
 #: the rest of a step that does not grow with the tokens (Python, collectives' latency, Adam), at REF_GFLOPS:
-#: none's step measured 1.13-1.20 s at 1024 tokens there, of which the tokens' part predicts 1.03 s; with every
+#: none's step measured 1.13-1.21 s at 1024 tokens there, of which the tokens' part predicts 1.03 s; with every
 #: process held to a third of a core (probe 34.8 GFLOP/s) none's step at 256 tokens measured 1.14 s, which this
 #: scaling predicts as 1.11 s (0.05 s unscaled predicted 0.79 s, and the demo took 128 s, not the predicted 82 s)
 FIXED_STEP_S = 0.13
@@ -99,6 +99,11 @@ class DemoSize:
     total_s: float  #: predicted seconds of the whole demo (start-up and every run)
 
 
+def _slower(gflops: float) -> float:
+    """How much longer the fixed costs, measured at REF_GFLOPS, take on a machine whose probe reads ``gflops``."""
+    return max(1.0, REF_GFLOPS / gflops)
+
+
 def predict(gflops: float, tokens: int, steps: int, *, runs: int, hidden: int, expert_hidden: int, layers: int,
             top_k: int = 2, train: bool = True) -> DemoSize:
     """The model of Step 2 for one size. ``runs``: runs of ``steps`` steps each (balanced runs are counted as long
@@ -107,7 +112,7 @@ def predict(gflops: float, tokens: int, steps: int, *, runs: int, hidden: int, e
         raise ValueError(f"probe figure must be > 0 GFLOP/s, got {gflops}")
     flops = layers * IMBALANCE * top_k * tokens * 6.0 * hidden * expert_hidden * (3.0 if train else 1.0)
     expert_s = flops / (gflops * 1e9 * EFFICIENCY)
-    slower = max(1.0, REF_GFLOPS / gflops)  # the fixed costs, measured at REF_GFLOPS, on this machine
+    slower = _slower(gflops)
     fixed_s = FIXED_STEP_S * slower
     step_s = expert_s * (1.0 + OTHER_RATIO) + fixed_s
     total = slower * STARTUP_S + runs * (slower * RUN_START_S + steps * step_s)
@@ -134,7 +139,7 @@ def choose_size(gflops: float, *, runs: int, seq: int, max_tokens: int, default_
         if s.total_s <= budget_s:
             return s
     floor = kept[-1]  # the smallest size that keeps the regime: fewer steps instead of fewer tokens
-    start = max(1.0, REF_GFLOPS / gflops) * (STARTUP_S + runs * RUN_START_S)  # as predict() scales them
+    start = _slower(gflops) * (STARTUP_S + runs * RUN_START_S)  # as predict() scales them
     per_step = (floor.total_s - start) / (runs * default_steps)
     steps = int((budget_s - start) / (runs * per_step)) if per_step > 0 else default_steps
     return predict(gflops, floor.tokens, max(min(min_steps, default_steps), min(default_steps, steps)), **kw)
