@@ -2,8 +2,9 @@
 
 For every shape of ``bench_runtime.py`` the runs of ``none``, ``quota``, ``feplb`` and ``adaptive`` are measured as
 there (2 gloo ranks, one thread each, interleaved), this time recorded. The run of ``--calibrate-on`` (default
-``quota``: it exercises every cost term, weight sync and gradient reduction included) gives the cost model its
-engine learned; the simulator replays that run's routing (the same in every run of a shape) through every policy
+``adaptive``, the engine users run: it measures several policies, so it learns what one policy's run cannot, such
+as how much ranks that compute at the same time slow each other, which a balanced run never shows) gives the cost
+model its engine learned; the simulator replays that run's routing (the same in every run of a shape) through every policy
 on that model (``ultraep simulate RUN --topology from-run``). Per shape and policy the table puts the measured
 layer time (median over the timed calls of the slowest rank's forward + backward, as the runtime recorded it) next
 to the prediction, and the measured speed-up over none next to the predicted one. ``--demo`` adds ``ultraep demo``
@@ -176,8 +177,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)} ('' for none)")
     ap.add_argument("--demo", action="store_true", help="also validate `ultraep demo` (its none and adaptive runs)")
     ap.add_argument("--quick-demo", action="store_true", help="the demo with --quick (a check, not a measurement)")
-    ap.add_argument("--calibrate-on", default="quota", choices=[n for n, _, _ in MEASURED_POLICIES],
-                    help="the recorded run whose learned cost model predicts every policy (default quota)")
+    ap.add_argument("--calibrate-on", default="adaptive", choices=[n for n, _, _ in MEASURED_POLICIES],
+                    help="the recorded run whose learned cost model predicts every policy (default adaptive)")
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)

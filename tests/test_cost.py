@@ -262,3 +262,98 @@ def test_a_weight_flight_hidden_behind_the_compute_only_lowers_its_scale():
     bd = dataclasses.replace(bd, weight_sync_s=0.005)
     cal.observe(bd, {**hidden, "weight_sync_s": 0.64})  # longer than the window: the wait blocked, a measurement
     assert cal.params.weight_sync_scale == pytest.approx(math.exp(0.5 * math.log(0.5) + 0.5 * math.log(64.0)))
+
+
+
+def test_an_instance_costs_its_half_tokens_forward_and_backward():
+    """Every active instance costs ``half_tokens`` tokens of work beyond its rows in the forward, and
+    ``backward_half_tokens`` in the backward (weight gradients written per instance); unset, the hardware's figure."""
+    cm = _cm("h100-8x-ib", R=2, E=8, N=0)
+    assert cm.half_tokens == cm.half_tokens_bwd == cm.hardware.gemm_half_tokens
+    load = np.array([[600, 200, 100, 100, 50, 50, 50, 0], [500, 300, 100, 100, 50, 50, 50, 0]])
+    plan = identity_plan("none", cm.topology, load)
+    base = cm.predict(plan)
+    np.testing.assert_allclose(base.rank_tokens_R, [2000, 300])
+    np.testing.assert_allclose(base.instances_R, [4, 3])
+    spt = cm.sec_per_token
+    big = cm.with_params(cm.params.model_copy(update={"half_tokens": 100.0, "backward_half_tokens": 400.0}))
+    bd = big.predict(plan)
+    assert bd.compute_fwd_s == pytest.approx((2000 + 4 * 100) * spt)
+    assert bd.compute_bwd_s == pytest.approx(2.0 * (2000 + 4 * 400) * spt)
+    # the backward's unset: the forward's
+    same = cm.with_params(cm.params.model_copy(update={"half_tokens": 100.0}))
+    assert same.predict(plan).compute_bwd_s == pytest.approx(2.0 * same.predict(plan).compute_fwd_s)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_per_instance_cost_is_recovered_from_the_fastest_and_slowest_rank(seed):
+    from ultraep.cost import HALF_TOKENS_MIN_SPREAD, MAX_HALF_TOKENS, half_tokens_from_spread
+
+    rng = np.random.default_rng(seed)
+    R = int(rng.integers(2, 9))
+    n = rng.uniform(100, 1000, R)
+    n[0] = n.min() / 2  # spread enough to tell
+    i = rng.integers(1, 7, R).astype(float)
+    h = float(rng.uniform(0, 300))
+    t = n + h * i
+    a, b = int(np.argmax(n)), int(np.argmin(n))
+    assert half_tokens_from_spread(n, i, float(t[a] / t[b])) == pytest.approx(h, rel=1e-9, abs=1e-9)
+    even = np.full(R, 500.0)
+    even[0] = 500.0 / (HALF_TOKENS_MIN_SPREAD - 0.01)
+    assert half_tokens_from_spread(even, i, 1.2) is None  # about equal tokens: cannot tell
+    assert half_tokens_from_spread(n, i, float("nan")) is None
+    r_n, r_i = n[a] / n[b], i[a] / i[b]
+    if abs(r_n - r_i) > 1e-6:
+        # past the tokens' ratio, away from the instances': no per-instance cost explains it
+        assert half_tokens_from_spread(n, i, float(r_n * (r_n / r_i) ** 0.1)) == 0.0
+        # past the instances' ratio: only an unbounded one would, so the bound
+        assert half_tokens_from_spread(n, i, float(r_i * (r_i / r_n) ** 0.5)) == MAX_HALF_TOKENS
+    i2 = i.copy()
+    i2[a] = i2[b] * r_n  # instances in the tokens' ratio: any h gives the same ratio
+    assert half_tokens_from_spread(n, i2, float(r_n)) is None
+
+
+def test_calibration_learns_the_per_instance_cost_from_uneven_calls_only():
+    """The engine hands the calibrator the least busy rank's compute next to the slowest's: calls whose ranks carry
+    unequal tokens teach the per-instance cost (here 300 tokens forward, 900 backward), even ones leave it."""
+    cm = _cm("h100-8x-ib", R=2, E=8, N=0)
+    uneven = identity_plan("none", cm.topology, np.array([[900, 100, 100, 100, 50, 50, 50, 50]] * 2) * 10)
+    even = identity_plan("none", cm.topology, np.full((2, 8), 300))
+    cal = Calibrator(cm, alpha=0.5)
+    h0 = cm.half_tokens
+
+    def truth(bd, hf, hb):
+        spt = cal.model.sec_per_token * 1.5
+        n, i = bd.rank_tokens_R, bd.instances_R
+        f, b = (n + hf * i) * spt, 2.5 * (n + hb * i) * spt
+        return {"compute_fwd_s": f.max(), "compute_bwd_s": b.max(), "compute_fwd_fastest_s": f.min(),
+                "compute_bwd_fastest_s": b.min()}
+
+    for _ in range(3):
+        rows = cal.observe(cal.model.predict(even), truth(cal.model.predict(even), 300.0, 900.0))
+        assert cal.model.half_tokens == h0 and cal.model.half_tokens_bwd == h0
+        assert {"compute_fwd_fastest_s", "compute_bwd_fastest_s"} <= {r["term"] for r in rows}
+    bd = cal.model.predict(uneven)
+    cal.observe(bd, truth(bd, 300.0, 900.0))
+    assert cal.params.half_tokens == pytest.approx(300.0) and cal.params.backward_half_tokens == pytest.approx(900.0)
+    for _ in range(10):  # the scales settle on the new curve: the model predicts the uneven call as measured
+        bd = cal.model.predict(uneven)
+        cal.observe(bd, truth(bd, 300.0, 900.0))
+    bd = cal.model.predict(uneven)
+    m = truth(bd, 300.0, 900.0)
+    assert bd.compute_fwd_s == pytest.approx(m["compute_fwd_s"], rel=0.02)
+    assert bd.compute_bwd_s == pytest.approx(m["compute_bwd_s"], rel=0.02)
+
+def test_a2a_over_a_shared_medium_takes_the_groups_bytes():
+    """gloo ranks on one host move every byte through its loopback: the dispatch is the group's total bytes at the
+    scale-up bandwidth, not the busiest rank's."""
+    cm = _cm("h100-8x-ib", R=8, E=16, N=0)
+    shared = cm.with_params(cm.params.model_copy(update={"a2a_shared_medium": True}))
+    load = _uniform(8, 16, 16000)
+    plan = identity_plan("none", cm.topology, load)
+    tr = cm.traffic(plan)
+    bw = cm.bw_L[0] * cm.a2a_eff
+    assert shared.dispatch_time(tr) == pytest.approx(float(tr.send_RL.sum()) * cm.token_bytes / bw + cm.lat_L[0])
+    assert shared.predict(plan).a2a_fwd_s > cm.predict(plan).a2a_fwd_s
+    empty = identity_plan("none", cm.topology, np.zeros((8, 16), dtype=np.int64))
+    assert shared.predict(empty).a2a_fwd_s == 0.0

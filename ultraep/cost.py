@@ -114,6 +114,23 @@ class CostParams(BaseModel):
         "token permute/unpermute and the glue between phases. Calibrated from each call's measured layer time "
         "minus its measured terms; 0 (the presets) models a runtime whose overheads vanish next to the terms.",
     )
+    half_tokens: float | None = Field(
+        default=None, ge=0,
+        description="Tokens' worth of forward work every active expert instance costs beyond its tokens (the "
+        "grouped GEMM's efficiency curve: an instance reads its expert's weights whatever its rows). None: the "
+        "hardware's gemm_half_tokens. Calibrated from calls whose ranks carry unequal tokens.",
+    )
+    backward_half_tokens: float | None = Field(
+        default=None, ge=0,
+        description="The same in the backward, where every instance also writes its weight gradients (on CPU 1-3x the "
+        "forward's, measured). None: half_tokens. Calibrated like it.",
+    )
+    a2a_shared_medium: bool = Field(
+        default=False,
+        description="Every rank's all-to-all bytes cross one shared medium (gloo ranks on one host: its loopback and "
+        "copies), so a dispatch takes the group's total bytes, not the busiest rank's. False: each rank has its own "
+        "links.",
+    )
     scale_out_shared: bool = Field(
         default=False,
         description="The scale-out bandwidth is one link per scale-up domain, shared by its ranks (a datacenter's "
@@ -155,6 +172,9 @@ class CostBreakdown:
     token_straggler: float = 0.0
     imbalance: float = 1.0
     rank_tokens_R: np.ndarray | None = field(default=None, repr=False, compare=False)
+    #: ``[R]`` active expert instances per rank: with ``rank_tokens_R``, what the calibrator learns the per-instance
+    #: cost (``half_tokens``) from
+    instances_R: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, float]:
         """JSON-ready floats (the per-rank array left out)."""
@@ -163,7 +183,7 @@ class CostBreakdown:
         return {n: float(getattr(self, n)) for n in _BREAKDOWN_FLOATS}
 
 
-_BREAKDOWN_FLOATS = tuple(f.name for f in fields(CostBreakdown) if f.name != "rank_tokens_R")
+_BREAKDOWN_FLOATS = tuple(f.name for f in fields(CostBreakdown) if f.name not in ("rank_tokens_R", "instances_R"))
 
 
 class CostModel:
@@ -206,7 +226,8 @@ class CostModel:
         self.grad_bytes = self.expert_bytes * ex.grad_bytes / ex.weight_bytes
         self.token_bytes = float(ex.token_bytes)
         self.sec_per_token = ex.flops_per_token / (hw.gemm_tflops * 1e12 * hw.gemm_efficiency)
-        self.half_tokens = float(hw.gemm_half_tokens)
+        self.half_tokens = float(hw.gemm_half_tokens if p.half_tokens is None else p.half_tokens)
+        self.half_tokens_bwd = self.half_tokens if p.backward_half_tokens is None else float(p.backward_half_tokens)
         self.bw_L = np.array([t.scale_up.bandwidth_GBps, t.scale_out.bandwidth_GBps]) * 1e9
         self.lat_L = np.array([t.scale_up.latency_us, t.scale_out.latency_us]) * 1e-6
         self.a2a_eff = hw.a2a_efficiency
@@ -266,14 +287,21 @@ class CostModel:
         return Traffic(q.sum(axis=1), (q > 0).sum(axis=1), send, recv, static_t, static_i)
 
     # ------------------------------------------------------------------ terms
-    def compute_time_R(self, tokens_R, instances_R) -> np.ndarray:
-        """``[R]`` forward expert compute seconds per rank (grouped-GEMM efficiency curve)."""
-        return (np.asarray(tokens_R, dtype=np.float64) + self.half_tokens * np.asarray(instances_R)) * (
+    def compute_time_R(self, tokens_R, instances_R, backward: bool = False) -> np.ndarray:
+        """``[R]`` forward expert compute seconds per rank (grouped-GEMM efficiency curve); ``backward``: the same
+        tokens' backward before ``backward_compute_factor``, with the backward's per-instance cost."""
+        h = self.half_tokens_bwd if backward else self.half_tokens
+        return (np.asarray(tokens_R, dtype=np.float64) + h * np.asarray(instances_R)) * (
             self.sec_per_token * self.params.compute_scale
         )
 
     def dispatch_time(self, tr: Traffic) -> float:
-        """One direction of the token all-to-all: the slowest link level (levels run concurrently)."""
+        """One direction of the token all-to-all: the slowest link level (levels run concurrently); over a shared
+        medium (:attr:`CostParams.a2a_shared_medium`) every byte of the group, at the scale-up bandwidth."""
+        if self.params.a2a_shared_medium:
+            total = float(tr.send_RL.sum()) * self.token_bytes
+            t = total / (self.bw_L[0] * self.a2a_eff) + self.lat_L[0] if total > 0 else 0.0
+            return t * self.params.a2a_scale
         worst = np.maximum(tr.send_RL, tr.recv_RL).max(axis=0) * self.token_bytes  # [L] bytes
         if self.params.scale_out_shared:  # one link per domain: its ranks' bytes add up
             D = self.topology.D
@@ -466,7 +494,8 @@ class CostModel:
         fwd = (engine_s + plan_exposed + sync_exposed + a2a + compute + ag_exposed + p.non_moe_fwd_s + copy_s
                + p.call_overhead_s)
         if p.mode == "training":
-            comp_b = p.backward_compute_factor * compute
+            comp_b = p.backward_compute_factor * (compute if self.half_tokens_bwd == self.half_tokens else float(
+                self.compute_time_R(tr.tokens_R, tr.instances_R, backward=True).max(initial=0.0)))
             a2a_b = p.backward_a2a_factor * a2a
             restore = max(0.0, wsync - p.non_moe_bwd_s) if (p.restore_in_backward and wsync > 0) else 0.0
             window = comp_b + p.non_moe_bwd_s
@@ -489,8 +518,39 @@ class CostModel:
             gemm_straggler_s=float(comp_R.max() - comp_R.mean()) if comp_R.size else 0.0,
             token_straggler=float(tokens.max() - mean) if tokens.size else 0.0,
             imbalance=float(tokens.max() / mean) if mean > 0 else 1.0,
-            rank_tokens_R=tokens,
+            rank_tokens_R=tokens, instances_R=np.asarray(tr.instances_R, dtype=np.float64),
         )
+
+
+#: a call teaches the per-instance cost only when its busiest rank has this many times the tokens of the least busy
+#: one (ranks with about equal tokens cannot tell a per-instance cost from a per-token one)
+HALF_TOKENS_MIN_SPREAD = 1.3
+#: the largest per-instance cost, in tokens, the calibrator learns (a bound against a noisy ratio)
+MAX_HALF_TOKENS = 1e5
+
+
+def half_tokens_from_spread(tokens_R: np.ndarray, instances_R: np.ndarray, measured_ratio: float) -> float | None:
+    """The per-instance cost h (tokens) with which the rank with the most tokens (a) and the one with the fewest (b)
+    compute in the measured ratio slowest / fastest: ``(n_a + h i_a) / (n_b + h i_b) = ratio``, so
+    ``h = (n_a - ratio n_b) / (ratio i_b - i_a)``, kept in [0, :data:`MAX_HALF_TOKENS`]. None when the ranks'
+    tokens are too even to tell (:data:`HALF_TOKENS_MIN_SPREAD`) or the ratio is not a number."""
+    n = np.asarray(tokens_R, dtype=np.float64)
+    i = np.asarray(instances_R, dtype=np.float64)
+    busy = np.flatnonzero((n > 0) & (i > 0))
+    if busy.size < 2 or not np.isfinite(measured_ratio) or measured_ratio <= 0:
+        return None
+    a, b = busy[np.argmax(n[busy])], busy[np.argmin(n[busy])]
+    if n[a] < HALF_TOKENS_MIN_SPREAD * n[b]:
+        return None
+    # as h grows from 0 the ratio moves from the tokens' ratio r_n towards the instances' ratio r_i
+    r_n, r_i = n[a] / n[b], i[a] / i[b]
+    if abs(r_n - r_i) <= 1e-9 * r_n:
+        return None
+    if (measured_ratio - r_n) * (r_i - r_n) <= 0:  # not moved towards r_i: no per-instance cost explains it
+        return 0.0
+    if (measured_ratio - r_i) * (r_n - r_i) <= 0:  # at or past r_i: only an unbounded cost would
+        return MAX_HALF_TOKENS
+    return float(min(MAX_HALF_TOKENS, (n[a] - measured_ratio * n[b]) / (measured_ratio * i[b] - i[a])))
 
 
 # ---------------------------------------------------------------------------------------------- calibration
@@ -509,6 +569,13 @@ CALIBRATED_TERMS: dict[str, str] = {
 FACTOR_TERMS: dict[str, tuple[str, str]] = {
     "compute_bwd_s": ("backward_compute_factor", "compute_fwd_s"),
     "a2a_bwd_s": ("backward_a2a_factor", "a2a_fwd_s"),
+}
+
+#: the least busy rank's measured compute (the runtime reports it beside the slowest rank's) → (the slowest rank's
+#: term, the per-instance cost it calibrates, whether it is the backward's)
+FASTEST_TERMS: dict[str, tuple[str, str, bool]] = {
+    "compute_fwd_fastest_s": ("compute_fwd_s", "half_tokens", False),
+    "compute_bwd_fastest_s": ("compute_bwd_s", "backward_half_tokens", True),
 }
 
 
@@ -599,6 +666,28 @@ class Calibrator:
     def params(self) -> CostParams:
         return self.model.params
 
+    def _half_tokens(self, predicted: CostBreakdown, measured: dict[str, float], key: str, fastest: float,
+                     updates: dict[str, float]) -> dict[str, Any]:
+        """``half_tokens`` (or ``backward_half_tokens``) from the slowest and the fastest rank of a call whose ranks
+        carry unequal tokens (:func:`half_tokens_from_spread`), folded in with the weights of the other terms; the
+        row puts the least busy rank's predicted compute next to the measured one."""
+        slow_key, name, backward = FASTEST_TERMS[key]
+        cm, p = self.model, self.model.params
+        n, i = predicted.rank_tokens_R, predicted.instances_R
+        pred = float("nan")
+        if n is not None and i is not None and np.any(n > 0):
+            t_R = cm.compute_time_R(n, i, backward=backward) * (p.backward_compute_factor if backward else 1.0)
+            pred = float(t_R[n > 0].min())
+            slowest = float(measured.get(slow_key, 0.0))
+            if fastest > 0 and slowest > 0:
+                h = half_tokens_from_spread(n, i, slowest / fastest)
+                if h is not None:
+                    old = cm.half_tokens_bwd if backward else cm.half_tokens
+                    a = self._alpha(name)
+                    updates[name] = (1 - a) * old + a * h
+        return {"term": key, "predicted_s": pred, "measured_s": fastest,
+                "ratio": fastest / pred if pred > 0 else float("nan")}
+
     def observe(self, predicted: CostBreakdown, measured: dict[str, float], *, step: int = 0, microbatch: int = 0,
                 layer: int = 0, total_s: float | None = None) -> list[dict[str, Any]]:
         """Fold one layer's measured timings in; return the rows ``term, predicted_s, measured_s, ratio``.
@@ -627,9 +716,16 @@ class Calibrator:
                 rows.append({"term": key, "predicted_s": whole, "measured_s": float(value),
                              "ratio": float(value / whole) if whole > 0 else float("nan")})
                 continue
-            if key in FACTOR_TERMS:  # a backward term: its ratio to the forward term it multiplies
+            if key in FASTEST_TERMS:  # the least busy rank's compute: what an instance costs beyond its tokens
+                rows.append(self._half_tokens(predicted, measured, key, float(value), updates))
+                continue
+            if key in FACTOR_TERMS:  # a backward term: its ratio to the prediction before the factor
                 factor, fwd_key = FACTOR_TERMS[key]
-                base = pred.get(fwd_key, 0.0)
+                base = pred.get(key, 0.0) / getattr(p, factor)  # the backward's prediction before the factor...
+                if pred.get(fwd_key, 0.0) > 0 and measured.get(fwd_key, 0.0) > 0:
+                    # ...at the forward's measured scale: the factor is the backward over the same call's forward,
+                    # whatever the scales (learned in this very observation) predicted
+                    base *= float(measured[fwd_key]) / pred[fwd_key]
                 if base > 0 and value > 0:
                     old = getattr(p, factor)
                     a = self._alpha(factor)

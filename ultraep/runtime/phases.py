@@ -10,7 +10,8 @@ Legend: R ranks, K = ``len(RANK_PHASES)``.
     Step 3 (every rank alike): :func:`reduce_phases` reduces it to the layer's measurement in
            :data:`~ultraep.timings.TERMS` — the slowest rank sets compute, copies, planning and the layer time;
            each all-to-all takes the *fastest* rank's time (the last to arrive waits for nobody, so its time is
-           the exchange itself, not another rank's straggling) — and the engine calibrates from it.
+           the exchange itself, not another rank's straggling) — and the engine calibrates from it, with the least
+           busy rank's compute (:func:`fastest_compute`) next to the slowest's.
 """
 
 from __future__ import annotations
@@ -58,3 +59,12 @@ def reduce_phases(meas_RK: np.ndarray) -> tuple[dict[str, float], float]:
         m.pop("compute_bwd_s")
         m.pop("a2a_bwd_s")
     return m, hi["total_s"]
+
+
+def fastest_compute(meas_RK: np.ndarray) -> dict[str, float]:
+    """The least busy rank's expert compute, forward and (when measured) backward, seconds: next to the slowest
+    rank's, it tells the engine what an expert instance costs beyond its tokens (``CostParams.half_tokens``)."""
+    out = {"compute_fwd_fastest_s": float(meas_RK[:, 0].min())}
+    if meas_RK[:, 1].max() > 0:
+        out["compute_bwd_fastest_s"] = float(meas_RK[:, 1].min())
+    return out

@@ -202,8 +202,11 @@ class EPRuntime:
         like = [p[0].detach() for p in first.master_params()]
         hw, _, _, copy_s = local_seed(like, like[0].is_cuda)
         # the layers plan with their replica residency, so a plan's transfers are exactly what moves
+        # CPU ranks on one host (ultraep.launch, or torchrun with LOCAL_WORLD_SIZE = WORLD_SIZE) exchange tokens over
+        # its one loopback; how much their computing at the same time slows each other is learned (corun_slowdown)
         params = CostParams(weight_sync_overlap=True, resend_all_replicas=False, copy_s_per_byte=copy_s,
-                            restore_in_backward=any(la.store.mode == "restore" for la in self.layers))
+                            restore_in_backward=any(la.store.mode == "restore" for la in self.layers),
+                            a2a_shared_medium=not like[0].is_cuda and _one_host())
         cm = CostModel(first.topology, hw, first.expert_spec, params)
         # A layer call is recorded once it is measured (after its backward), through the engine's one recording
         # path: the plan with the transfers that really moved, the decision, the call's timings. Plans are
@@ -227,6 +230,15 @@ class EPRuntime:
         job, plan = call.job, call.plan
         secs = job.transfer_seconds() if job is not None and len(plan.transfers) else None
         self.engine.record(call.decision, plan=plan, timings=row, transfer_seconds=secs)
+
+
+def _one_host() -> bool:
+    """Whether every rank runs on this host: torchrun's LOCAL_WORLD_SIZE equals WORLD_SIZE, or neither is set
+    (ranks forked or spawned on one machine, as ``ultraep.launch`` starts them)."""
+    import os
+
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    return local is None or world is None or local == world
 
 
 def _timeout_of(group):
