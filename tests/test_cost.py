@@ -357,3 +357,34 @@ def test_a2a_over_a_shared_medium_takes_the_groups_bytes():
     assert shared.predict(plan).a2a_fwd_s > cm.predict(plan).a2a_fwd_s
     empty = identity_plan("none", cm.topology, np.zeros((8, 16), dtype=np.int64))
     assert shared.predict(empty).a2a_fwd_s == 0.0
+
+
+def test_a_replica_costs_its_measured_extra_and_the_calibrator_learns_it():
+    """The runtime's replicas cost more than their tokens (their own GEMM calls and weight views): the model
+    charges ``replica_instance_s`` per active replica instance, forward and (times the factor) backward, and the
+    calibrator learns it from the replicas' measured compute over every rank."""
+    cm = _cm("h100-8x-ib", R=2, E=8, N=2)
+    load = np.array([[4000, 100, 100, 100, 100, 100, 100, 100]] * 2)
+    plan = make_policy("quota").plan(load, cm.topology)
+    bd = cm.predict(plan)
+    assert bd.replica_instances > 0 and bd.replica_tokens > 0
+    tr = cm.traffic(plan)
+    np.testing.assert_array_equal(tr.replica_instances_R, (plan.quota_RS[:, cm.topology.num_masters:] > 0).sum(axis=1))
+    extra = cm.with_params(cm.params.model_copy(update={"replica_instance_s": 0.001}))
+    ebd = extra.predict(plan)
+    busiest = int(np.argmax(cm.compute_time_R(tr.tokens_R, tr.instances_R, replicas_R=tr.replica_instances_R)))
+    more = extra.compute_time_R(tr.tokens_R, tr.instances_R, replicas_R=tr.replica_instances_R)
+    assert ebd.compute_fwd_s == pytest.approx(float(more.max()))
+    assert more[busiest] - 0.001 * tr.replica_instances_R[busiest] == pytest.approx(bd.compute_fwd_s)
+    assert ebd.compute_bwd_s == pytest.approx(2.0 * ebd.compute_fwd_s)
+    # calibration: the replicas took 3 ms each beyond their tokens' predicted compute
+    cal = Calibrator(cm, alpha=0.5)
+    tokens_s = float(cm.compute_time_R(np.array([bd.replica_tokens]), np.array([bd.replica_instances]))[0])
+    rows = cal.observe(bd, {"replica_compute_s": tokens_s + 0.003 * bd.replica_instances})
+    assert cal.params.replica_instance_s == pytest.approx(0.003)
+    assert [r["term"] for r in rows] == ["replica_compute_s"]
+    cal.observe(bd, {"replica_compute_s": tokens_s * 0.5})  # faster than the tokens: no extra cost (weight 1/2)
+    assert cal.params.replica_instance_s == pytest.approx(0.0015)
+    none = identity_plan("none", cm.topology, load)
+    cal.observe(cal.model.predict(none), {"replica_compute_s": 0.0})  # no replicas: nothing learned
+    assert cal.params.replica_instance_s == pytest.approx(0.0015)

@@ -63,8 +63,8 @@ def _calibration_reaches_decisions(rank, world):
     # Controlled measurements (this machine's own would make the test depend on its speed): phase A says
     # expert compute dominates (1 s forward, 2 s backward) and copies cost nothing: balancing pays.
     # RANK_PHASES: compute fwd, compute bwd, dispatch, combine, combine bwd, dispatch bwd, weight sync, copies,
-    # plan, total
-    compute_bound = np.array([1.0, 2.0, 5e-4, 5e-4, 5e-4, 5e-4, 0.0, 0.0, 1e-4, 3.0])
+    # plan, total, replicas' compute
+    compute_bound = np.array([1.0, 2.0, 5e-4, 5e-4, 5e-4, 5e-4, 0.0, 0.0, 1e-4, 3.0, 0.0])
     ep.rank_phases = lambda t: compute_bound.copy()
     for _ in range(3):
         _call(holder, rt, inputs)

@@ -125,6 +125,12 @@ class CostParams(BaseModel):
         description="The same in the backward, where every instance also writes its weight gradients (on CPU 1-3x the "
         "forward's, measured). None: half_tokens. Calibrated like it.",
     )
+    replica_instance_s: float = Field(
+        default=0.0, ge=0,
+        description="Seconds every active replica instance costs beyond its tokens in the forward (the runtime's own "
+        "per-replica work; the backward factor applies to it too). 0: replicas compute like masters. Calibrated from "
+        "the replicas' measured compute.",
+    )
     a2a_shared_medium: bool = Field(
         default=False,
         description="Every rank's all-to-all bytes cross one shared medium (gloo ranks on one host: its loopback and "
@@ -169,6 +175,8 @@ class CostBreakdown:
     bwd_s: float = 0.0
     total_s: float = 0.0
     gemm_straggler_s: float = 0.0
+    replica_tokens: float = 0.0  #: tokens the replica instances compute, over every rank
+    replica_instances: float = 0.0  #: active replica instances, over every rank
     token_straggler: float = 0.0
     imbalance: float = 1.0
     rank_tokens_R: np.ndarray | None = field(default=None, repr=False, compare=False)
@@ -280,20 +288,25 @@ class CostModel:
         else:
             send, recv = route_flows(plan.routes_RRS, t.domain_R)
         static_t = static_i = None
+        M = self.topology.num_masters
         if plan.static_overlap:
-            M = self.topology.num_masters
             static_t = q[:, :M].sum(axis=1)
             static_i = (q[:, :M] > 0).sum(axis=1)
-        return Traffic(q.sum(axis=1), (q > 0).sum(axis=1), send, recv, static_t, static_i)
+        return Traffic(q.sum(axis=1), (q > 0).sum(axis=1), send, recv, static_t, static_i, q[:, M:].sum(axis=1),
+                       (q[:, M:] > 0).sum(axis=1))
 
     # ------------------------------------------------------------------ terms
-    def compute_time_R(self, tokens_R, instances_R, backward: bool = False) -> np.ndarray:
-        """``[R]`` forward expert compute seconds per rank (grouped-GEMM efficiency curve); ``backward``: the same
-        tokens' backward before ``backward_compute_factor``, with the backward's per-instance cost."""
+    def compute_time_R(self, tokens_R, instances_R, backward: bool = False, replicas_R=None) -> np.ndarray:
+        """``[R]`` forward expert compute seconds per rank (grouped-GEMM efficiency curve), with ``replicas_R`` of
+        the instances replicas (each ``replica_instance_s`` more); ``backward``: the same tokens' backward before
+        ``backward_compute_factor``, with the backward's per-instance cost."""
         h = self.half_tokens_bwd if backward else self.half_tokens
-        return (np.asarray(tokens_R, dtype=np.float64) + h * np.asarray(instances_R)) * (
+        t = (np.asarray(tokens_R, dtype=np.float64) + h * np.asarray(instances_R)) * (
             self.sec_per_token * self.params.compute_scale
         )
+        if replicas_R is not None and self.params.replica_instance_s > 0:
+            t = t + self.params.replica_instance_s * np.asarray(replicas_R, dtype=np.float64)
+        return t
 
     def dispatch_time(self, tr: Traffic) -> float:
         """One direction of the token all-to-all: the slowest link level (levels run concurrently); over a shared
@@ -467,7 +480,7 @@ class CostModel:
                   ag_bytes, engine_s: float = 0.0, master_s: float | None = None,
                   copy_s: float = 0.0) -> CostBreakdown:
         p = self.params
-        comp_R = self.compute_time_R(tr.tokens_R, tr.instances_R)
+        comp_R = self.compute_time_R(tr.tokens_R, tr.instances_R, replicas_R=tr.replica_instances_R)
         compute = float(comp_R.max()) if comp_R.size else 0.0
         a2a = 2.0 * self.dispatch_time(tr)
         # Pre-dispatch critical path: planning, then replica weights (dispatch waits for them).
@@ -495,7 +508,8 @@ class CostModel:
                + p.call_overhead_s)
         if p.mode == "training":
             comp_b = p.backward_compute_factor * (compute if self.half_tokens_bwd == self.half_tokens else float(
-                self.compute_time_R(tr.tokens_R, tr.instances_R, backward=True).max(initial=0.0)))
+                self.compute_time_R(tr.tokens_R, tr.instances_R, backward=True,
+                                    replicas_R=tr.replica_instances_R).max(initial=0.0)))
             a2a_b = p.backward_a2a_factor * a2a
             restore = max(0.0, wsync - p.non_moe_bwd_s) if (p.restore_in_backward and wsync > 0) else 0.0
             window = comp_b + p.non_moe_bwd_s
@@ -519,6 +533,8 @@ class CostModel:
             token_straggler=float(tokens.max() - mean) if tokens.size else 0.0,
             imbalance=float(tokens.max() / mean) if mean > 0 else 1.0,
             rank_tokens_R=tokens, instances_R=np.asarray(tr.instances_R, dtype=np.float64),
+            replica_tokens=float(np.sum(tr.replica_tokens_R)) if tr.replica_tokens_R is not None else 0.0,
+            replica_instances=float(np.sum(tr.replica_instances_R)) if tr.replica_instances_R is not None else 0.0,
         )
 
 
@@ -666,6 +682,20 @@ class Calibrator:
     def params(self) -> CostParams:
         return self.model.params
 
+    def _replica_instance(self, predicted: CostBreakdown, measured: float, updates: dict[str, float]) -> dict[str, Any]:
+        """``replica_instance_s`` from the replicas' measured forward compute, summed over the ranks: what it exceeds
+        their tokens' predicted compute by, per active replica instance (>= 0), folded in with the weights of the other
+        additive terms."""
+        cm, p = self.model, self.model.params
+        n, i = predicted.replica_tokens, predicted.replica_instances
+        tokens_s = float(cm.compute_time_R(np.array([n]), np.array([i]))[0])
+        pred = tokens_s + p.replica_instance_s * i
+        if i > 0 and measured > 0:
+            a = self._alpha("replica_instance_s")
+            updates["replica_instance_s"] = (1 - a) * p.replica_instance_s + a * max(0.0, (measured - tokens_s) / i)
+        return {"term": "replica_compute_s", "predicted_s": pred, "measured_s": measured,
+                "ratio": measured / pred if pred > 0 else float("nan")}
+
     def _half_tokens(self, predicted: CostBreakdown, measured: dict[str, float], key: str, fastest: float,
                      updates: dict[str, float]) -> dict[str, Any]:
         """``half_tokens`` (or ``backward_half_tokens``) from the slowest and the fastest rank of a call whose ranks
@@ -715,6 +745,9 @@ class Calibrator:
                 updates["engine_overhead_s"] = (1 - a) * p.engine_overhead_s + a * own
                 rows.append({"term": key, "predicted_s": whole, "measured_s": float(value),
                              "ratio": float(value / whole) if whole > 0 else float("nan")})
+                continue
+            if key == "replica_compute_s":  # every rank's replicas: what a replica costs beyond its tokens
+                rows.append(self._replica_instance(predicted, float(value), updates))
                 continue
             if key in FASTEST_TERMS:  # the least busy rank's compute: what an instance costs beyond its tokens
                 rows.append(self._half_tokens(predicted, measured, key, float(value), updates))

@@ -167,6 +167,9 @@ class Traffic:
     recv_RL: np.ndarray
     static_tokens_R: np.ndarray | None = None
     static_instances_R: np.ndarray | None = None
+    #: tokens and active instances of the replica slots (beyond the masters): the runtime's per-replica cost
+    replica_tokens_R: np.ndarray | None = None
+    replica_instances_R: np.ndarray | None = None
 
 
 def hybrid_destinations(topology: "Topology", S: int, fetched: int | None = None) -> np.ndarray:

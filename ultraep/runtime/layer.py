@@ -222,7 +222,7 @@ class BalancedExperts(nn.Module):
         meas_RK = gathered.phases_RK()
         if obs is not None and meas_RK is not None:  # every rank measured the same call: calibrate identically
             measured, total = phases.reduce_phases(meas_RK)
-            measured.update(phases.fastest_compute(meas_RK))
+            measured.update(phases.compute_spread(meas_RK))
             rt.safe(eng.observe, obs[0], obs[1], self.layer, measured, total)
         epoch_R = gathered.epoch_R
         if self.deferred and not np.array_equal(epoch_R, self.deferred.epoch_R):

@@ -11,7 +11,7 @@ Legend: R ranks, K = ``len(RANK_PHASES)``.
            :data:`~ultraep.timings.TERMS` — the slowest rank sets compute, copies, planning and the layer time;
            each all-to-all takes the *fastest* rank's time (the last to arrive waits for nobody, so its time is
            the exchange itself, not another rank's straggling) — and the engine calibrates from it, with the least
-           busy rank's compute (:func:`fastest_compute`) next to the slowest's.
+           busy rank's compute and the replicas' (:func:`compute_spread`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 
 #: what each rank measured of a layer's call: the cost model's terms, the all-to-alls as their four exchanges
 RANK_PHASES = ("compute_fwd_s", "compute_bwd_s", "dispatch_s", "combine_s", "combine_bwd_s", "dispatch_bwd_s",
-               "weight_sync_s", "copy_s", "plan_s", "total_s")
+               "weight_sync_s", "copy_s", "plan_s", "total_s", "replica_compute_s")
 #: the all-to-all terms and the exchanges each sums
 _A2A = {"a2a_fwd_s": ("dispatch_s", "combine_s"), "a2a_bwd_s": ("combine_bwd_s", "dispatch_bwd_s")}
 
@@ -44,6 +44,7 @@ def rank_phases(t: "CallTimings") -> np.ndarray:
         z(t.weight_post_s) + z(t.weight_unpack_s) + z(t.grad_post_s) + z(t.grad_reduce_s),
         t.plan_s,
         t.measured_s,
+        t.replica_compute_s,
     ])
 
 
@@ -61,10 +62,13 @@ def reduce_phases(meas_RK: np.ndarray) -> tuple[dict[str, float], float]:
     return m, hi["total_s"]
 
 
-def fastest_compute(meas_RK: np.ndarray) -> dict[str, float]:
-    """The least busy rank's expert compute, forward and (when measured) backward, seconds: next to the slowest
-    rank's, it tells the engine what an expert instance costs beyond its tokens (``CostParams.half_tokens``)."""
-    out = {"compute_fwd_fastest_s": float(meas_RK[:, 0].min())}
+def compute_spread(meas_RK: np.ndarray) -> dict[str, float]:
+    """What the engine learns an expert instance's cost beyond its tokens from, seconds: the least busy rank's expert
+    compute, forward and (when measured) backward, next to the slowest rank's (``CostParams.half_tokens``), and
+    the replicas' forward compute summed over the ranks (``CostParams.replica_instance_s``)."""
+    col = RANK_PHASES.index
+    out = {"compute_fwd_fastest_s": float(meas_RK[:, 0].min()),
+           "replica_compute_s": float(meas_RK[:, col("replica_compute_s")].sum())}
     if meas_RK[:, 1].max() > 0:
         out["compute_bwd_fastest_s"] = float(meas_RK[:, 1].min())
     return out
