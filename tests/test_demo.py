@@ -79,3 +79,19 @@ def test_demo_compare_every_policy_first_step_is_exact(tmp_path):
         assert step0 <= REL_TOL and "-> match" in line, line
     con = open_run(tmp_path / "runs")
     assert con.execute("SELECT count(DISTINCT run_id) FROM runs").fetchone()[0] == len(policies)
+
+
+@pytest.mark.slow
+def test_a_short_band_run_ends_early_and_says_so(tmp_path):
+    """A machine too slow for three full runs in the budget runs the fp32 band's run (none, batch order reversed)
+    for fewer steps (ultraep.cli.demo_size): the header says so, the band is compared over the steps it ran, and the
+    verdict still comes from step 0."""
+    code = ("import sys; from ultraep.cli.demo_job import DemoSettings, run_demo; "
+            f"sys.exit(run_demo(DemoSettings(quick=True, steps=6, band_steps=4, policy='quota', out={str(tmp_path)!r})))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    assert "(+ none reordered, for the fp32 band, 4 steps)" in out
+    line = next(x for x in out.splitlines() if x.startswith("quota: step 0"))
+    assert "by step 5:" in line and "by step 3: Adam" in line and "by the end" not in line
+    assert "-> match" in line
