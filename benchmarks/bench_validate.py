@@ -3,8 +3,8 @@
 For every shape of ``bench_runtime.py`` the runs of ``none``, ``quota``, ``feplb`` and ``adaptive`` are measured as
 there (2 gloo ranks, one thread each, interleaved), this time recorded. The run of ``--calibrate-on`` (default
 ``adaptive``, the engine users run: it measures several policies, so it learns what one policy's run cannot, such
-as how much ranks that compute at the same time slow each other, which a balanced run never shows) gives the cost
-model its engine learned; the simulator replays that run's routing (the same in every run of a shape) through every policy
+as what an expert instance costs beyond its tokens, which only calls with uneven ranks show, as its probes of
+``none``) gives the cost model its engine learned; the simulator replays that run's routing (the same in every run of a shape) through every policy
 on that model (``ultraep simulate RUN --topology from-run``). Per shape and policy the table puts the measured
 layer time (median over the timed calls of the slowest rank's forward + backward, as the runtime recorded it) next
 to the prediction, and the measured speed-up over none next to the predicted one. ``--demo`` adds ``ultraep demo``
