@@ -678,6 +678,11 @@ class Calibrator:
         self._n[name] = n + 1
         return max(self.alpha, 1.0 / (n + 1))
 
+    def _fold(self, name: str, old: float, new: float) -> float:
+        """An additive term's next value: ``new`` folded into ``old`` with the weight of ``name``'s next observation."""
+        a = self._alpha(name)
+        return (1 - a) * old + a * new
+
     @property
     def params(self) -> CostParams:
         return self.model.params
@@ -691,8 +696,8 @@ class Calibrator:
         tokens_s = float(cm.compute_time_R(np.array([n]), np.array([i]))[0])
         pred = tokens_s + p.replica_instance_s * i
         if i > 0 and measured > 0:
-            a = self._alpha("replica_instance_s")
-            updates["replica_instance_s"] = (1 - a) * p.replica_instance_s + a * max(0.0, (measured - tokens_s) / i)
+            updates["replica_instance_s"] = self._fold("replica_instance_s", p.replica_instance_s,
+                                                       max(0.0, (measured - tokens_s) / i))
         return {"term": "replica_compute_s", "predicted_s": pred, "measured_s": measured,
                 "ratio": measured / pred if pred > 0 else float("nan")}
 
@@ -712,9 +717,7 @@ class Calibrator:
             if fastest > 0 and slowest > 0:
                 h = half_tokens_from_spread(n, i, slowest / fastest)
                 if h is not None:
-                    old = cm.half_tokens_bwd if backward else cm.half_tokens
-                    a = self._alpha(name)
-                    updates[name] = (1 - a) * old + a * h
+                    updates[name] = self._fold(name, cm.half_tokens_bwd if backward else cm.half_tokens, h)
         return {"term": key, "predicted_s": pred, "measured_s": fastest,
                 "ratio": fastest / pred if pred > 0 else float("nan")}
 
@@ -728,8 +731,7 @@ class Calibrator:
         rows = []
         if total_s is not None and total_s > 0:  # the runtime's work outside every measured term: additive seconds
             resid = call_residual(measured, total_s)
-            a = self._alpha("call_overhead_s")
-            updates["call_overhead_s"] = (1 - a) * p.call_overhead_s + a * resid
+            updates["call_overhead_s"] = self._fold("call_overhead_s", p.call_overhead_s, resid)
             rows.append({"term": "call_overhead_s", "predicted_s": pred.get("call_overhead_s", 0.0),
                          "measured_s": resid, "ratio": float(resid / pred["call_overhead_s"])
                          if pred.get("call_overhead_s") else float("nan")})
@@ -741,8 +743,7 @@ class Calibrator:
                 whole = pred.get("plan_s", 0.0) + predicted.engine_s
                 planned_beyond = predicted.engine_s - p.engine_overhead_s
                 own = max(0.0, float(value) - pred.get("plan_s", 0.0) - planned_beyond)
-                a = self._alpha("engine_overhead_s")
-                updates["engine_overhead_s"] = (1 - a) * p.engine_overhead_s + a * own
+                updates["engine_overhead_s"] = self._fold("engine_overhead_s", p.engine_overhead_s, own)
                 rows.append({"term": key, "predicted_s": whole, "measured_s": float(value),
                              "ratio": float(value / whole) if whole > 0 else float("nan")})
                 continue

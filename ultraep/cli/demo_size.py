@@ -98,7 +98,7 @@ class DemoSize:
 
     tokens: int  #: tokens per rank per step
     steps: int  #: steps per run
-    band_steps: int | None  #: steps of the fp32 band's run (None: no band run, or ``steps``)
+    band_steps: int | None  #: steps of the fp32 band's run (None: no band run; ``steps`` when it runs full length)
     step_s: float  #: predicted step time of the unbalanced run
     expert_share: float  #: predicted share of that step spent in expert compute (busiest rank)
     scaling_share: float  #: predicted share of that step that grows with the tokens
@@ -135,9 +135,10 @@ def choose_size(gflops: float, *, runs: int, seq: int, max_tokens: int, default_
     """Tokens per rank (a multiple of ``seq``, at most ``max_tokens``) and steps (at most ``default_steps``, at
     least :data:`MIN_STEPS`) for a machine whose expert GEMM runs at ``gflops`` on one thread (Step 2).
 
-    The largest tokens whose demo fits ``budget_s`` at ``default_steps``; where none fits, the smallest tokens
-    whose step is still >= :data:`MIN_SCALING_SHARE` work that grows with the tokens, with the steps that fit (never below
-    ``min_steps``: a machine too slow for even that gets the smallest demo, and the prediction says so).
+    Among the sizes whose step is still >= :data:`MIN_SCALING_SHARE` work that grows with the tokens, largest
+    first: the first whose demo fits ``budget_s`` at ``default_steps``; with ``band``, else with the band's run cut
+    to :data:`BAND_MIN_STEPS`, else with that and the most steps that fit (never below ``min_steps``). A machine too
+    slow for even the smallest such size gets it with the fewest steps, and the prediction says so.
     ``min_steps = default_steps`` holds the steps (``--steps`` given) and sizes the tokens only. ``band``: the last
     of the ``runs`` is the fp32 band's run, which may be cut to :data:`BAND_MIN_STEPS` before anything else is."""
     if seq <= 0 or max_tokens < seq or default_steps < 1:

@@ -66,9 +66,8 @@ def compute_spread(meas_RK: np.ndarray) -> dict[str, float]:
     """What the engine learns an expert instance's cost beyond its tokens from, seconds: the least busy rank's expert
     compute, forward and (when measured) backward, next to the slowest rank's (``CostParams.half_tokens``), and
     the replicas' forward compute summed over the ranks (``CostParams.replica_instance_s``)."""
-    col = RANK_PHASES.index
-    out = {"compute_fwd_fastest_s": float(meas_RK[:, 0].min()),
-           "replica_compute_s": float(meas_RK[:, col("replica_compute_s")].sum())}
-    if meas_RK[:, 1].max() > 0:
-        out["compute_bwd_fastest_s"] = float(meas_RK[:, 1].min())
+    fwd, bwd, rep = (meas_RK[:, RANK_PHASES.index(k)] for k in ("compute_fwd_s", "compute_bwd_s", "replica_compute_s"))
+    out = {"compute_fwd_fastest_s": float(fwd.min()), "replica_compute_s": float(rep.sum())}
+    if bwd.max() > 0:
+        out["compute_bwd_fastest_s"] = float(bwd.min())
     return out
