@@ -1,7 +1,8 @@
 """The local launcher: run a function on N ranks of a fresh process group on this machine.
 
 ``launch(fn, world_size, *args)`` forks ``world_size`` processes (fork start: ~0.1 s, versus 6-11 s for
-spawn), initialises ``torch.distributed`` on a free loopback port (gloo on CPU; NCCL with one GPU per rank
+spawn; spawn only where fork cannot work: NCCL ranks from a process that has already used CUDA, since a forked
+child cannot re-initialise CUDA), initialises ``torch.distributed`` on a free loopback port (gloo on CPU; NCCL with one GPU per rank
 when CUDA is available and ``backend="auto"``), runs ``fn(rank, world_size, *args)`` in each and returns
 the per-rank results in rank order. An exception on any rank is raised in the caller with that rank's
 traceback; a rank that dies (killed, crashed) is reported instead of hanging the caller. With
@@ -51,14 +52,27 @@ def _entry(rank, world, port, backend, threads, fn, args, results, timeout_s):
             pass
 
 
+def start_method(backend: str) -> str:
+    """``fork`` unless this process has used CUDA and the ranks need it (NCCL): a forked child of a process with a
+    CUDA context fails at its first CUDA call ("Cannot re-initialize CUDA in forked subprocess"). Then ``spawn``,
+    which needs ``fn`` and its arguments to be picklable (module-level functions)."""
+    if backend != "nccl":
+        return "fork"
+    import torch
+
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
 def launch(fn, world_size: int, *args, backend: str = "auto", threads_per_rank: int = 1,
-           timeout_s: float = 600.0):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return the results by rank."""
+           timeout_s: float = 600.0, method: str | None = None):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return the results by rank.
+
+    ``method`` is the start method (``fork`` or ``spawn``); None picks it with :func:`start_method`."""
     if backend == "auto":
         import torch
 
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(method or start_method(backend))
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, threads_per_rank, fn, args, results,

@@ -45,10 +45,16 @@ def check_same_plan(plan, group, where: str) -> None:
                                   f"(digests {[d.decode() for d in digests]}); refusing to exchange tokens")
 
 
+def collective_device(group=None) -> torch.device | None:
+    """Where a tensor must live for a collective on ``group``: the current CUDA device on NCCL (which has no CPU
+    path: "No backend type associated with device type cpu"), None (stay on the CPU) otherwise."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+
+
 def all_gather_bytes(payload: bytes, group=None) -> list[bytes]:
     """All-gather a short byte string (e.g. a plan digest) from every rank."""
     R = dist.get_world_size(group)
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    dev = collective_device(group)
     t = torch.zeros(64, dtype=torch.uint8)
     data = payload[:63]
     t[0] = len(data)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ultraep.errors import DistributedError, UltraEPError
+from ultraep.runtime.comm import collective_device
 
 #: relative difference of a parameter's checksum across ranks above which it is "not replicated": identical
 #: parameters differ at most by the summation order of two float64 sums (~1e-16); one optimizer step on
@@ -203,11 +204,11 @@ def check_replicated(model: nn.Module, masters: set[int], group, step: int) -> N
     """Raise :class:`ParameterDivergenceError` on every rank when a replicated parameter differs across ranks
     (checksums compared with one all-gather of ``[P, 3]`` float64). Collective: every rank calls it."""
     params = replicated_params(model, masters)
-    mine = _checksums(params)
+    mine = _checksums(params).to(collective_device(group))  # NCCL gathers only CUDA tensors
     R = dist.get_world_size(group)
     everyone = [torch.empty_like(mine) for _ in range(R)]
     dist.all_gather(everyone, mine, group=group)
-    table = torch.stack(everyone)  # [R, P, 3]
+    table = torch.stack(everyone).cpu()  # [R, P, 3]
     if table.shape[1] == 0:
         return
     if not torch.equal(table[:, :, 2], table[:1, :, 2].expand_as(table[:, :, 2])):
