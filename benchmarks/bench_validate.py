@@ -29,6 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -39,34 +41,53 @@ WHAT = "validate_sim_vs_runtime"
 MEASURED_POLICIES = [p for p in POLICIES if p[0] != "force-balanced"]
 
 
+def per_layer_median(step, layer, seconds, skip_steps: int, skip: set[int]) -> float:
+    """The statistic both sides of the table use: per layer the median over its calls (the steps below ``skip_steps``
+    and those in ``skip`` left out), averaged over the layers. A median resists the odd call a shared machine slows
+    2x; taking it per layer keeps a model whose layers differ (the demo's two) from landing between them."""
+    step, layer, seconds = (np.asarray(x) for x in (step, layer, seconds))
+    keep = (step >= skip_steps) & ~np.isin(step, sorted(skip))
+    meds = [float(np.median(seconds[keep & (layer == lay)])) for lay in np.unique(layer[keep])]
+    return float(np.mean(meds)) if meds else float("nan")
+
+
+def warmup_steps(con, run_id: str) -> set[int]:
+    """The steps the run marked as warm-up (none for a benchmark that skips its own first steps)."""
+    return {int(r[0]) for r in con.execute("SELECT step FROM warmup_steps WHERE run_id = ?", [run_id]).fetchall()}
+
+
 def predict(run_dir: Path, policies, skip_steps: int = 1) -> dict[str, float]:
     """Predicted seconds per layer call of ``policies`` on the recorded run ``run_dir``'s routing and cost model (what
-    ``ultraep simulate RUN --topology from-run`` prints), the first ``skip_steps`` steps (warm-up) left out as in the
-    measurement."""
+    ``ultraep simulate RUN --topology from-run`` prints), over the calls the measurement keeps (the first
+    ``skip_steps`` steps and the run's warm-up steps left out), with the measurement's statistic
+    (:func:`per_layer_median`)."""
     from ultraep.sim import simulate
     from ultraep.sim.from_run import recorded_cost_model
+    from ultraep.telemetry import open_run
     from ultraep.traces import load_trace
 
     trace = load_trace(run_dir, "recorded-run")
-    cm = recorded_cost_model(run_dir, trace.meta.extra["run_id"])
+    run_id = trace.meta.extra["run_id"]
+    cm = recorded_cost_model(run_dir, run_id)
+    con = open_run(run_dir)
+    skip = warmup_steps(con, run_id)
+    con.close()
     res = simulate(trace, cm, policies, max_plans=None)
-    out = {}
-    for p in policies:
-        r = res.rows[p]
-        keep = r["step"] >= skip_steps
-        out[p] = float(r["time_s"][keep].mean())
-    return out
+    return {p: per_layer_median(res.rows[p]["step"], res.rows[p]["layer"], res.rows[p]["time_s"], skip_steps, skip)
+            for p in policies}
 
 
 def measured_layer_time(con, run_id: str, skip_steps: int = 0) -> float:
-    """Median over the recorded layer calls (the run's warm-up steps and its first ``skip_steps`` steps left out) of
-    the slowest rank's measured layer time: what the runtime measured of the one layer the model predicts (the
-    benchmark's own wall clock also holds the loss and its backward, 11-15 ms at the default shape)."""
-    v = con.execute(
-        "WITH c AS (SELECT step, microbatch, layer, max(measured_s) AS m FROM timings WHERE run_id = ? AND "
-        "measured_s IS NOT NULL AND step >= ? AND step NOT IN (SELECT step FROM warmup_steps WHERE run_id = ?) "
-        "GROUP BY ALL) SELECT median(m) FROM c", [run_id, skip_steps, run_id]).fetchone()[0]
-    return float("nan") if v is None else float(v)
+    """The slowest rank's measured layer time per call (what the runtime measured of the layers the model predicts;
+    the benchmark's own wall clock also holds the loss and its backward, 11-15 ms at the default shape), reduced
+    like the prediction (:func:`per_layer_median`: the run's warm-up steps and its first ``skip_steps`` left out)."""
+    rows = con.execute(
+        "SELECT step, layer, max(measured_s) FROM timings WHERE run_id = ? AND measured_s IS NOT NULL "
+        "GROUP BY step, microbatch, layer ORDER BY ALL", [run_id]).fetchall()
+    if not rows:
+        return float("nan")
+    step, layer, m = zip(*rows)
+    return per_layer_median(step, layer, m, skip_steps, warmup_steps(con, run_id))
 
 
 def adaptive_ran(con, run_id: str, skip_steps: int = 0) -> dict[str, int]:
@@ -114,12 +135,18 @@ def _shape_rows(shape, args, runs_dir: Path) -> tuple[list, dict]:
 
 
 def _demo_rows(args, runs_dir: Path) -> tuple[list, dict]:
-    from ultraep.telemetry import open_run
-
     cmd = [sys.executable, "-m", "ultraep.cli", "demo", "--out", str(runs_dir)] + (["--quick"] if args.quick_demo else [])
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"ultraep demo failed ({done.returncode}): {done.stderr[-2000:]}")
+    return demo_rows(runs_dir)
+
+
+def demo_rows(runs_dir: Path) -> tuple[list, dict]:
+    """The validation rows of a recorded ``ultraep demo --out runs_dir`` (its none and balanced runs; the balanced
+    run's learned model predicts both), and what adaptive ran."""
+    from ultraep.telemetry import open_run
+
     con = open_run(runs_dir)
     ids = [r[0] for r in con.execute("SELECT DISTINCT run_id FROM runs ORDER BY 1").fetchall()]
     by = {i.rsplit("-", 1)[-1]: i for i in ids}
@@ -199,9 +226,13 @@ def main() -> None:
         if not args.from_dir.is_dir():
             sys.exit(f"--from: {str(args.from_dir)!r} is not a directory")
         shapes = [s for s in args.shapes.split(",") if s and (args.from_dir / s).is_dir()]
-        if not shapes:
-            sys.exit(f"--from: {str(args.from_dir)!r} holds none of the shapes {args.shapes!r}")
+        demo = args.demo and (args.from_dir / "demo").is_dir()
+        if not shapes and not demo:
+            sys.exit(f"--from: {str(args.from_dir)!r} holds none of the shapes {args.shapes!r}"
+                     + (" and no demo" if args.demo else ""))
         sources = [(s, *recorded_rows(args.from_dir / s, s, names, args.calibrate_on, args.warmup)) for s in shapes]
+        if demo:
+            sources.append(("demo", *demo_rows(args.from_dir / "demo")))
         print_tables(sources, f"simulator (from-run, calibrated on each shape's {args.calibrate_on} run) vs the "
                      f"runtime: re-predicted recordings in {args.from_dir}")
         return

@@ -265,6 +265,48 @@ def test_a_weight_flight_hidden_behind_the_compute_only_lowers_its_scale():
 
 
 
+def test_a_flight_complete_at_its_post_lowers_the_scale_until_the_copy_is_hidden():
+    """A flight of 0 s: the copies were complete when posted, nothing was waited for; a prediction that exposes part
+    of the copy has too large a scale. One that exposes none learns nothing from it."""
+    import dataclasses
+
+    cm = _cm()
+    bd = dataclasses.replace(cm.ideal(_uniform(64, 128, 65536)), weight_sync_s=0.010, sync_exposed_s=0.006)
+    cal = Calibrator(cm, alpha=0.5)
+    cal.observe(bd, {"a2a_fwd_s": 0.002, "compute_fwd_s": 0.003, "weight_sync_s": 0.0})
+    assert cal.params.weight_sync_scale == pytest.approx(0.4)  # 4 ms of 10 were hidden; first observation: weight 1
+    cal.observe(dataclasses.replace(bd, sync_exposed_s=0.0), {"a2a_fwd_s": 0.002, "compute_fwd_s": 0.003,
+                                                              "weight_sync_s": 0.0})
+    assert cal.params.weight_sync_scale == pytest.approx(0.4)  # hidden already: nothing to learn
+    cal.observe(dataclasses.replace(bd, weight_sync_s=0.0), {"weight_sync_s": 0.0})  # no copy predicted: nothing
+    assert cal.params.weight_sync_scale == pytest.approx(0.4)
+
+def test_the_exposed_wait_bounds_the_exposure_and_a_blocked_wait_measures_the_flight():
+    """The runtime's wait for the replica weights is what the critical path paid: a model exposing more than that has
+    too large a scale (lowered to expose the wait); a flight the runtime blocked on is a measurement (it may rise);
+    one it did not block on is an upper bound."""
+    import dataclasses
+
+    cm = _cm()
+    bd = dataclasses.replace(cm.ideal(_uniform(64, 128, 65536)), weight_sync_s=0.010, sync_exposed_s=0.006)
+    seen = {"a2a_fwd_s": 0.002, "compute_fwd_s": 0.003}
+    cal = Calibrator(cm, alpha=1.0)
+    cal.observe(bd, {**seen, "weight_sync_s": 0.020, "weight_wait_s": 0.0005})  # waited 0.5 ms, not 6
+    assert cal.params.weight_sync_scale == pytest.approx((0.010 - 0.006 + 0.0005) / 0.010)
+    cal = Calibrator(cm, alpha=1.0)
+    rows = cal.observe(dataclasses.replace(bd, sync_exposed_s=0.0), {**seen, "weight_sync_s": 0.020,
+                                                                     "weight_wait_s": 0.008})  # blocked 8 ms
+    assert cal.params.weight_sync_scale == pytest.approx(2.0)
+    assert {"term": "weight_wait_s", "predicted_s": 0.0, "measured_s": 0.008} in [
+        {k: r[k] for k in ("term", "predicted_s", "measured_s")} for r in rows]
+    cal = Calibrator(cm, alpha=1.0)
+    cal.observe(dataclasses.replace(bd, sync_exposed_s=0.0), {**seen, "weight_sync_s": 0.020,
+                                                              "weight_wait_s": 0.0001})  # not blocked: a bound
+    assert cal.params.weight_sync_scale == 1.0
+    cal.observe(dataclasses.replace(bd, sync_exposed_s=0.0), {**seen, "weight_sync_s": 0.004,
+                                                              "weight_wait_s": 0.0})  # a bound below: lowers
+    assert cal.params.weight_sync_scale == pytest.approx(0.4)
+
 def test_an_instance_costs_its_half_tokens_forward_and_backward():
     """Every active instance costs ``half_tokens`` tokens of work beyond its rows in the forward, and
     ``backward_half_tokens`` in the backward (weight gradients written per instance); unset, the hardware's figure."""

@@ -63,15 +63,15 @@ def _calibration_reaches_decisions(rank, world):
     # Controlled measurements (this machine's own would make the test depend on its speed): phase A says
     # expert compute dominates (1 s forward, 2 s backward) and copies cost nothing: balancing pays.
     # RANK_PHASES: compute fwd, compute bwd, dispatch, combine, combine bwd, dispatch bwd, weight sync, copies,
-    # plan, total, replicas' compute
-    compute_bound = np.array([1.0, 2.0, 5e-4, 5e-4, 5e-4, 5e-4, 0.0, 0.0, 1e-4, 3.0, 0.0])
+    # plan, total, replicas' compute, replica weights' wait
+    compute_bound = np.array([1.0, 2.0, 5e-4, 5e-4, 5e-4, 5e-4, 0.0, 0.0, 1e-4, 3.0, 0.0, 0.0])
     ep.rank_phases = lambda t: compute_bound.copy()
     for _ in range(3):
         _call(holder, rt, inputs)
     before = [h[2] for h in rt.history]
-    # phase B: the replica weights take 50 s to arrive (and the layer time says so)
+    # phase B: the replica weights take 50 s to arrive (the layer time and the wait for them say so)
     slow = compute_bound.copy()
-    slow[6], slow[9] = 50.0, 53.0
+    slow[6], slow[9], slow[11] = 50.0, 53.0, 49.0
     ep.rank_phases = lambda t: slow.copy() if (t.weight_sync_flight_s or 0.0) > 0 else compute_bound.copy()
     for _ in range(3):
         _call(holder, rt, inputs)

@@ -75,7 +75,7 @@ def test_call_timings_record_keys_follow_what_the_call_ran():
 
 def test_load_header_round_trips():
     E = 5
-    phases = np.array([1.5, 2.0, 1e-4, 2e-4, 0.0, 3e-9, 0.25, 0.0, 1e-3, 4.0, 0.5])
+    phases = np.array([1.5, 2.0, 1e-4, 2e-4, 0.0, 3e-9, 0.25, 0.0, 1e-3, 4.0, 0.5, 2e-5])
     headers = [LoadHeader(phases_s=phases, master_epoch=7, cache_free=True),
                LoadHeader(phases_s=None, master_epoch=3, cache_free=False)]
     for h in headers:
@@ -97,15 +97,19 @@ def test_load_header_round_trips():
 
 def test_the_engine_also_hears_the_least_busy_rank_and_the_replicas():
     """Beside the slowest rank's terms, the least busy rank's compute (forward, backward) and every rank's replica
-    compute reach the calibrator: what an instance and a replica cost beyond their tokens is learned from them."""
-    from ultraep.runtime.phases import compute_spread
+    compute reach the calibrator, and the replica weights' exposed wait; every rank's compute goes to the fit."""
+    from ultraep.runtime.phases import compute_spread, rank_compute
 
     meas = np.zeros((2, len(RANK_PHASES)))
     col = RANK_PHASES.index
     meas[:, col("compute_fwd_s")] = [0.6, 0.2]
     meas[:, col("compute_bwd_s")] = [1.3, 0.5]
     meas[:, col("replica_compute_s")] = [0.0, 0.05]
+    meas[:, col("weight_wait_s")] = [0.0, 0.003]
     assert compute_spread(meas) == pytest.approx({"compute_fwd_fastest_s": 0.2, "compute_bwd_fastest_s": 0.5,
-                                                  "replica_compute_s": 0.05})
+                                                  "replica_compute_s": 0.05, "weight_wait_s": 0.003})
+    assert {k: v.tolist() for k, v in rank_compute(meas).items()} == {"compute_fwd_s": [0.6, 0.2],
+                                                                      "compute_bwd_s": [1.3, 0.5]}
     meas[:, col("compute_bwd_s")] = 0.0  # serving: no backward measured
     assert "compute_bwd_fastest_s" not in compute_spread(meas)
+    assert list(rank_compute(meas)) == ["compute_fwd_s"]

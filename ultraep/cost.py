@@ -44,6 +44,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from ultraep.compute_fit import ComputeFit
 from ultraep.plan import ExpertDomains, Plan, Transfers
 from ultraep.presets import PRESETS, ExpertSpec, HardwareSpec
 from ultraep.topology import Topology
@@ -131,6 +132,16 @@ class CostParams(BaseModel):
         "per-replica work; the backward factor applies to it too). 0: replicas compute like masters. Calibrated from "
         "the replicas' measured compute.",
     )
+    corun_slowdown: float = Field(
+        default=0.0, ge=0,
+        description="Ranks that share one host's cores and memory slow each other while they compute: a rank computes "
+        "1 + this x (the other ranks computing) times slower, so the busiest rank takes its own compute plus this "
+        "fraction of the other ranks' (CostModel.busiest_compute_s). 0: each rank has its own device. Calibrated "
+        "from every rank's compute when the ranks share a host.",
+    )
+    backward_corun_slowdown: float | None = Field(
+        default=None, ge=0, description="The same in the backward. None: corun_slowdown.",
+    )
     a2a_shared_medium: bool = Field(
         default=False,
         description="Every rank's all-to-all bytes cross one shared medium (gloo ranks on one host: its loopback and "
@@ -183,15 +194,21 @@ class CostBreakdown:
     #: ``[R]`` active expert instances per rank: with ``rank_tokens_R``, what the calibrator learns the per-instance
     #: cost (``half_tokens``) from
     instances_R: np.ndarray | None = field(default=None, repr=False, compare=False)
+    #: ``[R]`` of those instances that are replicas
+    replicas_R: np.ndarray | None = field(default=None, repr=False, compare=False)
+    #: the predicting model's seconds per token before ``compute_scale`` (the layer's expert geometry): the unit in
+    #: which :class:`~ultraep.compute_fit.ComputeFit` fits every rank's measured compute
+    sec_per_token: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
-        """JSON-ready floats (the per-rank array left out)."""
+        """JSON-ready floats: the terms (the per-rank arrays and the model's unit left out)."""
         # (fields() and getattr, not asdict(): asdict deep-copies every value, 0.1 ms per call on the runtime's
         # path, where the calibrator reads every layer call's prediction)
         return {n: float(getattr(self, n)) for n in _BREAKDOWN_FLOATS}
 
 
-_BREAKDOWN_FLOATS = tuple(f.name for f in fields(CostBreakdown) if f.name not in ("rank_tokens_R", "instances_R"))
+_BREAKDOWN_FLOATS = tuple(f.name for f in fields(CostBreakdown)
+                          if f.name not in ("rank_tokens_R", "instances_R", "replicas_R", "sec_per_token"))
 
 
 class CostModel:
@@ -307,6 +324,18 @@ class CostModel:
         if replicas_R is not None and self.params.replica_instance_s > 0:
             t = t + self.params.replica_instance_s * np.asarray(replicas_R, dtype=np.float64)
         return t
+
+    def busiest_compute_s(self, t_R: np.ndarray, backward: bool = False) -> float:
+        """The busiest rank's compute seconds from every rank's own ``t_R`` (``[R]``, as alone): with ranks slowing
+        each other by ``k`` per rank computing beside them (``corun_slowdown``), the rank with the least work finishes
+        at ``(1 + k (R - 1)) t_min``, the next at that plus ``(1 + k (R - 2))`` times its remaining work, and so on:
+        the busiest at ``max + k (sum - max)``."""
+        if t_R.size == 0:
+            return 0.0
+        p = self.params
+        k = p.corun_slowdown if not backward or p.backward_corun_slowdown is None else p.backward_corun_slowdown
+        top = float(t_R.max())
+        return top + k * (float(t_R.sum()) - top) if k > 0 else top
 
     def dispatch_time(self, tr: Traffic) -> float:
         """One direction of the token all-to-all: the slowest link level (levels run concurrently); over a shared
@@ -481,7 +510,7 @@ class CostModel:
                   copy_s: float = 0.0) -> CostBreakdown:
         p = self.params
         comp_R = self.compute_time_R(tr.tokens_R, tr.instances_R, replicas_R=tr.replica_instances_R)
-        compute = float(comp_R.max()) if comp_R.size else 0.0
+        compute = self.busiest_compute_s(comp_R)
         a2a = 2.0 * self.dispatch_time(tr)
         # Pre-dispatch critical path: planning, then replica weights (dispatch waits for them).
         if overlap_static and tr.static_tokens_R is not None:
@@ -507,9 +536,10 @@ class CostModel:
         fwd = (engine_s + plan_exposed + sync_exposed + a2a + compute + ag_exposed + p.non_moe_fwd_s + copy_s
                + p.call_overhead_s)
         if p.mode == "training":
-            comp_b = p.backward_compute_factor * (compute if self.half_tokens_bwd == self.half_tokens else float(
-                self.compute_time_R(tr.tokens_R, tr.instances_R, backward=True,
-                                    replicas_R=tr.replica_instances_R).max(initial=0.0)))
+            same = self.half_tokens_bwd == self.half_tokens and p.backward_corun_slowdown in (None, p.corun_slowdown)
+            comp_b = p.backward_compute_factor * (compute if same else self.busiest_compute_s(
+                self.compute_time_R(tr.tokens_R, tr.instances_R, backward=True, replicas_R=tr.replica_instances_R),
+                backward=True))
             a2a_b = p.backward_a2a_factor * a2a
             restore = max(0.0, wsync - p.non_moe_bwd_s) if (p.restore_in_backward and wsync > 0) else 0.0
             window = comp_b + p.non_moe_bwd_s
@@ -533,6 +563,8 @@ class CostModel:
             token_straggler=float(tokens.max() - mean) if tokens.size else 0.0,
             imbalance=float(tokens.max() / mean) if mean > 0 else 1.0,
             rank_tokens_R=tokens, instances_R=np.asarray(tr.instances_R, dtype=np.float64),
+            replicas_R=None if tr.replica_instances_R is None else np.asarray(tr.replica_instances_R, dtype=np.float64),
+            sec_per_token=self.sec_per_token,
             replica_tokens=float(np.sum(tr.replica_tokens_R)) if tr.replica_tokens_R is not None else 0.0,
             replica_instances=float(np.sum(tr.replica_instances_R)) if tr.replica_instances_R is not None else 0.0,
         )
@@ -652,8 +684,8 @@ class Calibrator:
     ``plan_s`` of a call whose plan carries an engine cost (``engine_s > 0``: an adaptive decision) minus the
     planner figures the model already charges it; such a call leaves ``plan_scale`` to the fixed plans.
 
-    ``weight_sync_s`` is an upper bound when it ended inside the forward's all-to-all and compute (the runtime sees a
-    transfer complete only when it waits for it): such an observation only ever lowers ``weight_sync_scale``.
+    ``weight_sync_s`` (the flight) is an upper bound unless the runtime blocked on it, and ``weight_wait_s`` (the
+    exposed wait) bounds the exposure the model may predict: see :meth:`_weight_sync_target`.
 
     Args:
         model: the cost model whose params are calibrated (a new model is kept in :attr:`model`).
@@ -672,6 +704,8 @@ class Calibrator:
         self.recorder = recorder
         self.history: list[dict[str, Any]] = []
         self._n: dict[str, int] = {}  # observations per scale: the first ones weigh 1/n (a running mean)
+        # every rank's compute, forward and backward, fitted over the calls (ultraep.compute_fit)
+        self.fits = {"compute_fwd_s": ComputeFit(), "compute_bwd_s": ComputeFit()}
 
     def _alpha(self, name: str) -> float:
         n = self._n.get(name, 0)
@@ -701,6 +735,41 @@ class Calibrator:
         return {"term": "replica_compute_s", "predicted_s": pred, "measured_s": measured,
                 "ratio": measured / pred if pred > 0 else float("nan")}
 
+    def _weight_sync_target(self, predicted: CostBreakdown, measured: dict[str, float], flight: float) -> float | None:
+        """The ``weight_sync_scale`` one call's replica weights point to, or None when it says nothing.
+
+        The runtime's flight is post -> first seen complete, and it looks when it waits: after the dispatch and the
+        masters. Its exposed wait (``weight_wait_s``, when measured) is what the critical path paid.
+
+        - The model exposes more than the runtime waited: the copy hid more than the model's window lets it. The
+          scale drops to the one whose exposure is the measured wait; it never rises this way. (A flight of 0, the
+          copies complete when posted as on gloo, says the same: nothing was waited for.) Without this the scale the
+          flights taught exposed 12-15 ms per call that the runtime never waited (quota, 64 tokens per rank,
+          2026-11-26: +6 to +13 % on its layer time).
+        - The runtime blocked (its wait is over 5 % of the flight): the flight ended when the wait did, a measurement.
+        - It did not block, or no wait is known and the flight ended inside the forward's all-to-all and compute: an
+          upper bound, which may lower the scale, never raise it (a quiet gloo run once fitted 12x to such flights,
+          predicting 8 ms of exposed wait where the runtime waited 0.1 ms)."""
+        old = self.model.params.weight_sync_scale
+        pv = predicted.weight_sync_s
+        if pv <= 0:
+            return None
+        wait = measured.get("weight_wait_s")
+        if wait is None and flight <= 0:
+            wait = 0.0
+        if wait is not None and predicted.sync_exposed_s > wait:
+            hidden = (pv - predicted.sync_exposed_s + wait) / pv
+            return old * hidden if hidden > 0 else None
+        if flight <= 0:
+            return None
+        if wait is not None:
+            blocked = wait > 0.05 * flight
+        else:
+            blocked = flight > measured.get("a2a_fwd_s", 0.0) + measured.get("compute_fwd_s", 0.0)
+        if not blocked and flight >= pv:
+            return None  # an upper bound above the prediction: nothing learned
+        return old * flight / pv
+
     def _half_tokens(self, predicted: CostBreakdown, measured: dict[str, float], key: str, fastest: float,
                      updates: dict[str, float]) -> dict[str, Any]:
         """``half_tokens`` (or ``backward_half_tokens``) from the slowest and the fastest rank of a call whose ranks
@@ -721,10 +790,36 @@ class Calibrator:
         return {"term": key, "predicted_s": pred, "measured_s": fastest,
                 "ratio": fastest / pred if pred > 0 else float("nan")}
 
+    def _fit_compute(self, predicted: CostBreakdown, rank_compute_s: dict[str, np.ndarray]) -> dict[str, float]:
+        """Fold every rank's measured compute into the fits; once the forward's is solved, the compute parameters it
+        and the backward's give (``compute_scale``, ``half_tokens``, ``replica_instance_s``, ``corun_slowdown`` and
+        their backward counterparts) replace what the call-level ratios learned. {} while the fits lack calls."""
+        n, i = predicted.rank_tokens_R, predicted.instances_R
+        if n is None or i is None or predicted.sec_per_token <= 0:
+            return {}
+        rep = predicted.replicas_R if predicted.replicas_R is not None else np.zeros_like(n)
+        for key, t_R in rank_compute_s.items():
+            if key in self.fits and t_R is not None and len(t_R) == len(n):
+                self.fits[key].add(n, i, rep, t_R, predicted.sec_per_token)
+        fwd = self.fits["compute_fwd_s"].solve()
+        if fwd is None:
+            return {}
+        out = {"compute_scale": fwd.a, "half_tokens": fwd.b / fwd.a, "replica_instance_s": fwd.d,
+               "corun_slowdown": fwd.k}
+        bwd = self.fits["compute_bwd_s"].solve()
+        if bwd is not None:  # (the replicas' backward extra stays the forward's times the factor)
+            out.update(backward_compute_factor=bwd.a / fwd.a, backward_half_tokens=bwd.b / bwd.a,
+                       backward_corun_slowdown=bwd.k)
+        return out
+
     def observe(self, predicted: CostBreakdown, measured: dict[str, float], *, step: int = 0, microbatch: int = 0,
-                layer: int = 0, total_s: float | None = None) -> list[dict[str, Any]]:
+                layer: int = 0, total_s: float | None = None,
+                rank_compute_s: dict[str, np.ndarray] | None = None) -> list[dict[str, Any]]:
         """Fold one layer's measured timings in; return the rows ``term, predicted_s, measured_s, ratio``.
-        ``total_s``: the call's measured layer time, which calibrates ``call_overhead_s`` (see :func:`call_residual`)."""
+        ``total_s``: the call's measured layer time, which calibrates ``call_overhead_s`` (see :func:`call_residual`).
+        ``rank_compute_s``: every rank's measured expert compute, ``{"compute_fwd_s": [R], "compute_bwd_s": [R]}``
+        (the runtime's); with it the compute parameters come from the fit over every rank of every call
+        (:mod:`ultraep.compute_fit`), not from the slowest and the least busy rank of this one."""
         p = self.model.params
         pred = predicted.as_dict()
         updates: dict[str, float] = {}
@@ -746,6 +841,11 @@ class Calibrator:
                 updates["engine_overhead_s"] = self._fold("engine_overhead_s", p.engine_overhead_s, own)
                 rows.append({"term": key, "predicted_s": whole, "measured_s": float(value),
                              "ratio": float(value / whole) if whole > 0 else float("nan")})
+                continue
+            if key == "weight_wait_s":  # the replica weights' exposed wait: next to the exposure the model predicts
+                rows.append({"term": key, "predicted_s": predicted.sync_exposed_s, "measured_s": float(value),
+                             "ratio": float(value / predicted.sync_exposed_s) if predicted.sync_exposed_s > 0
+                             else float("nan")})
                 continue
             if key == "replica_compute_s":  # every rank's replicas: what a replica costs beyond its tokens
                 rows.append(self._replica_instance(predicted, float(value), updates))
@@ -774,18 +874,20 @@ class Calibrator:
                 continue
             rows.append({"term": key, "predicted_s": pv, "measured_s": float(value),
                          "ratio": float(value / pv) if pv > 0 else float("nan")})
-            if pv <= 0 or value <= 0:
+            if key == "weight_sync_s":
+                target = self._weight_sync_target(predicted, measured, float(value))
+                if target is not None:
+                    a = self._alpha(scale_name)
+                    updates[scale_name] = math.exp((1 - a) * math.log(p.weight_sync_scale) + a * math.log(target))
                 continue
-            if key == "weight_sync_s" and pv <= value <= measured.get("a2a_fwd_s", 0.0) + measured.get("compute_fwd_s", 0.0):
-                # censored: the runtime sees a transfer complete only when it waits for it (post -> first seen
-                # complete), after the dispatch and the masters. A flight that ended inside that window says only
-                # that the transfer took at most so long: it may lower the scale, never raise it (a quiet gloo run
-                # fitted 12x to it, predicting 8 ms of exposed wait where the runtime waited 0.1 ms)
+            if pv <= 0 or value <= 0:
                 continue
             old = getattr(p, scale_name)
             unscaled = pv / old
             a = self._alpha(scale_name)
             updates[scale_name] = math.exp((1 - a) * math.log(old) + a * math.log(value / unscaled))
+        if rank_compute_s:
+            updates.update(self._fit_compute(predicted, rank_compute_s))
         if updates:
             self.model = self.model.with_params(p.model_copy(update=updates))
         self.history.extend({"step": step, "microbatch": microbatch, "layer": layer, **r} for r in rows)

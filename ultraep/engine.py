@@ -189,16 +189,18 @@ class Engine:
         self.policy_for(decision.layer).commit(decision.plan)
 
     def observe(self, step: int, microbatch: int, layer: int, measured: dict[str, float],
-                measured_total_s: float | None = None) -> list[dict]:
+                measured_total_s: float | None = None, *, rank_compute_s: dict | None = None) -> list[dict]:
         """Fold measured timings (keys like ``compute_fwd_s``, ``a2a_fwd_s``, ``weight_sync_s``) into the
         cost model; return (and record) the prediction next to each measurement. ``measured_total_s``: the
-        whole layer's measured time, which a policy that chooses among candidates keeps per candidate."""
+        whole layer's measured time, which a policy that chooses among candidates keeps per candidate.
+        ``rank_compute_s``: every rank's measured compute (``{"compute_fwd_s": [R], "compute_bwd_s": [R]}``), which
+        the compute parameters are fitted over (:meth:`~ultraep.cost.Calibrator.observe`)."""
         pending = self._pending.pop((step, microbatch, layer), None)
         if pending is None:
             return []
         bd, chosen = pending
         rows = self.calibrator.observe(bd, measured, step=step, microbatch=microbatch, layer=layer,
-                                       total_s=measured_total_s)
+                                       total_s=measured_total_s, rank_compute_s=rank_compute_s)
         self._models.clear()
         for lay, pol in self._policies.items():  # policies that predict use the calibrated model
             _refresh(pol, self.cost_model_for(lay))

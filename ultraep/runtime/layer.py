@@ -166,8 +166,9 @@ class BalancedExperts(nn.Module):
         t0 = clk.now()
         rt.enter_layer(self.layer)
         gathered, obs = self._gather_load(top_k_index)  # Step 1: load all-gather
+        self._calibrate(gathered, obs)  # (timed with the load step, not the planning: every policy pays it)
         t1 = clk.now()
-        decision, cached = self._decide(gathered, obs)  # Step 2: [plan-hash all-gather]
+        decision, cached = self._decide(gathered)  # Step 2: [plan-hash all-gather]
         t2 = clk.now()
         rt.event("planned", self.layer)
         needs_backward = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
@@ -213,17 +214,22 @@ class BalancedExperts(nn.Module):
                 f"ids above {E}: ids must be < num_experts = {E}, or {E} for a dropped slot", E)
         return gathered, obs
 
-    def _decide(self, gathered: GatheredLoad, obs):
-        """Step 2: calibrate from every rank's last measured call, plan from the load (identical on every rank:
-        the residency table is too) and commit; returns (decision, cached)."""
+    def _calibrate(self, gathered: GatheredLoad, obs) -> None:
+        """Step 1b: calibrate from every rank's last measured call (identical on every rank: all hold every rank's
+        phases)."""
+        meas_RK = gathered.phases_RK()
+        if obs is not None and meas_RK is not None:
+            measured, total = phases.reduce_phases(meas_RK)
+            measured.update(phases.compute_spread(meas_RK))
+            self.runtime.safe(self.runtime.engine.observe, obs[0], obs[1], self.layer, measured, total,
+                              rank_compute_s=phases.rank_compute(meas_RK))
+
+    def _decide(self, gathered: GatheredLoad):
+        """Step 2: plan from the load (identical on every rank: the residency table is too) and commit; returns
+        (decision, cached)."""
         rt, t = self.runtime, self.topology
         R, E = t.num_ranks, t.num_experts
         eng = rt.engine
-        meas_RK = gathered.phases_RK()
-        if obs is not None and meas_RK is not None:  # every rank measured the same call: calibrate identically
-            measured, total = phases.reduce_phases(meas_RK)
-            measured.update(phases.compute_spread(meas_RK))
-            rt.safe(eng.observe, obs[0], obs[1], self.layer, measured, total)
         epoch_R = gathered.epoch_R
         if self.deferred and not np.array_equal(epoch_R, self.deferred.epoch_R):
             ranks = [r for r in range(R) if epoch_R[r] != self.deferred.epoch_R[r]]

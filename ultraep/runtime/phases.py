@@ -11,7 +11,7 @@ Legend: R ranks, K = ``len(RANK_PHASES)``.
            :data:`~ultraep.timings.TERMS` — the slowest rank sets compute, copies, planning and the layer time;
            each all-to-all takes the *fastest* rank's time (the last to arrive waits for nobody, so its time is
            the exchange itself, not another rank's straggling) — and the engine calibrates from it, with the least
-           busy rank's compute and the replicas' (:func:`compute_spread`).
+           busy rank's compute and the replicas' (:func:`compute_spread`) and every rank's (:func:`rank_compute`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 
 #: what each rank measured of a layer's call: the cost model's terms, the all-to-alls as their four exchanges
 RANK_PHASES = ("compute_fwd_s", "compute_bwd_s", "dispatch_s", "combine_s", "combine_bwd_s", "dispatch_bwd_s",
-               "weight_sync_s", "copy_s", "plan_s", "total_s", "replica_compute_s")
+               "weight_sync_s", "copy_s", "plan_s", "total_s", "replica_compute_s", "weight_wait_s")
 #: the all-to-all terms and the exchanges each sums
 _A2A = {"a2a_fwd_s": ("dispatch_s", "combine_s"), "a2a_bwd_s": ("combine_bwd_s", "dispatch_bwd_s")}
 
@@ -45,6 +45,7 @@ def rank_phases(t: "CallTimings") -> np.ndarray:
         t.plan_s,
         t.measured_s,
         t.replica_compute_s,
+        z(t.weight_wait_s),
     ])
 
 
@@ -66,8 +67,20 @@ def compute_spread(meas_RK: np.ndarray) -> dict[str, float]:
     """What the engine learns an expert instance's cost beyond its tokens from, seconds: the least busy rank's expert
     compute, forward and (when measured) backward, next to the slowest rank's (``CostParams.half_tokens``), and
     the replicas' forward compute summed over the ranks (``CostParams.replica_instance_s``)."""
-    fwd, bwd, rep = (meas_RK[:, RANK_PHASES.index(k)] for k in ("compute_fwd_s", "compute_bwd_s", "replica_compute_s"))
-    out = {"compute_fwd_fastest_s": float(fwd.min()), "replica_compute_s": float(rep.sum())}
+    fwd, bwd, rep, wait = (meas_RK[:, RANK_PHASES.index(k)]
+                           for k in ("compute_fwd_s", "compute_bwd_s", "replica_compute_s", "weight_wait_s"))
+    out = {"compute_fwd_fastest_s": float(fwd.min()), "replica_compute_s": float(rep.sum()),
+           "weight_wait_s": float(wait.max())}
     if bwd.max() > 0:
         out["compute_bwd_fastest_s"] = float(bwd.min())
+    return out
+
+
+def rank_compute(meas_RK: np.ndarray) -> dict[str, np.ndarray]:
+    """Every rank's expert compute ``[R]``, forward and (when measured) backward: what the engine fits the compute
+    parameters over (:mod:`ultraep.compute_fit`)."""
+    out = {"compute_fwd_s": meas_RK[:, RANK_PHASES.index("compute_fwd_s")].astype(np.float64)}
+    bwd = meas_RK[:, RANK_PHASES.index("compute_bwd_s")].astype(np.float64)
+    if bwd.max() > 0:
+        out["compute_bwd_s"] = bwd
     return out

@@ -1,0 +1,108 @@
+"""The fit of every rank's expert compute (ultraep.compute_fit): it recovers what generated the measurements, takes
+no co-run slowdown that the calls cannot show, and sets the calibrated model's compute parameters."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ultraep.compute_fit import MIN_CALLS, SLOWDOWNS, ComputeFit, corun_matrices
+from ultraep.cost import Calibrator, CostModel, CostParams
+from ultraep.topology import Topology
+
+SPT = 1e-4  # model seconds per token
+
+
+def _finish(work_R, k):
+    A0, A1 = corun_matrices(work_R)
+    return (A0 + k * A1) @ work_R
+
+
+def _calls(rng, R, n_calls, balanced=False):
+    for _ in range(n_calls):
+        if balanced:
+            n, i, p = np.full(R, int(rng.integers(100, 2000))), np.full(R, int(rng.integers(2, 7))), np.zeros(R, int)
+        else:
+            n, i, p = rng.integers(50, 2000, R), rng.integers(2, 7, R), rng.integers(0, 3, R)
+        yield n, i, p
+
+
+def test_ranks_finish_one_after_another_slowed_by_those_still_computing():
+    w = np.array([3.0, 1.0, 2.0])
+    # the least busy computes beside 2 others (1 + 2k), the next beside 1 for its remaining work, the last alone
+    assert _finish(w, 0.5) == pytest.approx([2.0 + 1.5 + 1.0, 2.0, 2.0 + 1.5])
+    assert _finish(w, 0.0) == pytest.approx(w)
+    # the busiest rank: its own work plus k times the others' (what the cost model charges)
+    cm = CostModel(Topology(num_ranks=3, num_experts=6, num_redundant_slots=0)).with_params(
+        CostParams(corun_slowdown=0.5))
+    assert cm.busiest_compute_s(w) == pytest.approx(_finish(w, 0.5).max())
+
+
+@settings(max_examples=25, deadline=None)
+@given(R=st.sampled_from([2, 4, 8]), kk=st.integers(0, len(SLOWDOWNS) - 1), a=st.floats(0.05, 3.0),
+       h=st.floats(0.0, 100.0), d=st.floats(0.0, 0.01), seed=st.integers(0, 2**32 - 1))
+def test_the_fit_recovers_what_generated_every_rank_s_time(R, kk, a, h, d, seed):
+    rng = np.random.default_rng(seed)
+    k = float(SLOWDOWNS[kk])
+    fit = ComputeFit()
+    for n, i, p in _calls(rng, R, 12):
+        assert fit.add(n, i, p, _finish(a * (n + h * i) * SPT + d * p, k), SPT)
+    got = fit.solve()
+    assert got.k == pytest.approx(k)
+    assert got.a == pytest.approx(a, rel=1e-5)
+    assert got.b / got.a == pytest.approx(h, rel=1e-4, abs=1e-3)  # tokens' worth per instance
+    assert got.d == pytest.approx(d, rel=1e-4, abs=1e-7)  # seconds per replica (calls of ~10-200 ms)
+
+
+def test_balanced_calls_cannot_show_a_slowdown_so_none_is_taken():
+    rng = np.random.default_rng(3)
+    fit = ComputeFit()
+    for n, i, p in _calls(rng, 2, 10, balanced=True):
+        fit.add(n, i, p, _finish(0.3 * (n + 20 * i) * SPT, 0.3), SPT)
+    got = fit.solve()
+    assert got.k == 0.0  # a slower machine explains them as well
+    assert got.a == pytest.approx(0.3 * 1.3, rel=1e-6)  # ...and predicts every balanced call exactly
+    assert got.b == pytest.approx(0.3 * 1.3 * 20, rel=1e-5)
+
+
+def test_no_fit_before_enough_calls_and_idle_ranks_are_left_out():
+    fit = ComputeFit()
+    for _ in range(MIN_CALLS - 1):
+        assert fit.add([100, 0], [2, 0], [0, 0], [0.01, 0.0], SPT)  # rank 1 computed nothing: one row
+        assert fit.solve() is None
+    assert not fit.add([0, 0], [0, 0], [0, 0], [0.0, 0.0], SPT)  # nothing to learn from
+    assert fit.add([300, 0], [3, 0], [0, 0], [0.03, 0.0], SPT)
+    assert fit.solve() is not None
+
+
+def test_the_calibrator_takes_the_compute_parameters_from_the_fit():
+    """Every rank's measured compute, forward and backward: once fitted, the model predicts an uneven plan's busiest
+    rank as the measurements were generated, slowdown included."""
+    topo = Topology(num_ranks=2, num_experts=8, num_redundant_slots=2)
+    cm = CostModel(topo)
+    cal = Calibrator(cm)
+    rng = np.random.default_rng(1)
+    spt = cm.sec_per_token
+    truth = {"a": 0.3, "h": 16.0, "d": 0.002, "k": 0.1, "ab": 0.6, "hb": 40.0, "kb": 0.5}
+    bd0 = cm.ideal(np.full((2, 8), 64))
+    for n, i, p in _calls(rng, 2, 8):
+        bd = dataclasses.replace(bd0, rank_tokens_R=n.astype(float), instances_R=i.astype(float),
+                                 replicas_R=p.astype(float))
+        fwd = _finish(truth["a"] * (n + truth["h"] * i) * spt + truth["d"] * p, truth["k"])
+        bwd = _finish(truth["ab"] * (n + truth["hb"] * i) * spt + 2 * truth["d"] * p, truth["kb"])
+        cal.observe(bd, {"compute_fwd_s": float(fwd.max()), "compute_bwd_s": float(bwd.max())},
+                    rank_compute_s={"compute_fwd_s": fwd, "compute_bwd_s": bwd})
+    q = cal.params
+    assert q.compute_scale == pytest.approx(truth["a"], rel=1e-6)
+    assert q.half_tokens == pytest.approx(truth["h"], rel=1e-5)
+    assert q.replica_instance_s == pytest.approx(truth["d"], rel=1e-5)
+    assert q.corun_slowdown == pytest.approx(truth["k"])
+    assert q.backward_compute_factor == pytest.approx(truth["ab"] / truth["a"], rel=1e-6)
+    assert q.backward_half_tokens == pytest.approx(truth["hb"], rel=1e-5)
+    assert q.backward_corun_slowdown == pytest.approx(truth["kb"])
+    m = cal.model
+    n, i = np.array([1500.0, 300.0]), np.array([4.0, 4.0])
+    want = _finish(truth["a"] * (n + truth["h"] * i) * spt, truth["k"]).max()
+    assert m.busiest_compute_s(m.compute_time_R(n, i)) == pytest.approx(want, rel=1e-6)
