@@ -1,4 +1,4 @@
-"""The fit of every rank's expert compute (ultraep.compute_fit): it recovers what generated the measurements, takes
+"""The fit of every rank's expert compute (ultraep.cost.ComputeFit): it recovers what generated the measurements, takes
 no co-run slowdown that the calls cannot show, and sets the calibrated model's compute parameters."""
 
 import dataclasses
@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ultraep.compute_fit import MIN_CALLS, SLOWDOWNS, ComputeFit, corun_matrices
-from ultraep.cost import Calibrator, CostModel, CostParams
+from ultraep.cost import FIT_MIN_CALLS as MIN_CALLS
+from ultraep.cost import FIT_SLOWDOWNS as SLOWDOWNS
+from ultraep.cost import Calibrator, ComputeFit, CostModel, CostParams, corun_matrices
 from ultraep.topology import Topology
 
 SPT = 1e-4  # model seconds per token

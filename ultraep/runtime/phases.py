@@ -78,7 +78,7 @@ def compute_spread(meas_RK: np.ndarray) -> dict[str, float]:
 
 def rank_compute(meas_RK: np.ndarray) -> dict[str, np.ndarray]:
     """Every rank's expert compute ``[R]``, forward and (when measured) backward: what the engine fits the compute
-    parameters over (:mod:`ultraep.compute_fit`)."""
+    parameters over (:class:`~ultraep.cost.ComputeFit`)."""
     out = {"compute_fwd_s": meas_RK[:, RANK_PHASES.index("compute_fwd_s")].astype(np.float64)}
     bwd = meas_RK[:, RANK_PHASES.index("compute_bwd_s")].astype(np.float64)
     if bwd.max() > 0:
