@@ -163,7 +163,7 @@ class CostParams(BaseModel):
 
 @dataclass(frozen=True)
 class CostBreakdown:
-    """Predicted seconds of every term for one layer and microbatch (see the module docstring)."""
+    """Predicted seconds of every term for one layer and microbatch (see the comment above ComputeFit)."""
 
     engine_s: float = 0.0
     plan_s: float = 0.0
@@ -698,7 +698,7 @@ class ComputeFit:
         return True
 
     def solve(self) -> FittedCompute | None:
-        """The best non-negative fit (see the module docstring), or None before :data:`FIT_MIN_CALLS` calls; solved
+        """The best non-negative fit (see the comment above ComputeFit), or None before :data:`FIT_MIN_CALLS` calls; solved
         again once :data:`FIT_SOLVE_EVERY` calls were added since the last solve."""
         if self.calls < FIT_MIN_CALLS:
             return None
