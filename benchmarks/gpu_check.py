@@ -77,10 +77,16 @@ def section(outcomes: list[Outcome], not_run: list[str], device: str, commit: st
 
 
 def append_section(text: str, path: Path = DOC) -> None:
+    """Add ``text`` as the last section under :data:`HEADING` (before the next ``## `` heading, if any), the heading
+    first added at the end when the document lacks it."""
     doc = path.read_text() if path.exists() else ""
     if HEADING not in doc:
-        doc += f"\n{HEADING}\n\n`make gpu-check` appends one section per run (benchmarks/gpu_check.py).\n"
-    path.write_text(doc.rstrip("\n") + "\n" + text)
+        doc = doc.rstrip("\n") + f"\n\n{HEADING}\n\n`make gpu-check` appends one section per run (benchmarks/gpu_check.py).\n"
+    at = doc.find("\n## ", doc.index(HEADING) + len(HEADING))
+    if at < 0:
+        path.write_text(doc.rstrip("\n") + "\n" + text)
+    else:
+        path.write_text(doc[:at].rstrip("\n") + "\n" + text + doc[at:])
 
 
 def visible_gpus() -> int:

@@ -163,7 +163,7 @@ class CostParams(BaseModel):
 
 @dataclass(frozen=True)
 class CostBreakdown:
-    """Predicted seconds of every term for one layer and microbatch (see the comment above ComputeFit)."""
+    """Predicted seconds of every term for one layer and microbatch (see the module docstring)."""
 
     engine_s: float = 0.0
     plan_s: float = 0.0
@@ -698,8 +698,8 @@ class ComputeFit:
         return True
 
     def solve(self) -> FittedCompute | None:
-        """The best non-negative fit (see the comment above ComputeFit), or None before :data:`FIT_MIN_CALLS` calls; solved
-        again once :data:`FIT_SOLVE_EVERY` calls were added since the last solve."""
+        """The best non-negative fit (see the comment above :class:`ComputeFit`), or None before
+        :data:`FIT_MIN_CALLS` calls; solved again once :data:`FIT_SOLVE_EVERY` calls were added since the last."""
         if self.calls < FIT_MIN_CALLS:
             return None
         if self._solved is not None and self.calls - self._solved[0] < FIT_SOLVE_EVERY:

@@ -65,8 +65,9 @@ def reduce_phases(meas_RK: np.ndarray) -> tuple[dict[str, float], float]:
 
 def compute_spread(meas_RK: np.ndarray) -> dict[str, float]:
     """What the engine learns an expert instance's cost beyond its tokens from, seconds: the least busy rank's expert
-    compute, forward and (when measured) backward, next to the slowest rank's (``CostParams.half_tokens``), and
-    the replicas' forward compute summed over the ranks (``CostParams.replica_instance_s``)."""
+    compute, forward and (when measured) backward, next to the slowest rank's (``CostParams.half_tokens``), the
+    replicas' forward compute summed over the ranks (``CostParams.replica_instance_s``), and the longest wait for the
+    replica weights (what the critical path paid of their copy: it bounds the exposure the model predicts)."""
     fwd, bwd, rep, wait = (meas_RK[:, RANK_PHASES.index(k)]
                            for k in ("compute_fwd_s", "compute_bwd_s", "replica_compute_s", "weight_wait_s"))
     out = {"compute_fwd_fastest_s": float(fwd.min()), "replica_compute_s": float(rep.sum()),
