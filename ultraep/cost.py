@@ -858,6 +858,12 @@ class Calibrator:
         a = self._alpha(name)
         return (1 - a) * old + a * new
 
+    def _fold_log(self, name: str, old: float, new: float) -> float:
+        """A scale's or factor's next value: ``new`` folded into ``old`` in log space (geometric), with the weight of
+        ``name``'s next observation."""
+        a = self._alpha(name)
+        return math.exp((1 - a) * math.log(old) + a * math.log(new))
+
     @property
     def params(self) -> CostParams:
         return self.model.params
@@ -1002,9 +1008,7 @@ class Calibrator:
                     # whatever the scales (learned in this very observation) predicted
                     base *= float(measured[fwd_key]) / pred[fwd_key]
                 if base > 0 and value > 0:
-                    old = getattr(p, factor)
-                    a = self._alpha(factor)
-                    updates[factor] = math.exp((1 - a) * math.log(old) + a * math.log(value / base))
+                    updates[factor] = self._fold_log(factor, getattr(p, factor), value / base)
                     rows.append({"term": key, "predicted_s": pred.get(key, 0.0), "measured_s": float(value),
                                  "ratio": float(value / pred[key]) if pred.get(key) else float("nan")})
                 continue
@@ -1018,15 +1022,12 @@ class Calibrator:
             if key == "weight_sync_s":
                 target = self._weight_sync_target(predicted, measured, float(value))
                 if target is not None:
-                    a = self._alpha(scale_name)
-                    updates[scale_name] = math.exp((1 - a) * math.log(p.weight_sync_scale) + a * math.log(target))
+                    updates[scale_name] = self._fold_log(scale_name, p.weight_sync_scale, target)
                 continue
             if pv <= 0 or value <= 0:
                 continue
             old = getattr(p, scale_name)
-            unscaled = pv / old
-            a = self._alpha(scale_name)
-            updates[scale_name] = math.exp((1 - a) * math.log(old) + a * math.log(value / unscaled))
+            updates[scale_name] = self._fold_log(scale_name, old, value / (pv / old))
         if rank_compute_s:
             updates.update(self._fit_compute(predicted, rank_compute_s))
         if updates:
