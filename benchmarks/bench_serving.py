@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from benchmarks.bench_runtime import wrapped_layer  # noqa: E402 - the same containers and weights
 import benchmarks.common  # noqa: E402
+from benchmarks.host_memory import reexec_with_settings  # noqa: E402
 from benchmarks.common import carryover_orders, row, write_rows  # noqa: E402
 from ultraep.launch import launch  # noqa: E402
 
@@ -260,6 +261,7 @@ def accumulate(args, console) -> list[dict]:
 
 
 def main() -> None:
+    reexec_with_settings()  # the host memory settings of the runs of record (benchmarks/host_memory.py)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", choices=["serve", "accumulate"], default="serve")
     ap.add_argument("--shapes", default=None, help=f"serve: {', '.join(SERVE_SHAPES)}; accumulate: "

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 from benchmarks.bench_runtime import POLICIES, SHAPES, _run_shape  # noqa: E402
+from benchmarks.host_memory import reexec_with_settings  # noqa: E402
 from benchmarks.common import carryover_orders, row, write_rows  # noqa: E402
 
 WHAT = "validate_sim_vs_runtime"
@@ -200,6 +201,7 @@ def print_tables(sources: list[tuple[str, list, dict]], title: str) -> list[dict
 
 
 def main() -> None:
+    reexec_with_settings()  # the host memory settings of the runs of record (benchmarks/host_memory.py)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)} ('' for none)")
     ap.add_argument("--demo", action="store_true", help="also validate `ultraep demo` (its none and adaptive runs)")
