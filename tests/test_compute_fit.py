@@ -2,6 +2,7 @@
 no co-run slowdown that the calls cannot show, and sets the calibrated model's compute parameters."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from ultraep.cost import FIT_MIN_CALLS as MIN_CALLS
 from ultraep.cost import FIT_SLOWDOWNS as SLOWDOWNS
-from ultraep.cost import Calibrator, ComputeFit, CostModel, CostParams, corun_matrices
+from ultraep.cost import Calibrator, ComputeFit, CostModel, CostParams, corun_finish, corun_matrices, expected_max
 from ultraep.topology import Topology
 
 SPT = 1e-4  # model seconds per token
@@ -103,7 +104,80 @@ def test_the_calibrator_takes_the_compute_parameters_from_the_fit():
     assert q.backward_compute_factor == pytest.approx(truth["ab"] / truth["a"], rel=1e-6)
     assert q.backward_half_tokens == pytest.approx(truth["hb"], rel=1e-5)
     assert q.backward_corun_slowdown == pytest.approx(truth["kb"])
+    assert q.compute_noise < 1e-5 and q.backward_compute_noise < 1e-5  # exact timings: no spread around the fit
     m = cal.model
     n, i = np.array([1500.0, 300.0]), np.array([4.0, 4.0])
     want = _finish(truth["a"] * (n + truth["h"] * i) * spt, truth["k"]).max()
     assert m.busiest_compute_s(m.compute_time_R(n, i)) == pytest.approx(want, rel=1e-6)
+
+
+# --------------------------------------------------------------------------------------- the ranks' noise
+def _emax_reference(mean_R, noise):
+    """E[max] by a fine integral with math.erf (independent of the cost model's approximation)."""
+    m = np.asarray(mean_R, float)
+    s = noise * m
+    x = np.linspace(m.max() - 12 * s.max(), m.max() + 12 * s.max(), 200001)
+    F = np.ones_like(x)
+    erf = np.vectorize(math.erf)
+    for mu, sd in zip(m, s):
+        F *= 0.5 * (1 + erf((x - mu) / (sd * math.sqrt(2))))
+    return x[0] + np.trapezoid(1 - F, x)
+
+
+def test_two_balanced_noisy_ranks_finish_after_their_mean():
+    # E[max] of two independent N(m, s^2) is m + s / sqrt(pi)
+    for noise in (0.01, 0.05, 0.1, 0.3):
+        assert expected_max(np.array([2.0, 2.0]), noise) == pytest.approx(2.0 * (1 + noise / math.sqrt(math.pi)),
+                                                                          rel=1e-4)
+    assert expected_max(np.array([2.0, 1.0]), 0.0) == 2.0
+    assert expected_max(np.array([5.0, 1.0, 0.5]), 0.05) == pytest.approx(5.0, rel=1e-6)  # one far ahead
+
+
+@settings(max_examples=25, deadline=None)
+@given(means=st.lists(st.floats(0.01, 10.0), min_size=1, max_size=64), noise=st.floats(0.001, 0.5))
+def test_the_expected_maximum_matches_a_fine_integral(means, noise):
+    m = np.array(means)
+    got = expected_max(m, noise)
+    assert got >= m.max() * (1 - 1e-9)  # never below the largest mean
+    assert got == pytest.approx(_emax_reference(m, noise), rel=2e-4)
+
+
+def test_every_rank_s_finish_in_sorted_order_is_the_matrices_one():
+    rng = np.random.default_rng(5)
+    for R in (1, 2, 3, 8, 64):
+        w = rng.uniform(0.1, 2.0, R)
+        for k in (0.0, 0.3, 1.0):
+            assert corun_finish(w, k) == pytest.approx(_finish(w, k))
+
+
+def test_the_busiest_rank_is_the_expected_maximum_of_the_noisy_finishes():
+    topo = Topology(num_ranks=2, num_experts=8, num_redundant_slots=2)
+    w = np.array([1.0, 1.0])
+    cm = CostModel(topo).with_params(CostParams(corun_slowdown=0.2, compute_noise=0.1))
+    assert cm.busiest_compute_s(w) == pytest.approx(1.2 * (1 + 0.1 / math.sqrt(math.pi)), rel=1e-4)
+    assert cm.busiest_compute_s(np.array([1.0, 0.1])) == pytest.approx(1.02, rel=1e-5)  # the other far behind
+    # the backward takes its own noise when set
+    cm2 = cm.with_params(cm.params.model_copy(update={"backward_compute_noise": 0.0}))
+    assert cm2.busiest_compute_s(w, backward=True) == pytest.approx(1.2)
+    plan_bd = cm.ideal(np.full((2, 8), 64))
+    quiet = CostModel(topo).with_params(CostParams(corun_slowdown=0.2)).ideal(np.full((2, 8), 64))
+    assert plan_bd.compute_fwd_s > quiet.compute_fwd_s and plan_bd.compute_bwd_s > quiet.compute_bwd_s
+
+
+@settings(max_examples=10, deadline=None)
+@given(R=st.sampled_from([2, 4, 8]), noise=st.sampled_from([0.0, 0.03, 0.1]), seed=st.integers(0, 2**32 - 1))
+def test_the_fit_learns_the_ranks_noise_around_it(R, noise, seed):
+    rng = np.random.default_rng(seed)
+    fit = ComputeFit()
+    for n, i, p in _calls(rng, R, 400):
+        t = _finish(0.3 * (n + 16 * i) * SPT, 0.1)
+        fit.add(n, i, p, t * (1 + noise * rng.standard_normal(R)), SPT)
+    fit._solved = None
+    got = fit.solve()
+    # the decayed sums hold ~20 calls' worth of rows: the estimate's own spread is a few tens of per cent of it
+    assert got.noise == pytest.approx(noise, rel=0.45, abs=2e-3)
+    # a call-wide slowdown (every rank alike) is no spread between ranks
+    fit2 = ComputeFit()
+    for n, i, p in _calls(rng, R, 60):
+        fit2.add(n, i, p, _finish(0.3 * (n + 16 * i) * SPT, 0.1) * rng.uniform(0.7, 1.3), SPT)
+    assert fit2.solve().noise < 0.6 * 0.3 / math.sqrt(3)

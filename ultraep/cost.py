@@ -142,6 +142,17 @@ class CostParams(BaseModel):
     backward_corun_slowdown: float | None = Field(
         default=None, ge=0, description="The same in the backward. None: corun_slowdown.",
     )
+    compute_noise: float = Field(
+        default=0.0, ge=0, le=1,
+        description="How much a rank's compute varies from call to call, relative (its standard deviation over its "
+        "mean), independently of the other ranks. The slowest rank is then the expected maximum of the ranks' "
+        "times (CostModel.busiest_compute_s), which exceeds the largest mean when ranks are near each other: "
+        "two balanced ranks with 10 % noise finish 5.6 % after their mean. 0: ranks take their means. Calibrated "
+        "from the spread of the ranks' measured compute around the fit, within each call.",
+    )
+    backward_compute_noise: float | None = Field(
+        default=None, ge=0, le=1, description="The same in the backward. None: compute_noise.",
+    )
     a2a_shared_medium: bool = Field(
         default=False,
         description="Every rank's all-to-all bytes cross one shared medium (gloo ranks on one host: its loopback and "
@@ -329,11 +340,15 @@ class CostModel:
         """The busiest rank's compute seconds from every rank's own ``t_R`` (``[R]``, as alone): with ranks slowing
         each other by ``k`` per rank computing beside them (``corun_slowdown``), the rank with the least work finishes
         at ``(1 + k (R - 1)) t_min``, the next at that plus ``(1 + k (R - 2))`` times its remaining work, and so on:
-        the busiest at ``max + k (sum - max)``."""
+        the busiest at ``max + k (sum - max)``. With ``compute_noise`` s, each rank's finish f varies as
+        ``N(f, (s f)^2)``, independently, and the slowest rank is their expected maximum (:func:`expected_max`)."""
         if t_R.size == 0:
             return 0.0
         p = self.params
         k = p.corun_slowdown if not backward or p.backward_corun_slowdown is None else p.backward_corun_slowdown
+        noise = p.compute_noise if not backward or p.backward_compute_noise is None else p.backward_compute_noise
+        if noise > 0:  # every rank's finish, then the expected maximum of the noisy finishes
+            return expected_max(corun_finish(np.asarray(t_R, dtype=np.float64), k), noise)
         top = float(t_R.max())
         return top + k * (float(t_R.sum()) - top) if k > 0 else top
 
@@ -536,7 +551,8 @@ class CostModel:
         fwd = (engine_s + plan_exposed + sync_exposed + a2a + compute + ag_exposed + p.non_moe_fwd_s + copy_s
                + p.call_overhead_s)
         if p.mode == "training":
-            same = self.half_tokens_bwd == self.half_tokens and p.backward_corun_slowdown in (None, p.corun_slowdown)
+            same = (self.half_tokens_bwd == self.half_tokens and p.backward_corun_slowdown in (None, p.corun_slowdown)
+                    and p.backward_compute_noise in (None, p.compute_noise))
             comp_b = p.backward_compute_factor * (compute if same else self.busiest_compute_s(
                 self.compute_time_R(tr.tokens_R, tr.instances_R, backward=True, replicas_R=tr.replica_instances_R),
                 backward=True))
@@ -650,6 +666,52 @@ class FittedCompute:
     b: float
     d: float
     calls: int
+    noise: float = 0.0  # the ranks' relative spread around the fit within a call (CostParams.compute_noise)
+
+
+def corun_finish(t_R: np.ndarray, k: float) -> np.ndarray:
+    """``[R]`` every rank's finish from its own ``t_R`` (as alone) when each runs ``1 + k (ranks still computing -
+    1)`` times slower (:func:`corun_matrices`, in sorted order: O(R log R)); the largest is
+    ``max + k (sum - max)``."""
+    order = np.argsort(t_R, kind="stable")
+    w = t_R[order]
+    R = w.shape[0]
+    steps = np.diff(w, prepend=0.0)
+    out = np.empty(R)
+    out[order] = np.cumsum((1.0 + k * (R - 1 - np.arange(R))) * steps)
+    return out
+
+
+def _norm_cdf(z: np.ndarray) -> np.ndarray:
+    """Phi(z), the standard normal CDF, from erf's rational approximation (Abramowitz & Stegun 1964, 7.1.26;
+    absolute error below 1.5e-7): numpy has no erf, and this runs once per predicted call."""
+    x = np.abs(z) / np.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * x)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    half = 0.5 * poly * np.exp(-x * x)  # 1 - Phi(|z|)
+    return np.where(z >= 0, 1.0 - half, half)
+
+
+#: grid points of :func:`expected_max`'s integral, and its reach in standard deviations of the largest mean
+EMAX_POINTS, EMAX_REACH = 96, 6.0
+
+
+def expected_max(mean_R: np.ndarray, noise: float) -> float:
+    """E[max_r X_r] for independent ``X_r ~ N(m_r, (noise m_r)^2)``: ``lo + integral_lo^hi (1 - prod_r Phi((x - m_r)
+    / (noise m_r))) dx``, where below ``lo`` (6 standard deviations under the largest mean) the product is 0 to
+    within 1e-9, above ``hi`` 1. Ranks that cannot reach ``lo`` are left out; the trapezoid over 96 points is
+    within 1e-4 relative of the exact value (tests). ``noise`` 0: the largest mean."""
+    m = np.asarray(mean_R, dtype=np.float64)
+    top = float(m.max()) if m.size else 0.0
+    if noise <= 0 or top <= 0:
+        return top
+    lo = top * (1.0 - EMAX_REACH * noise)
+    hi = float((m * (1.0 + EMAX_REACH * noise)).max())
+    m = m[m * (1.0 + EMAX_REACH * noise) > lo]
+    x = np.linspace(lo, hi, EMAX_POINTS)
+    F = _norm_cdf((x[:, None] - m[None, :]) / (noise * m[None, :])).prod(axis=1)
+    y = 1.0 - F
+    return lo + float(((y[1:] + y[:-1]) * np.diff(x)).sum() / 2.0)
 
 
 def corun_matrices(t_R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -675,6 +737,8 @@ class ComputeFit:
         self.G = np.zeros((3, 3, 3))  # sums of D0'D0, D0'D1 + D1'D0, D1'D1: G(k) = G[0] + k G[1] + k^2 G[2]
         self.g = np.zeros((2, 3))  # sums of D0, D1: g(k) = g[0] + k g[1] (the target is 1 per row)
         self.c = 0.0  # rows
+        self.H = np.zeros((3, 3, 3))  # the same sums over rows centred within their call: the ranks' spread
+        self.dof = 0.0  # rows minus calls (the spread's degrees of freedom)
         self.calls = 0
         self._solved: tuple[int, FittedCompute | None] | None = None  # (calls when solved, the fit)
 
@@ -688,12 +752,16 @@ class ComputeFit:
         X = np.stack([n * sec_per_token, i * sec_per_token, p], axis=1)  # [R, 3] model seconds
         A0, A1 = corun_matrices(t)
         D0, D1 = ((A @ X)[use] / t[use, None] for A in (A0, A1))  # [R', 3]: each row over its measurement
-        self.G *= FIT_DECAY
-        self.g *= FIT_DECAY
+        C0, C1 = D0 - D0.mean(axis=0), D1 - D1.mean(axis=0)  # centred: their fitted values are the ranks' spread
+        for acc in (self.G, self.g, self.H):
+            acc *= FIT_DECAY
         self.c *= FIT_DECAY
+        self.dof *= FIT_DECAY
         self.G += np.stack([D0.T @ D0, D0.T @ D1 + D1.T @ D0, D1.T @ D1])
         self.g += np.stack([D0.sum(axis=0), D1.sum(axis=0)])
+        self.H += np.stack([C0.T @ C0, C0.T @ C1 + C1.T @ C0, C1.T @ C1])
         self.c += float(use.sum())
+        self.dof += float(use.sum()) - 1.0
         self.calls += 1
         return True
 
@@ -739,7 +807,12 @@ class ComputeFit:
         if not np.isfinite(best_r[kk]) or best_w[kk, 0] <= 0:
             return None
         a, b, d = (float(x) for x in best_w[kk])
-        return FittedCompute(float(FIT_SLOWDOWNS[kk]), a, b, d, self.calls)
+        k_ = float(FIT_SLOWDOWNS[kk])
+        # the ranks' relative spread within a call: a rank's residual minus its call's mean residual is C w (the
+        # target, 1 per row, centres to 0), so its mean square is w' H(k) w over the degrees of freedom
+        spread = float(best_w[kk] @ (self.H[0] + k_ * self.H[1] + k_ * k_ * self.H[2]) @ best_w[kk])
+        noise = float(np.sqrt(max(spread, 0.0) / self.dof)) if self.dof > 0 else 0.0
+        return FittedCompute(k_, a, b, d, self.calls, min(noise, 1.0))
 
 
 # ---------------------------------------------------------------------------------------------- calibration
@@ -939,8 +1012,9 @@ class Calibrator:
 
     def _fit_compute(self, predicted: CostBreakdown, rank_compute_s: dict[str, np.ndarray]) -> dict[str, float]:
         """Fold every rank's measured compute into the fits; once the forward's is solved, the compute parameters it
-        and the backward's give (``compute_scale``, ``half_tokens``, ``replica_instance_s``, ``corun_slowdown`` and
-        their backward counterparts) replace what the call-level ratios learned. {} while the fits lack calls."""
+        and the backward's give (``compute_scale``, ``half_tokens``, ``replica_instance_s``, ``corun_slowdown``,
+        ``compute_noise`` and their backward counterparts) replace what the call-level ratios learned. {} while the
+        fits lack calls."""
         n, i = predicted.rank_tokens_R, predicted.instances_R
         if n is None or i is None or predicted.sec_per_token <= 0:
             return {}
@@ -952,11 +1026,11 @@ class Calibrator:
         if fwd is None:
             return {}
         out = {"compute_scale": fwd.a, "half_tokens": fwd.b / fwd.a, "replica_instance_s": fwd.d,
-               "corun_slowdown": fwd.k}
+               "corun_slowdown": fwd.k, "compute_noise": fwd.noise}
         bwd = self.fits["compute_bwd_s"].solve()
         if bwd is not None:  # (the replicas' backward extra stays the forward's times the factor)
             out.update(backward_compute_factor=bwd.a / fwd.a, backward_half_tokens=bwd.b / bwd.a,
-                       backward_corun_slowdown=bwd.k)
+                       backward_corun_slowdown=bwd.k, backward_compute_noise=bwd.noise)
         return out
 
     def observe(self, predicted: CostBreakdown, measured: dict[str, float], *, step: int = 0, microbatch: int = 0,
