@@ -43,8 +43,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import benchmarks.common  # noqa: E402
-from benchmarks.host_memory import reexec_with_settings  # noqa: E402
 from benchmarks.common import carryover_orders, ratio_interval, row, write_rows  # noqa: E402
+from benchmarks.host_memory import reexec_with_settings  # noqa: E402
 from ultraep.launch import launch  # noqa: E402
 
 benchmarks.common.THREADS = 1  # the rows' threads: each rank runs one thread

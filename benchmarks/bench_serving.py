@@ -40,8 +40,8 @@ import torch  # noqa: E402
 
 from benchmarks.bench_runtime import wrapped_layer  # noqa: E402 - the same containers and weights
 import benchmarks.common  # noqa: E402
-from benchmarks.host_memory import reexec_with_settings  # noqa: E402
 from benchmarks.common import carryover_orders, row, write_rows  # noqa: E402
+from benchmarks.host_memory import reexec_with_settings  # noqa: E402
 from ultraep.launch import launch  # noqa: E402
 
 benchmarks.common.THREADS = 1  # the rows' threads: each rank runs one thread

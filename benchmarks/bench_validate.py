@@ -35,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 from benchmarks.bench_runtime import POLICIES, SHAPES, _run_shape  # noqa: E402
-from benchmarks.host_memory import reexec_with_settings  # noqa: E402
 from benchmarks.common import carryover_orders, row, write_rows  # noqa: E402
+from benchmarks.host_memory import reexec_with_settings  # noqa: E402
 
 WHAT = "validate_sim_vs_runtime"
 MEASURED_POLICIES = [p for p in POLICIES if p[0] != "force-balanced"]

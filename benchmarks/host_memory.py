@@ -5,10 +5,11 @@ Why: a training step on CPU allocates and frees the same tens of MiB every layer
 gradients, receive buffers). By default glibc serves a block of 128 KiB or more with a fresh ``mmap`` (the
 threshold rises to the largest block freed, at most 32 MiB) and trims the heap's top once twice that is free, and
 torch's CPU allocator takes 4 KiB pages, so every call touches fresh pages again: at 64 tokens per rank a 30-call
-``bench_runtime`` run took 3.2 M minor page faults, 0.37 M with these settings, and the step was 15-20 % slower,
-by an amount that moved from hour to hour on a VM whose freed pages go back to the host (docs/benchmarks.md,
-2026-11-26). The cost model cannot predict the kernel's page reclaim, and on GPUs the CUDA caching allocator keeps
-freed blocks in the same way. Users of the runtime on CPU are advised the same (README, "On CPUs").
+``bench_runtime`` run took 2.9-3.0 M minor page faults, 0.41 M with these settings, and the step was 12-35 % slower,
+by an amount that moved from hour to hour on this VM (docs/benchmarks.md, session of 2026-11-26, third). The cost
+model cannot predict the kernel's page handling, and on GPUs the CUDA caching allocator keeps freed blocks in the
+same way. Not free everywhere: at 4096 tokens per rank the settings measured 4-8 % slower (three pairs), which is
+not explained yet. The README's "On CPUs" gives users the same settings.
 
 The settings are read once, when a process starts (torch's at its first allocation, glibc's before ``main``), so
 a benchmark re-executes itself with them (:func:`reexec_with_settings`), and ``python -m benchmarks.host_memory

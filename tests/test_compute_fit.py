@@ -131,6 +131,7 @@ def test_two_balanced_noisy_ranks_finish_after_their_mean():
                                                                           rel=1e-4)
     assert expected_max(np.array([2.0, 1.0]), 0.0) == 2.0
     assert expected_max(np.array([5.0, 1.0, 0.5]), 0.05) == pytest.approx(5.0, rel=1e-6)  # one far ahead
+    assert expected_max(np.array([1.0, 0.0]), 0.3) == pytest.approx(1.0, rel=1e-4)  # an idle rank: no term
 
 
 @settings(max_examples=25, deadline=None)

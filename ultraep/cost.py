@@ -706,8 +706,8 @@ def expected_max(mean_R: np.ndarray, noise: float) -> float:
     if noise <= 0 or top <= 0:
         return top
     lo = top * (1.0 - EMAX_REACH * noise)
-    hi = float((m * (1.0 + EMAX_REACH * noise)).max())
-    m = m[m * (1.0 + EMAX_REACH * noise) > lo]
+    hi = top * (1.0 + EMAX_REACH * noise)
+    m = m[(m > 0) & (m * (1.0 + EMAX_REACH * noise) > lo)]  # an idle rank (0 s) never finishes last
     x = np.linspace(lo, hi, EMAX_POINTS)
     F = _norm_cdf((x[:, None] - m[None, :]) / (noise * m[None, :])).prod(axis=1)
     y = 1.0 - F
