@@ -1,25 +1,26 @@
 """The host memory settings of the CPU runs of record (``make demo``, ``bench_runtime``, ``bench_validate``,
-``bench_serving``): torch and glibc keep the memory a rank frees instead of handing it back to the kernel.
+``bench_serving``): glibc keeps the memory a rank frees instead of handing it back to the kernel.
 
 Why: a training step on CPU allocates and frees the same tens of MiB every layer call (activations, weight
 gradients, receive buffers). By default glibc serves a block of 128 KiB or more with a fresh ``mmap`` (the
-threshold rises to the largest block freed, at most 32 MiB) and trims the heap's top once twice that is free, and
-torch's CPU allocator takes 4 KiB pages, so every call touches fresh pages again: at 64 tokens per rank a 30-call
-``bench_runtime`` run took 2.9-3.0 M minor page faults, 0.41 M with these settings, and the step was 12-35 % slower,
-by an amount that moved from hour to hour on this VM (docs/benchmarks.md, session of 2026-11-26, third). The cost
-model cannot predict the kernel's page handling, and on GPUs the CUDA caching allocator keeps freed blocks in the
-same way. Not free everywhere: at 4096 tokens per rank the settings measured 4-8 % slower (three pairs), which is
-not explained yet. The README's "On CPUs" gives users the same settings.
+threshold rises to the largest block freed, at most 32 MiB) and trims the heap's top once twice that is free, so
+every call touches fresh pages again, and what that costs moved from hour to hour on this VM (docs/benchmarks.md,
+session of 2026-11-26, third). The cost model cannot predict the kernel's page handling, and on GPUs the CUDA
+caching allocator keeps freed blocks in the same way. The README's "On CPUs" gives users the same settings.
 
-The settings are read once, when a process starts (torch's at its first allocation, glibc's before ``main``), so
-a benchmark re-executes itself with them (:func:`reexec_with_settings`), and ``python -m benchmarks.host_memory
-CMD ...`` runs ``CMD`` with them (the Makefile's demo). ``ULTRAEP_HOST_MEMORY=asis`` runs as the machine is.
-
-- ``THP_MEM_ALLOC_ENABLE=1``: torch aligns tensors of 2 MiB or more to 2 MiB and asks for transparent huge pages
-  (``madvise``), one fault per 2 MiB instead of 512; where THP is off, this changes nothing.
 - ``MALLOC_MMAP_THRESHOLD_=32 MiB`` (the largest glibc accepts on 64-bit) and ``MALLOC_TRIM_THRESHOLD_=2 GiB``:
   blocks below 32 MiB come from the heap, and the heap's top is kept. The cost is memory: a rank's peak stays
-  resident until it exits.
+  resident until it exits. Measured (step p50, alternating with the machine as it is): at 64 tokens per rank
+  none 0.108-0.119 s against 0.127-0.137, feplb 0.126-0.129 against 0.150-0.153; at 4096 tokens quota 2.07-2.19 s
+  against 2.13-2.24, none 3.16-3.29 against 3.29-3.31.
+- Not set: torch's ``THP_MEM_ALLOC_ENABLE=1`` (transparent huge pages for tensors of 2 MiB and more). With it and
+  the two above, a 30-call tok64 run took 0.37-0.41 M minor page faults (1.9-2.0 M with the two alone, 2.9-3.3 M as
+  is) and tok64 ran faster still, but at 4096 tokens per rank quota took 2.40-2.46 s with it alone against
+  2.13-2.24 as is: a cost at the sizes where balancing pays most.
+
+The settings are read once, when a process starts (glibc's before ``main``), so a benchmark re-executes itself with
+them (:func:`reexec_with_settings`), and ``python -m benchmarks.host_memory CMD ...`` runs ``CMD`` with them (the
+Makefile's demo). ``ULTRAEP_HOST_MEMORY=asis`` runs as the machine is.
 """
 
 from __future__ import annotations
@@ -29,16 +30,14 @@ import sys
 from pathlib import Path
 
 #: what the runs of record set, name -> value
-SETTINGS = {"THP_MEM_ALLOC_ENABLE": "1", "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-            "MALLOC_TRIM_THRESHOLD_": str((1 << 31) - 1)}
+SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str((1 << 31) - 1)}
 #: ``asis``: run without the settings (and without re-executing)
 SWITCH = "ULTRAEP_HOST_MEMORY"
 
 
 def with_settings(env: dict[str, str]) -> dict[str, str] | None:
     """``env`` with :data:`SETTINGS` added (a value the user set is kept), or None when nothing is to change:
-    every setting present, ``ULTRAEP_HOST_MEMORY=asis``, or not Linux (the names are glibc's and torch's Linux
-    allocator's)."""
+    every setting present, ``ULTRAEP_HOST_MEMORY=asis``, or not Linux (the names are glibc's)."""
     if env.get(SWITCH) == "asis" or not sys.platform.startswith("linux"):
         return None
     if all(k in env for k in SETTINGS):
