@@ -20,6 +20,7 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's
 _FAULTS = """
 import ctypes, resource
 libc = ctypes.CDLL("libc.so.6")
+libc.prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB pages, so the count is the same where THP is "always"
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
