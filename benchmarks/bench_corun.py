@@ -1,0 +1,185 @@
+"""Do ranks on one host slow each other's expert compute? (issue 35: the co-run slowdown)
+
+The cost model's ``corun_slowdown`` k says that a rank computing beside ``m`` others runs ``1 + k m`` times slower
+than alone. The engine fits k from its calls, which can tell it only where ranks compute for different lengths;
+a run of balanced plans cannot (docs/simulator.md, section 9). This measures it directly: every rank runs the
+same expert forward and backward once alone, while the others wait in a gloo barrier (which does not spin: it takes
+no CPU), and once beside them, in alternating trials. The work is the runtime's expert phase on the
+``bench_runtime.py`` shape's sizes: the rank's masters as one ``[M, 2I, H]`` and one ``[M, H, I]`` leaf tensor, unbound
+into per-expert views, ``rows`` rows sorted by expert, a SwiGLU per expert, and the rows put back in order
+(``ultraep.runtime.token_path.run_slots``). Per trial k = (together / alone - 1) / (ranks - 1); the table gives its
+median and 20-80 % range per rank, phase and rows. A second table gives what the alone times say of the
+per-instance cost (``half_tokens``: the line through them at the row counts measured, its intercept over the
+masters, in rows of its slope), which a run of balanced calls cannot tell from the per-row cost either.
+
+It times the experts' compute, not the whole layer call; the runtime's backward also reduces replica gradients and
+waits on the exchanges, and the validation's pooled calls imply more in the backward (0.04-0.13 on the 2-core VM of
+2026-11-26, docs/simulator.md) than this measured there.
+
+    .venv/bin/python -m benchmarks.bench_corun                                  # tok512's experts, 256-2048 rows
+    .venv/bin/python -m benchmarks.bench_corun --shape default --rows 4096 --trials 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import benchmarks.common  # noqa: E402
+from benchmarks.common import row, write_rows  # noqa: E402
+from benchmarks.host_memory import reexec_with_settings  # noqa: E402
+
+WHAT = "corun_slowdown"
+
+
+def slowdown(alone_s, together_s, ranks: int) -> np.ndarray:
+    """Per trial ``k = (together / alone - 1) / (ranks - 1)``: the cost model's co-run slowdown (a rank beside
+    ``ranks - 1`` others runs ``1 + k (ranks - 1)`` times slower). ``alone_s``, ``together_s``: ``[trials]`` seconds."""
+    a, t = np.asarray(alone_s, dtype=np.float64), np.asarray(together_s, dtype=np.float64)
+    return (t / a - 1.0) / max(1, ranks - 1)
+
+
+def per_instance_rows(rows, alone_s, instances: int) -> float:
+    """The per-instance cost in rows (the cost model's ``half_tokens``): a line ``c0 + c1 rows`` through the alone
+    medians ``alone_s`` at ``rows`` (least squares, 2 or more row counts), ``c0 / (instances c1)``; nan with fewer
+    than 2 row counts or a slope that is not positive."""
+    x, y = np.asarray(rows, dtype=np.float64), np.asarray(alone_s, dtype=np.float64)
+    if x.size < 2 or np.ptp(x) == 0:
+        return float("nan")
+    c1, c0 = np.polyfit(x, y, 1)
+    return float(c0 / (instances * c1)) if c1 > 0 else float("nan")
+
+
+def _masters(shape, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's master weights: ``[M, 2I, H]`` (gate and up) and ``[M, H, I]`` (down), M = experts / ranks."""
+    m = max(1, shape.experts // world)
+    scale = shape.hidden ** -0.5
+    gate_up = (torch.randn(m, 2 * shape.ffn, shape.hidden) * scale).requires_grad_()
+    down = (torch.randn(m, shape.hidden, shape.ffn) * scale).requires_grad_()
+    return gate_up, down
+
+
+def _work(gate_up: torch.Tensor, down: torch.Tensor, rows: int) -> tuple[float, float]:
+    """One forward and backward of the masters on ``rows`` rows spread evenly over them (sorted by expert as the
+    runtime sorts the received rows, computed per expert on its views, put back in order); seconds of each."""
+    m, _, hidden = gate_up.shape
+    x = torch.randn(rows, hidden, requires_grad=True)
+    expert_of_row = torch.arange(rows) % m
+    t0 = time.perf_counter()
+    order = torch.argsort(expert_of_row, stable=True)
+    xs = x.index_select(0, order)
+    counts = torch.bincount(expert_of_row, minlength=m).tolist()
+    outs, at = [], 0
+    for gu, dn, c in zip(gate_up.unbind(0), down.unbind(0), counts):
+        g, u = torch.nn.functional.linear(xs[at:at + c], gu).chunk(2, dim=-1)
+        outs.append(torch.nn.functional.linear(torch.nn.functional.silu(g) * u, dn))
+        at += c
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(rows)
+    y = torch.cat(outs).index_select(0, inv)
+    t1 = time.perf_counter()
+    y.backward(torch.ones_like(y))
+    t2 = time.perf_counter()
+    gate_up.grad = down.grad = None
+    return t1 - t0, t2 - t1
+
+
+def _measure(rank: int, world: int, shape_name: str, rows_list: list[int], trials: int) -> dict:
+    """On every rank: ``{rows: {"fwd_alone": [trials], "fwd_together": ..., "bwd_alone": ..., "bwd_together": ...}}``
+    (seconds), alone and together alternating within each trial."""
+    import torch.distributed as dist
+
+    from benchmarks.bench_runtime import SHAPES
+
+    torch.manual_seed(rank)
+    gate_up, down = _masters(SHAPES[shape_name], world)
+    out = {}
+    for rows in rows_list:
+        for _ in range(2):  # warm-up: the allocator and the kernels' first calls
+            _work(gate_up, down, rows)
+        got = {k: [] for k in ("fwd_alone", "bwd_alone", "fwd_together", "bwd_together")}
+        for _ in range(trials):
+            for r in range(world):  # each rank alone in turn; the others wait in the barrier
+                dist.barrier()
+                if r == rank:
+                    f, b = _work(gate_up, down, rows)
+                    got["fwd_alone"].append(f)
+                    got["bwd_alone"].append(b)
+                dist.barrier()
+            f, b = _work(gate_up, down, rows)  # beside the others
+            got["fwd_together"].append(f)
+            got["bwd_together"].append(b)
+            dist.barrier()
+        out[rows] = got
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    reexec_with_settings()  # the host memory settings of the runs of record (benchmarks/host_memory.py)
+    from benchmarks.bench_runtime import SHAPES
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="tok512", choices=sorted(SHAPES), help="bench_runtime.py shape whose expert sizes are timed")
+    ap.add_argument("--rows", default="256,1024,2048", help="comma list: rows per rank")
+    ap.add_argument("--trials", type=int, default=12)
+    ap.add_argument("--ranks", type=int, default=2)
+    args = ap.parse_args(argv)
+    try:
+        rows_list = [int(x) for x in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows: a comma list of positive integers, got {args.rows!r}")
+    if not rows_list or min(rows_list) <= 0 or args.trials <= 0 or args.ranks < 2:
+        ap.error(f"--rows, --trials must be positive and --ranks at least 2, got {args.rows!r}, {args.trials}, "
+                 f"{args.ranks}")
+    from rich.console import Console
+    from rich.table import Table
+
+    from ultraep.launch import launch
+    from ultraep.models import preload
+
+    preload()
+    benchmarks.common.THREADS = 1
+    res = launch(_measure, args.ranks, args.shape, rows_list, args.trials, backend="gloo", threads_per_rank=1)
+    table = Table(title=f"co-run slowdown k of {args.shape}'s experts, {args.ranks} ranks x 1 thread, "
+                        f"{args.trials} trials, load avg {os.getloadavg()[0]:.2f} at the end")
+    for c in ("rows", "rank", "phase", "alone ms (p50)", "beside ms (p50)", "k p50", "k 20-80 %"):
+        table.add_column(c, justify="right")
+    out_rows = []
+    for rows in rows_list:
+        for rank, got in enumerate(res):
+            for phase in ("fwd", "bwd"):
+                alone, together = got[rows][f"{phase}_alone"], got[rows][f"{phase}_together"]
+                k = slowdown(alone, together, args.ranks)
+                lo, mid, hi = np.percentile(k, [20, 50, 80])
+                table.add_row(str(rows), str(rank), phase, f"{1e3 * np.median(alone):.1f}",
+                              f"{1e3 * np.median(together):.1f}", f"{mid:+.3f}", f"{lo:+.3f}..{hi:+.3f}")
+                x = f"{args.ranks}x1/{args.shape}/{rows}"
+                out_rows.append(row(WHAT, f"rank{rank}", f"k_{phase}", "ratio", x, k))
+                out_rows.append(row(WHAT, f"rank{rank}", f"{phase}_alone", "s", x, alone))
+                out_rows.append(row(WHAT, f"rank{rank}", f"{phase}_together", "s", x, together))
+    console = Console(width=160)
+    console.print(table)
+    m = max(1, SHAPES[args.shape].experts // args.ranks)
+    fixed = Table(title=f"per-instance cost in rows (half_tokens): alone time = c0 + c1 rows, c0 / ({m} masters x c1)")
+    for c in ("rank", "fwd", "bwd"):
+        fixed.add_column(c, justify="right")
+    for rank, got in enumerate(res):
+        h = {ph: per_instance_rows(rows_list, [np.median(got[r][f"{ph}_alone"]) for r in rows_list], m)
+             for ph in ("fwd", "bwd")}
+        fixed.add_row(str(rank), f"{h['fwd']:.1f}", f"{h['bwd']:.1f}")
+        for ph, v in h.items():
+            out_rows.append(row(WHAT, f"rank{rank}", f"half_rows_{ph}", "rows", f"{args.ranks}x1/{args.shape}", [v]))
+    console.print(fixed)
+    path = write_rows("bench_corun", out_rows)
+    print(f"rows appended to {path}")
+
+
+if __name__ == "__main__":
+    main()
