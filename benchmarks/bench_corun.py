@@ -4,7 +4,7 @@ The cost model's ``corun_slowdown`` k says that a rank computing beside ``m`` ot
 than alone. The engine fits k from its calls, which can tell it only where ranks compute for different lengths;
 a run of balanced plans cannot (docs/simulator.md, section 9). This measures it directly: every rank runs the
 same expert forward and backward once alone, while the others wait in a gloo barrier (which does not spin: it takes
-no CPU), and once beside them, in alternating trials. The work is the runtime's expert phase on the
+no CPU), and once beside them, in alternating order from trial to trial. The work is the runtime's expert phase on the
 ``bench_runtime.py`` shape's sizes: the rank's masters as one ``[M, 2I, H]`` and one ``[M, H, I]`` leaf tensor, unbound
 into per-expert views, ``rows`` rows sorted by expert, a SwiGLU per expert, and the rows put back in order
 (``ultraep.runtime.token_path.run_slots``). Per trial k = (together / alone - 1) / (ranks - 1); the table gives its
@@ -14,7 +14,7 @@ masters, in rows of its slope), which a run of balanced calls cannot tell from t
 
 It times the experts' compute, not the whole layer call; the runtime's backward also reduces replica gradients and
 waits on the exchanges, and the validation's pooled calls imply more in the backward (0.04-0.13 on the 2-core VM of
-2026-11-26, docs/simulator.md) than this measured there.
+2026-11-26) than this measured there (0.00-0.06, moving from minute to minute; docs/simulator.md).
 
     .venv/bin/python -m benchmarks.bench_corun                                  # tok512's experts, 256-2048 rows
     .venv/bin/python -m benchmarks.bench_corun --shape default --rows 4096 --trials 20
@@ -105,18 +105,23 @@ def _measure(rank: int, world: int, shape_name: str, rows_list: list[int], trial
         for _ in range(2):  # warm-up: the allocator and the kernels' first calls
             _work(gate_up, down, rows)
         got = {k: [] for k in ("fwd_alone", "bwd_alone", "fwd_together", "bwd_together")}
-        for _ in range(trials):
-            for r in range(world):  # each rank alone in turn; the others wait in the barrier
-                dist.barrier()
-                if r == rank:
+        for trial in range(trials):
+            # alone first in even trials, beside the others first in odd ones: neither order carries over
+            for part in (("alone", "together") if trial % 2 == 0 else ("together", "alone")):
+                if part == "together":
+                    dist.barrier()
                     f, b = _work(gate_up, down, rows)
-                    got["fwd_alone"].append(f)
-                    got["bwd_alone"].append(b)
-                dist.barrier()
-            f, b = _work(gate_up, down, rows)  # beside the others
-            got["fwd_together"].append(f)
-            got["bwd_together"].append(b)
-            dist.barrier()
+                    got["fwd_together"].append(f)
+                    got["bwd_together"].append(b)
+                    dist.barrier()
+                    continue
+                for r in range(world):  # each rank alone in turn; the others wait in the barrier
+                    dist.barrier()
+                    if r == rank:
+                        f, b = _work(gate_up, down, rows)
+                        got["fwd_alone"].append(f)
+                        got["bwd_alone"].append(b)
+                    dist.barrier()
         out[rows] = got
     return out
 
@@ -126,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.bench_runtime import SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="tok512", choices=sorted(SHAPES), help="bench_runtime.py shape whose expert sizes are timed")
+    ap.add_argument("--shape", default="tok512", choices=sorted(SHAPES),
+                    help="the bench_runtime.py shape whose expert sizes are timed")
     ap.add_argument("--rows", default="256,1024,2048", help="comma list: rows per rank")
     ap.add_argument("--trials", type=int, default=12)
     ap.add_argument("--ranks", type=int, default=2)
