@@ -5,9 +5,9 @@ than alone. The engine fits k from its calls, which can tell it only where ranks
 a run of balanced plans cannot (docs/simulator.md, section 9). This measures it directly: every rank runs the
 same expert forward and backward once alone, while the others wait in a gloo barrier (which does not spin: it takes
 no CPU), and once beside them, in alternating order from trial to trial. The work is the runtime's expert phase on the
-``bench_runtime.py`` shape's sizes: the rank's masters as one ``[M, 2I, H]`` and one ``[M, H, I]`` leaf tensor, unbound
-into per-expert views, ``rows`` rows sorted by expert, a SwiGLU per expert, and the rows put back in order
-(``ultraep.runtime.token_path.run_slots``). Per trial k = (together / alone - 1) / (ranks - 1); the table gives its
+``bench_runtime.py`` shape's experts (its transformers container and the adapter ``wrap`` uses): the rank's masters
+as leaf tensors unbound into per-expert views, ``rows`` rows sorted by expert, each expert's rows through the
+adapter, and the rows put back in order (``ultraep.runtime.token_path.run_slots``). Per trial k = (together / alone - 1) / (ranks - 1); the table gives its
 median and 20-80 % range per rank, phase and rows. A second table gives what the alone times say of the
 per-instance cost (``half_tokens``: the line through them at the row counts measured, its intercept over the
 masters, in rows of its slope), which a run of balanced calls cannot tell from the per-row cost either.
@@ -57,29 +57,36 @@ def per_instance_rows(rows, alone_s, instances: int) -> float:
     return float(c0 / (instances * c1)) if c1 > 0 else float("nan")
 
 
-def _masters(shape, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's master weights: ``[M, 2I, H]`` (gate and up) and ``[M, H, I]`` (down), M = experts / ranks."""
+def _masters(shape, world: int, rank: int):
+    """This rank's masters as the runtime holds them: the shape's transformers experts container, its adapter (the
+    one-expert function ``wrap`` uses), and the rank's M = experts / ranks slices of each expert parameter as leaf
+    tensors (the runtime's master tensors), and the hidden size."""
+    from benchmarks.bench_runtime import _experts
+    from ultraep.models.adapters import adapter_for
+
+    container = _experts(shape)
+    adapter = adapter_for(container)
     m = max(1, shape.experts // world)
-    scale = shape.hidden ** -0.5
-    gate_up = (torch.randn(m, 2 * shape.ffn, shape.hidden) * scale).requires_grad_()
-    down = (torch.randn(m, shape.hidden, shape.ffn) * scale).requires_grad_()
-    return gate_up, down
+    lo = (rank * m) % shape.experts
+    masters = [getattr(container, n).detach()[lo:lo + m].clone().requires_grad_() for n in adapter.param_names]
+    return container, adapter, masters, shape.hidden
 
 
-def _work(gate_up: torch.Tensor, down: torch.Tensor, rows: int) -> tuple[float, float]:
-    """One forward and backward of the masters on ``rows`` rows spread evenly over them (sorted by expert as the
-    runtime sorts the received rows, computed per expert on its views, put back in order); seconds of each."""
-    m, _, hidden = gate_up.shape
+def _work(container, adapter, masters: list[torch.Tensor], hidden: int, rows: int) -> tuple[float, float]:
+    """One forward and backward of the masters on ``rows`` rows spread evenly over them, as
+    :func:`ultraep.runtime.token_path.run_slots` runs them: sorted by expert, each expert's rows through the adapter
+    on its views of the master tensors, put back in order. Seconds of each."""
+    m = int(masters[0].shape[0])
     x = torch.randn(rows, hidden, requires_grad=True)
     expert_of_row = torch.arange(rows) % m
     t0 = time.perf_counter()
     order = torch.argsort(expert_of_row, stable=True)
     xs = x.index_select(0, order)
     counts = torch.bincount(expert_of_row, minlength=m).tolist()
+    unbound = [t.unbind(0) for t in masters]
     outs, at = [], 0
-    for gu, dn, c in zip(gate_up.unbind(0), down.unbind(0), counts):
-        g, u = torch.nn.functional.linear(xs[at:at + c], gu).chunk(2, dim=-1)
-        outs.append(torch.nn.functional.linear(torch.nn.functional.silu(g) * u, dn))
+    for e, c in enumerate(counts):
+        outs.append(adapter.forward(container, xs[at:at + c], [u[e] for u in unbound]))
         at += c
     inv = torch.empty_like(order)
     inv[order] = torch.arange(rows)
@@ -87,41 +94,46 @@ def _work(gate_up: torch.Tensor, down: torch.Tensor, rows: int) -> tuple[float, 
     t1 = time.perf_counter()
     y.backward(torch.ones_like(y))
     t2 = time.perf_counter()
-    gate_up.grad = down.grad = None
+    for t in masters:
+        t.grad = None
     return t1 - t0, t2 - t1
 
 
 def _measure(rank: int, world: int, shape_name: str, rows_list: list[int], trials: int) -> dict:
     """On every rank: ``{rows: {"fwd_alone": [trials], "fwd_together": ..., "bwd_alone": ..., "bwd_together": ...}}``
-    (seconds), alone and together alternating within each trial."""
+    (seconds); alone first in even trials, beside the others first in odd ones, so neither order carries over."""
     import torch.distributed as dist
 
     from benchmarks.bench_runtime import SHAPES
 
     torch.manual_seed(rank)
-    gate_up, down = _masters(SHAPES[shape_name], world)
+    experts = _masters(SHAPES[shape_name], world, rank)
     out = {}
     for rows in rows_list:
-        for _ in range(2):  # warm-up: the allocator and the kernels' first calls
-            _work(gate_up, down, rows)
         got = {k: [] for k in ("fwd_alone", "bwd_alone", "fwd_together", "bwd_together")}
+
+        def timed(kind: str) -> None:
+            f, b = _work(*experts, rows)
+            got[f"fwd_{kind}"].append(f)
+            got[f"bwd_{kind}"].append(b)
+
+        def alone() -> None:  # each rank alone in turn; the others wait in the barrier
+            for r in range(world):
+                dist.barrier()
+                if r == rank:
+                    timed("alone")
+                dist.barrier()
+
+        def beside() -> None:
+            dist.barrier()
+            timed("together")
+            dist.barrier()
+
+        for _ in range(2):  # warm-up: the allocator and the kernels' first calls
+            _work(*experts, rows)
         for trial in range(trials):
-            # alone first in even trials, beside the others first in odd ones: neither order carries over
-            for part in (("alone", "together") if trial % 2 == 0 else ("together", "alone")):
-                if part == "together":
-                    dist.barrier()
-                    f, b = _work(gate_up, down, rows)
-                    got["fwd_together"].append(f)
-                    got["bwd_together"].append(b)
-                    dist.barrier()
-                    continue
-                for r in range(world):  # each rank alone in turn; the others wait in the barrier
-                    dist.barrier()
-                    if r == rank:
-                        f, b = _work(gate_up, down, rows)
-                        got["fwd_alone"].append(f)
-                        got["bwd_alone"].append(b)
-                    dist.barrier()
+            for part in ((alone, beside) if trial % 2 == 0 else (beside, alone)):
+                part()
         out[rows] = got
     return out
 
