@@ -200,11 +200,9 @@ class AdaptivePolicy:
         bd = cm.predict(pl)
         fb_s = self.estimate(fb, bd.total_s)
         stake = bd.total_s - cm.ideal(load_RE).total_s
-        # where outcomes are measured (the runtime) a candidate the engine would probe is in contention when its
-        # probe is due; in between, as everywhere, only one within switch_now of the fallback is
-        due = {n for n in self.policies if self.schedule.due(n)} if self.outcomes.observed else set()
-        if not self.budget.idle(self.policies, fb, fb_s, stake, self.switch_now, cm.params.engine_overhead_s,
-                                due=due, probe_loss=self.schedule.probe_max_loss):
+        # a rival the engine would probe is weighed when its probe is due (else within switch_now, as everywhere)
+        due = self.schedule.probe_range(self.policies)
+        if not self.budget.idle(self.policies, fb, fb_s, stake, self.switch_now, cm.params.engine_overhead_s, due):
             return None
         return self.decide({fb: pl}, topology, screened=sorted(n for n in self.policies if n != fb),
                            breakdowns={fb: bd}, resident=resident_RE is not None, idle=True)

@@ -66,22 +66,22 @@ class ExplorationBudget:
         return self.share * self.run_s + self.of_gain * self.saved_s - self.spent_s
 
     def in_contention(self, names, fallback: str, fallback_s: float, stake_s: float, max_loss: float,
-                      due=(), probe_loss: float = 0.0) -> bool:
+                      due: dict[str, float] | None = None) -> bool:
         """Whether a candidate other than ``fallback`` could come within ``max_loss`` of it on this load (the
         fallback's time ``fallback_s``, ``stake_s`` what any plan could save): its time at its last weighing, less
         what the stake grew since (skew appearing can save at most that much more), or it was never weighed. A
-        candidate in ``due`` (due for a probe) is in contention within ``probe_loss`` (the probe's range) as well."""
-        growth = max(0.0, stake_s - self.stake_s)
-        return any(self.standing.get(n, 0.0) - growth <= (1.0 + max(max_loss, probe_loss if n in due else 0.0))
-                   * fallback_s for n in names if n != fallback)
+        candidate in ``due`` (due for a probe: ``{name: the probe's range}``) is in contention within that range."""
+        growth, due = max(0.0, stake_s - self.stake_s), due or {}
+        return any(self.standing.get(n, 0.0) - growth <= (1.0 + max(max_loss, due.get(n, 0.0))) * fallback_s
+                   for n in names if n != fallback)
 
     def idle(self, names, fallback: str, fallback_s: float, stake_s: float, max_loss: float, weigh_s: float,
-             due=(), probe_loss: float = 0.0) -> bool:
+             due: dict[str, float] | None = None) -> bool:
         """Whether this decision may skip weighing (see the module docstring); ``weigh_s``: what weighing costs;
-        ``due``, ``probe_loss``: see :meth:`in_contention`."""
+        ``due``: see :meth:`in_contention`."""
         if weigh_s <= 0 or self.free() >= weigh_s:
             return False
-        return not self.in_contention(names, fallback, fallback_s, stake_s, max_loss, due, probe_loss)
+        return not self.in_contention(names, fallback, fallback_s, stake_s, max_loss, due)
 
     def note(self, predictions: dict[str, float], fallback: str, same, floors: dict[str, float],
              stake_s: float) -> None:

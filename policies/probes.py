@@ -58,6 +58,13 @@ class ProbeSchedule:
         """Whether ``name`` is due for a probe: it has not run for its :meth:`period`."""
         return self.probe_every > 0 and self.since_run(name) >= self.period(name)
 
+    def probe_range(self, names) -> dict[str, float]:
+        """Where outcomes are measured, the candidates of ``names`` due for a probe, each with the range it is
+        probed within (``probe_max_loss``): the exploration budget weighs them (``ExplorationBudget.in_contention``)."""
+        if not self.outcomes.observed:
+            return {}
+        return {n: self.probe_max_loss for n in names if self.due(n)}
+
     def reevaluate(self, name: str) -> bool:
         """Whether ``name`` must be planned this decision whatever the screen says: it was not planned for
         ``probe_every`` decisions, or it ran, is due for a probe and was not planned for its probe period
