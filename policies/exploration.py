@@ -20,8 +20,8 @@ weighed, no decision overhead — only when all of these hold:
   was slower than the fallback now by more than ``switch_now`` — or, where outcomes are measured (the runtime)
   and the candidate is due for a probe, by more than ``probe_max_loss``: a candidate the engine would probe is
   weighed when its probe is due, not at every decision in between (weighing every decision for such a
-  candidate, feplb measured a few % from ``none`` at 64 tokens per rank, made the runtime's adaptive 3.5 % slower
-  than ``none``'s own run, 2026-11-26); a candidate that did exactly what the fallback
+  candidate, feplb measured a few % from ``none`` at 64 tokens per rank, the runtime's adaptive measured 3.5 %
+  slower than ``none``'s own run while running ``none``, 2026-11-26); a candidate that did exactly what the fallback
   does is the fallback under another name; a candidate never weighed is in contention, one screened before
   its first weighing counts at the least it could take (the ideal plus its planner);
 * the budget cannot pay one weighing (the cost model's decision overhead).

@@ -100,7 +100,7 @@ def test_quota_measured_faster_after_the_warm_up_wins_whatever_the_budget(share)
 @pytest.mark.parametrize("share", BUDGETS)
 def test_with_none_in_force_a_candidate_measured_near_it_keeps_being_weighed(share):
     """With ``none`` in force and the budget spent, a candidate whose measured outcome is within probe range of
-    none stays in contention: the engine weighs every decision and finds it once it measures faster."""
+    none stays in contention when its probe is due: the engine probes it and finds it once it measures faster."""
     cm = _cm()
     pol = AdaptivePolicy(cost_model=cm, explore_share=share, probe_every=16, candidates=("none", "quota"))
     load = _load(0.05)
