@@ -132,6 +132,12 @@ class CostParams(BaseModel):
         "per-replica work; the backward factor applies to it too). 0: replicas compute like masters. Calibrated from "
         "the replicas' measured compute.",
     )
+    backward_replica_instance_s: float | None = Field(
+        default=None, ge=0,
+        description="The same in the backward, before backward_compute_factor (a replica's weight gradient is kept "
+        "apart for its reduce back to the master: on CPU 2-6x the forward's extra, measured). None: "
+        "replica_instance_s. Calibrated from every rank's backward compute.",
+    )
     corun_slowdown: float = Field(
         default=0.0, ge=0,
         description="Ranks that share one host's cores and memory slow each other while they compute: a rank computes "
@@ -264,6 +270,8 @@ class CostModel:
         self.sec_per_token = ex.flops_per_token / (hw.gemm_tflops * 1e12 * hw.gemm_efficiency)
         self.half_tokens = float(hw.gemm_half_tokens if p.half_tokens is None else p.half_tokens)
         self.half_tokens_bwd = self.half_tokens if p.backward_half_tokens is None else float(p.backward_half_tokens)
+        self.replica_instance_s_bwd = (p.replica_instance_s if p.backward_replica_instance_s is None
+                                       else float(p.backward_replica_instance_s))
         self.bw_L = np.array([t.scale_up.bandwidth_GBps, t.scale_out.bandwidth_GBps]) * 1e9
         self.lat_L = np.array([t.scale_up.latency_us, t.scale_out.latency_us]) * 1e-6
         self.a2a_eff = hw.a2a_efficiency
@@ -332,8 +340,9 @@ class CostModel:
         t = (np.asarray(tokens_R, dtype=np.float64) + h * np.asarray(instances_R)) * (
             self.sec_per_token * self.params.compute_scale
         )
-        if replicas_R is not None and self.params.replica_instance_s > 0:
-            t = t + self.params.replica_instance_s * np.asarray(replicas_R, dtype=np.float64)
+        rep_s = self.replica_instance_s_bwd if backward else self.params.replica_instance_s
+        if replicas_R is not None and rep_s > 0:
+            t = t + rep_s * np.asarray(replicas_R, dtype=np.float64)
         return t
 
     def busiest_compute_s(self, t_R: np.ndarray, backward: bool = False) -> float:
@@ -551,7 +560,8 @@ class CostModel:
         fwd = (engine_s + plan_exposed + sync_exposed + a2a + compute + ag_exposed + p.non_moe_fwd_s + copy_s
                + p.call_overhead_s)
         if p.mode == "training":
-            same = (self.half_tokens_bwd == self.half_tokens and p.backward_corun_slowdown in (None, p.corun_slowdown)
+            same = (self.half_tokens_bwd == self.half_tokens and self.replica_instance_s_bwd == p.replica_instance_s
+                    and p.backward_corun_slowdown in (None, p.corun_slowdown)
                     and p.backward_compute_noise in (None, p.compute_noise))
             comp_b = p.backward_compute_factor * (compute if same else self.busiest_compute_s(
                 self.compute_time_R(tr.tokens_R, tr.instances_R, backward=True, replicas_R=tr.replica_instances_R),
@@ -632,8 +642,9 @@ def half_tokens_from_spread(tokens_R: np.ndarray, instances_R: np.ndarray, measu
 # k of FIT_SLOWDOWNS at once, and the best k wins.
 #
 #     Step 1 (:meth:`ComputeFit.add`, every measured call): each rank gives one row, divided by its measured seconds so
-#            that every rank weighs by its relative error; older sums decay by FIT_DECAY per call (the machine
-#            drifts).
+#            that every rank weighs by its relative error; older sums decay by FIT_DECAY per call of the same
+#            policy and FIT_STALE_DECAY per call of another (the machine drifts, and one policy's calls must not
+#            wash out the few of a probed one: :class:`ComputeFit`).
 #     Step 2 (:meth:`ComputeFit.solve`): per k the non-negative least squares of the three unknowns (every subset of
 #            them tried: 7 small solves, batched over k); the smallest k whose residual is within FIT_TIE of the
 #            best one's (balanced calls cannot tell a slowdown from a slower machine: only uneven ones can).
@@ -644,8 +655,11 @@ def half_tokens_from_spread(tokens_R: np.ndarray, instances_R: np.ndarray, measu
 
 #: the co-run slowdowns tried (0: ranks do not slow each other)
 FIT_SLOWDOWNS = np.round(np.arange(0.0, 1.0001, 0.025), 3)
-#: weight of the sums kept from the calls before, per new call (about the last 20 calls count)
+#: weight of a regime's sums kept from its calls before, per new call of that regime (its last ~20 calls count)
 FIT_DECAY = 0.95
+#: ...and per call of another regime (a probe's calls keep half their weight for ~35 calls of the policy in force,
+#: about one probe period, so a drifting machine still moves the fit)
+FIT_STALE_DECAY = 0.98
 #: the smallest slowdown whose residual is within this (relative) of the best one's is taken
 FIT_TIE = 0.01
 #: calls a fit needs before it is used
@@ -729,9 +743,8 @@ def corun_matrices(t_R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return A0, A1
 
 
-class ComputeFit:
-    """Decaying least-squares sums of every rank's measured compute. Every rank's row is ``D0 + k D1`` (linear in the
-    slowdown k), so three matrices and two vectors hold the sums of every k of :data:`FIT_SLOWDOWNS` at once."""
+class _FitSums:
+    """The decaying least-squares sums of one regime's calls (see :class:`ComputeFit`)."""
 
     def __init__(self) -> None:
         self.G = np.zeros((3, 3, 3))  # sums of D0'D0, D0'D1 + D1'D0, D1'D1: G(k) = G[0] + k G[1] + k^2 G[2]
@@ -739,12 +752,42 @@ class ComputeFit:
         self.c = 0.0  # rows
         self.H = np.zeros((3, 3, 3))  # the same sums over rows centred within their call: the ranks' spread
         self.dof = 0.0  # rows minus calls (the spread's degrees of freedom)
+
+    def decay(self, w: float) -> None:
+        for acc in (self.G, self.g, self.H):
+            acc *= w
+        self.c *= w
+        self.dof *= w
+
+
+class ComputeFit:
+    """Decaying least-squares sums of every rank's measured compute. Every rank's row is ``D0 + k D1`` (linear in the
+    slowdown k), so three matrices and two vectors hold the sums of every k of :data:`FIT_SLOWDOWNS` at once.
+
+    The sums are kept per *regime* (the policy whose plan ran the call): a call decays its own regime's sums by
+    FIT_DECAY and the others' only by FIT_STALE_DECAY, and the fit solves over their total. Why: one regime's calls
+    (``none``'s: every rank the same instance count) cannot tell a per-instance cost from a slowdown; a probe's
+    calls of another policy can, and the policy in force's calls must not decay them away before they are used
+    (2026-11-26 validation, tok64: 20 calls of ``none`` after 5 balanced ones left those at 0.95^20 of the weight,
+    and the fit under-predicted the balanced policies' backward by 13-17 %)."""
+
+    def __init__(self) -> None:
+        self._regimes: dict[str, _FitSums] = {}
+        self._total = _FitSums()
         self.calls = 0
         self._solved: tuple[int, FittedCompute | None] | None = None  # (calls when solved, the fit)
 
-    def add(self, tokens_R, instances_R, replicas_R, t_R, sec_per_token: float) -> bool:
-        """Fold one call in: ``[R]`` tokens, active instances, replica instances and measured seconds per rank.
-        Ranks that computed nothing or measured nothing are left out; False when no rank was usable."""
+    # the sums over every regime, which the solve reads
+    G = property(lambda self: self._total.G)
+    g = property(lambda self: self._total.g)
+    c = property(lambda self: self._total.c)
+    H = property(lambda self: self._total.H)
+    dof = property(lambda self: self._total.dof)
+
+    def add(self, tokens_R, instances_R, replicas_R, t_R, sec_per_token: float, regime: str = "") -> bool:
+        """Fold one call in: ``[R]`` tokens, active instances, replica instances and measured seconds per rank;
+        ``regime``: the policy whose plan ran it. Ranks that computed nothing or measured nothing are left out;
+        False when no rank was usable."""
         n, i, p, t = (np.asarray(x, dtype=np.float64) for x in (tokens_R, instances_R, replicas_R, t_R))
         use = (t > 0) & (n > 0)
         if use.sum() == 0 or not np.all(np.isfinite(t)):
@@ -753,15 +796,21 @@ class ComputeFit:
         A0, A1 = corun_matrices(t)
         D0, D1 = ((A @ X)[use] / t[use, None] for A in (A0, A1))  # [R', 3]: each row over its measurement
         C0, C1 = D0 - D0.mean(axis=0), D1 - D1.mean(axis=0)  # centred: their fitted values are the ranks' spread
-        for acc in (self.G, self.g, self.H):
-            acc *= FIT_DECAY
-        self.c *= FIT_DECAY
-        self.dof *= FIT_DECAY
-        self.G += np.stack([D0.T @ D0, D0.T @ D1 + D1.T @ D0, D1.T @ D1])
-        self.g += np.stack([D0.sum(axis=0), D1.sum(axis=0)])
-        self.H += np.stack([C0.T @ C0, C0.T @ C1 + C1.T @ C0, C1.T @ C1])
-        self.c += float(use.sum())
-        self.dof += float(use.sum()) - 1.0
+        for key, sums in self._regimes.items():
+            sums.decay(FIT_DECAY if key == regime else FIT_STALE_DECAY)
+        own = self._regimes.setdefault(regime, _FitSums())
+        own.G += np.stack([D0.T @ D0, D0.T @ D1 + D1.T @ D0, D1.T @ D1])
+        own.g += np.stack([D0.sum(axis=0), D1.sum(axis=0)])
+        own.H += np.stack([C0.T @ C0, C0.T @ C1 + C1.T @ C0, C1.T @ C1])
+        own.c += float(use.sum())
+        own.dof += float(use.sum()) - 1.0
+        total = self._total = _FitSums()
+        for sums in self._regimes.values():
+            total.G += sums.G
+            total.g += sums.g
+            total.H += sums.H
+            total.c += sums.c
+            total.dof += sums.dof
         self.calls += 1
         return True
 
@@ -1010,7 +1059,8 @@ class Calibrator:
         return {"term": key, "predicted_s": pred, "measured_s": fastest,
                 "ratio": fastest / pred if pred > 0 else float("nan")}
 
-    def _fit_compute(self, predicted: CostBreakdown, rank_compute_s: dict[str, np.ndarray]) -> dict[str, float]:
+    def _fit_compute(self, predicted: CostBreakdown, rank_compute_s: dict[str, np.ndarray],
+                     policy: str = "") -> dict[str, float]:
         """Fold every rank's measured compute into the fits; once the forward's is solved, the compute parameters it
         and the backward's give (``compute_scale``, ``half_tokens``, ``replica_instance_s``, ``corun_slowdown``,
         ``compute_noise`` and their backward counterparts) replace what the call-level ratios learned. {} while the
@@ -1021,26 +1071,28 @@ class Calibrator:
         rep = predicted.replicas_R if predicted.replicas_R is not None else np.zeros_like(n)
         for key, t_R in rank_compute_s.items():
             if key in self.fits and t_R is not None and len(t_R) == len(n):
-                self.fits[key].add(n, i, rep, t_R, predicted.sec_per_token)
+                self.fits[key].add(n, i, rep, t_R, predicted.sec_per_token, regime=policy)
         fwd = self.fits["compute_fwd_s"].solve()
         if fwd is None:
             return {}
         out = {"compute_scale": fwd.a, "half_tokens": fwd.b / fwd.a, "replica_instance_s": fwd.d,
                "corun_slowdown": fwd.k, "compute_noise": fwd.noise}
         bwd = self.fits["compute_bwd_s"].solve()
-        if bwd is not None:  # (the replicas' backward extra stays the forward's times the factor)
+        if bwd is not None and bwd.a > 0:
             out.update(backward_compute_factor=bwd.a / fwd.a, backward_half_tokens=bwd.b / bwd.a,
+                       backward_replica_instance_s=bwd.d * fwd.a / bwd.a,  # before the factor, as the model applies it
                        backward_corun_slowdown=bwd.k, backward_compute_noise=bwd.noise)
         return out
 
     def observe(self, predicted: CostBreakdown, measured: dict[str, float], *, step: int = 0, microbatch: int = 0,
                 layer: int = 0, total_s: float | None = None,
-                rank_compute_s: dict[str, np.ndarray] | None = None) -> list[dict[str, Any]]:
+                rank_compute_s: dict[str, np.ndarray] | None = None, policy: str = "") -> list[dict[str, Any]]:
         """Fold one layer's measured timings in; return the rows ``term, predicted_s, measured_s, ratio``.
         ``total_s``: the call's measured layer time, which calibrates ``call_overhead_s`` (see :func:`call_residual`).
         ``rank_compute_s``: every rank's measured expert compute, ``{"compute_fwd_s": [R], "compute_bwd_s": [R]}``
         (the runtime's); with it the compute parameters come from the fit over every rank of every call
-        (:class:`ComputeFit`), not from the slowest and the least busy rank of this one."""
+        (:class:`ComputeFit`), not from the slowest and the least busy rank of this one. ``policy``: the policy whose
+        plan ran the call (the fit keeps each policy's calls apart)."""
         p = self.model.params
         pred = predicted.as_dict()
         updates: dict[str, float] = {}
@@ -1103,7 +1155,7 @@ class Calibrator:
             old = getattr(p, scale_name)
             updates[scale_name] = self._fold_log(scale_name, old, value / (pv / old))
         if rank_compute_s:
-            updates.update(self._fit_compute(predicted, rank_compute_s))
+            updates.update(self._fit_compute(predicted, rank_compute_s, policy))
         if updates:
             self.model = self.model.with_params(p.model_copy(update=updates))
         self.history.extend({"step": step, "microbatch": microbatch, "layer": layer, **r} for r in rows)

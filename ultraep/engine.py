@@ -200,7 +200,7 @@ class Engine:
             return []
         bd, chosen = pending
         rows = self.calibrator.observe(bd, measured, step=step, microbatch=microbatch, layer=layer,
-                                       total_s=measured_total_s, rank_compute_s=rank_compute_s)
+                                       total_s=measured_total_s, rank_compute_s=rank_compute_s, policy=chosen)
         self._models.clear()
         for lay, pol in self._policies.items():  # policies that predict use the calibrated model
             _refresh(pol, self.cost_model_for(lay))
