@@ -768,8 +768,8 @@ class ComputeFit:
     FIT_DECAY and the others' only by FIT_STALE_DECAY, and the fit solves over their total. Why: one regime's calls
     (``none``'s: every rank the same instance count) cannot tell a per-instance cost from a slowdown; a probe's
     calls of another policy can, and the policy in force's calls must not decay them away before they are used
-    (2026-11-26 validation, tok64: 20 calls of ``none`` after 5 balanced ones left those at 0.95^20 of the weight,
-    and the fit under-predicted the balanced policies' backward by 13-17 %)."""
+    (2026-11-26 validation, tok64: 34 calls of ``none`` after 5 balanced ones left those at 0.95^34 = 17 % of their
+    weight, and the fit under-predicted the balanced policies' backward by 13-15 %)."""
 
     def __init__(self) -> None:
         self._regimes: dict[str, _FitSums] = {}
