@@ -97,10 +97,30 @@ def adaptive_ran(con, run_id: str, skip_steps: int = 0) -> dict[str, int]:
                             "ORDER BY 2 DESC, 1", [run_id, skip_steps]).fetchall())
 
 
-def recorded_rows(runs_dir: Path, source: str, names: list[str], calibrate_on: str, skip_steps: int) -> tuple[list, dict]:
+def calibration_calls(run_dir: Path, run_id: str, names) -> dict[str, int]:
+    """``{policy: calls}`` of each of ``names`` that the calibrating run ``run_dir`` measured over all its steps (warm-up
+    included: its engine learned from every call): what each prediction rests on. An adaptive run's are its decisions;
+    a fixed policy's run measured only that policy. The fit learns what one policy's calls cost from those calls: a
+    policy the engine ran 3 of 40 calls is predicted from 3 calls whose layer time varies 3-13 % from call to call
+    (2026-11-26, seventh session)."""
+    from ultraep.telemetry import open_run
+
+    con = open_run(run_dir)
+    ran = dict(con.execute("SELECT policy, count(*) FROM decisions WHERE run_id = ? AND rank = 0 GROUP BY 1",
+                           [run_id]).fetchall())
+    if not ran:  # a fixed policy's run: every measured call is that policy's
+        policy = run_id.rsplit("-", 1)[-1]
+        ran = {policy: con.execute("SELECT count(DISTINCT (step, microbatch, layer)) FROM timings WHERE run_id = ?",
+                                   [run_id]).fetchone()[0]}
+    con.close()
+    return {n: int(ran.get(n, 0)) for n in names if n != "adaptive"}
+
+
+def recorded_rows(runs_dir: Path, source: str, names: list[str], calibrate_on: str, skip_steps: int) -> tuple[list, dict, dict]:
     """The validation rows of one source from its recorded runs ``runs_dir/<source>-<policy>`` (one per policy of
-    ``names``): ``[(source, policy, measured s, predicted s, measured speed-up, predicted speed-up)]``, and what
-    adaptive ran (``{}`` without an adaptive run). Re-predicting recorded runs is deterministic: ``--from`` re-runs it
+    ``names``): ``[(source, policy, measured s, predicted s, measured speed-up, predicted speed-up)]``, what
+    adaptive ran (``{}`` without an adaptive run) and the calls of each policy behind the predictions
+    (:func:`calibration_calls`). Re-predicting recorded runs is deterministic: ``--from`` re-runs it
     on a kept directory."""
     from ultraep.telemetry import open_run
 
@@ -114,7 +134,7 @@ def recorded_rows(runs_dir: Path, source: str, names: list[str], calibrate_on: s
     predicted = predict(runs_dir / f"{source}-{calibrate_on}", names, max(1, skip_steps))
     rows = [(source, n, measured[n], predicted[n], measured["none"] / measured[n], predicted["none"] / predicted[n])
             for n in names]
-    return rows, ran
+    return rows, ran, calibration_calls(runs_dir / f"{source}-{calibrate_on}", f"{source}-{calibrate_on}", names)
 
 
 def adaptive_vs_best(rows: list[tuple]) -> tuple[float, str, float] | None:
@@ -129,13 +149,13 @@ def adaptive_vs_best(rows: list[tuple]) -> tuple[float, str, float] | None:
     return by["adaptive"][2] / fixed[best][2], best, by["adaptive"][3] / best_pred
 
 
-def _shape_rows(shape, args, runs_dir: Path) -> tuple[list, dict]:
+def _shape_rows(shape, args, runs_dir: Path) -> tuple[list, dict, dict]:
     """Measure ``shape`` (recorded into ``runs_dir``) and validate it: see :func:`recorded_rows`."""
     _run_shape(shape, args, MEASURED_POLICIES, str(runs_dir))
     return recorded_rows(runs_dir, shape.name, [n for n, _, _ in MEASURED_POLICIES], args.calibrate_on, args.warmup)
 
 
-def _demo_rows(args, runs_dir: Path) -> tuple[list, dict]:
+def _demo_rows(args, runs_dir: Path) -> tuple[list, dict, dict]:
     cmd = [sys.executable, "-m", "ultraep.cli", "demo", "--out", str(runs_dir)] + (["--quick"] if args.quick_demo else [])
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -143,9 +163,9 @@ def _demo_rows(args, runs_dir: Path) -> tuple[list, dict]:
     return demo_rows(runs_dir)
 
 
-def demo_rows(runs_dir: Path) -> tuple[list, dict]:
+def demo_rows(runs_dir: Path) -> tuple[list, dict, dict]:
     """The validation rows of a recorded ``ultraep demo --out runs_dir`` (its none and balanced runs; the balanced
-    run's learned model predicts both), and what adaptive ran."""
+    run's learned model predicts both), what adaptive ran and the calls behind the predictions."""
     from ultraep.telemetry import open_run
 
     con = open_run(runs_dir)
@@ -157,35 +177,37 @@ def demo_rows(runs_dir: Path) -> tuple[list, dict]:
     con.close()
     predicted = predict(runs_dir / by[balanced], ["none", balanced])
     return [("demo", p, measured[p], predicted[p], measured["none"] / measured[p], predicted["none"] / predicted[p])
-            for p in ("none", balanced)], ran
+            for p in ("none", balanced)], ran, calibration_calls(runs_dir / by[balanced], by[balanced], ["none"])
 
 
-def print_tables(sources: list[tuple[str, list, dict]], title: str) -> list[dict]:
+def print_tables(sources: list[tuple[str, list, dict, dict]], title: str) -> list[dict]:
     """Print the validation table and, per source, adaptive against the best fixed policy; return the long-form
-    rows. ``sources``: ``[(source, rows, what adaptive ran)]``."""
+    rows. ``sources``: ``[(source, rows, what adaptive ran, the calls behind each prediction)]``."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title)
-    for c in ("source", "policy", "measured ms", "predicted ms", "error", "measured speed-up", "predicted speed-up",
-              "error "):
+    for c in ("source", "policy", "calls behind", "measured ms", "predicted ms", "error", "measured speed-up",
+              "predicted speed-up", "error "):
         table.add_column(c, justify="left" if c in ("source", "policy") else "right")
     vs = Table(title="adaptive / best fixed policy, measured (issues 33, 34) and predicted")
     for c in ("source", "adaptive ran (calls)", "best fixed (measured)", "adaptive / best fixed", "predicted"):
         vs.add_column(c, justify="left" if c != "adaptive / best fixed" and c != "predicted" else "right")
     out = []
     worst_t = worst_x = 0.0
-    for src, rows, ran in sources:
+    for src, rows, ran, calls in sources:
         for _, pol, m, p, mx, px in rows:
             et, ex = p / m - 1.0, px / mx - 1.0
             worst_t, worst_x = max(worst_t, abs(et)), max(worst_x, abs(ex))
-            table.add_row(src, pol, f"{1e3 * m:.2f}", f"{1e3 * p:.2f}", f"{100 * et:+.1f} %", f"{mx:.3f}", f"{px:.3f}",
+            table.add_row(src, pol, str(calls[pol]) if pol in calls else "-", f"{1e3 * m:.2f}", f"{1e3 * p:.2f}", f"{100 * et:+.1f} %", f"{mx:.3f}", f"{px:.3f}",
                           f"{100 * ex:+.1f} %")
             x = f"2x1/{src}"
             out += [row(WHAT, pol, "measured_layer_time", "s", x, [m]),
                     row(WHAT, pol, "predicted_layer_time", "s", x, [p]),
                     row(WHAT, pol, "measured_speedup_vs_none", "ratio", x, [mx]),
                     row(WHAT, pol, "predicted_speedup_vs_none", "ratio", x, [px])]
+            if pol in calls:
+                out.append(row(WHAT, pol, "calibration_calls", "calls", x, [calls[pol]]))
         a = adaptive_vs_best(rows)
         if a is not None:
             ratio, best, pred_ratio = a

@@ -21,15 +21,16 @@ from benchmarks.bench_runtime import Shape  # noqa: E402
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """One tiny shape measured and recorded by the benchmark's own runner: (its rows, what adaptive ran, the dir)."""
+    """One tiny shape measured and recorded by the benchmark's own runner: (its rows, what adaptive ran, the calls
+    behind the predictions, the dir)."""
     runs = tmp_path_factory.mktemp("validate") / "tiny"
     args = argparse.Namespace(slots=2, iters=4, warmup=1, seed=0, backend="gloo", calibrate_on="quota")
-    rows, ran = bench_validate._shape_rows(Shape("tiny", tokens=64, hidden=32, ffn=32), args, runs)
-    return rows, ran, runs
+    rows, ran, calls = bench_validate._shape_rows(Shape("tiny", tokens=64, hidden=32, ffn=32), args, runs)
+    return rows, ran, calls, runs
 
 
 def test_every_policy_has_a_measured_and_a_predicted_layer_time(recorded):
-    rows, ran, _ = recorded
+    rows, ran, calls, _ = recorded
     assert [r[1] for r in rows] == ["none", "quota", "feplb", "adaptive"]
     for src, pol, m, p, mx, px in rows:
         assert src == "tiny" and m > 0 and p > 0 and math.isfinite(m) and math.isfinite(p), (pol, m, p)
@@ -37,6 +38,8 @@ def test_every_policy_has_a_measured_and_a_predicted_layer_time(recorded):
     assert rows[0][4] == 1.0 and rows[0][5] == 1.0
     # adaptive ran one policy or several, one decision per timed call (4 calls after 1 warm-up step)
     assert sum(ran.values()) == 4 and set(ran) <= {"none", "quota", "feplb", "eplb"}
+    # calibrated on the quota run: its 5 calls (1 warm-up step + 4 timed) are every prediction's, none of the others
+    assert calls == {"none": 0, "quota": 5, "feplb": 0}
 
 
 def test_adaptive_against_the_best_fixed_policy():
@@ -49,14 +52,17 @@ def test_adaptive_against_the_best_fixed_policy():
 
 
 def test_the_tables_print_and_from_re_predicts_the_same(recorded, capsys, monkeypatch):
-    rows, ran, runs = recorded
-    out = bench_validate.print_tables([("tiny", rows, ran)], "title")
+    rows, ran, calls, runs = recorded
+    out = bench_validate.print_tables([("tiny", rows, ran, calls)], "title")
     text = capsys.readouterr().out
-    assert "adaptive / best fixed" in text and "worst |predicted / measured - 1|" in text
+    assert "adaptive / best fixed" in text and "worst |predicted / measured - 1|" in text and "calls behind" in text
     assert {r["metric"] for r in out} >= {"measured_layer_time", "predicted_layer_time",
-                                          "measured_adaptive_vs_best_fixed"}
-    again, ran2 = bench_validate.recorded_rows(runs, "tiny", ["none", "quota", "feplb", "adaptive"], "quota", 1)
-    assert again == rows and ran2 == ran  # deterministic: the recordings, re-predicted
+                                          "measured_adaptive_vs_best_fixed", "calibration_calls"}
+    again, ran2, calls2 = bench_validate.recorded_rows(runs, "tiny", ["none", "quota", "feplb", "adaptive"], "quota", 1)
+    assert again == rows and ran2 == ran and calls2 == calls  # deterministic: the recordings, re-predicted
+    # calibrated on the adaptive run instead, the calls behind each prediction are the ones its engine ran
+    _, ran3, calls3 = bench_validate.recorded_rows(runs, "tiny", ["none", "quota", "feplb", "adaptive"], "adaptive", 1)
+    assert sum(calls3.values()) <= 5 and all(calls3[p] >= ran3.get(p, 0) for p in calls3)
     monkeypatch.setattr(sys, "argv", ["bench_validate", "--from", str(runs.parent), "--shapes", "nope"])
     with pytest.raises(SystemExit, match="--shapes: unknown shape 'nope'"):
         bench_validate.main()
