@@ -227,3 +227,71 @@ def test_the_fit_learns_the_ranks_noise_around_it(R, noise, seed):
     for n, i, p in _calls(rng, R, 60):
         fit2.add(n, i, p, _finish(0.3 * (n + 16 * i) * SPT, 0.1) * rng.uniform(0.7, 1.3), SPT)
     assert fit2.solve().noise < 0.6 * 0.3 / math.sqrt(3)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_fit_tells_a_replica_copy_from_a_replica(seed):
+    """A rank that sends or receives replica copies computes slower on a host whose transport copies run on its cores
+    (at 64 tokens per rank the rank that only sent its experts computed its backward 26-29 % slower, 2026-11-26): the
+    copies each rank moved are their own unknown, apart from the replicas it computes."""
+    rng = np.random.default_rng(seed)
+    a, h, d, e = 0.4, 20.0, 0.003, 0.005
+    fit, blind = ComputeFit(), ComputeFit()
+    for n, i, p in _calls(rng, 2, 16):
+        m = np.array([p[1], p[1]]) + rng.integers(0, 2, 2)  # rank 0 sends what rank 1 receives, and some more
+        t = _finish(a * (n + h * i) * SPT + d * p + e * m, 0.1)
+        assert fit.add(n, i, p, t, SPT, moves_R=m) and blind.add(n, i, p, t, SPT)
+    got = fit.solve()
+    assert (got.a, got.b / got.a, got.d, got.e) == (pytest.approx(a, rel=1e-5), pytest.approx(h, rel=1e-4),
+                                                   pytest.approx(d, rel=1e-4), pytest.approx(e, rel=1e-4))
+    # blind to the copies, the sending rank of a replicated call is predicted short by its copies' cost
+    n, i, p, m = np.array([300.0, 300.0]), np.array([4.0, 6.0]), np.array([0.0, 2.0]), np.array([2.0, 2.0])
+    want = a * (n + h * i) * SPT + d * p + e * m
+    b = blind.solve()
+    assert ((b.a * n + b.b * i) * SPT + b.d * p)[0] < 0.95 * want[0]
+    assert (got.a * n + got.b * i) * SPT + got.d * p + got.e * m == pytest.approx(want, rel=1e-4)
+
+
+def test_the_model_charges_each_rank_its_replica_copies_on_a_host():
+    """Where the host runtime copies replicas (copy_s_per_byte > 0) every rank's compute carries replica_move_s per copy
+    it sends or receives, forward and (before the factor) backward; on GPUs (no host copies) nothing."""
+    topo = Topology(num_ranks=2, num_experts=8, num_redundant_slots=2)
+    load = np.full((2, 8), 20)
+    load[:, 0] = 400  # expert 0 (rank 0's) is hot: quota replicates it onto rank 1
+    plan = plan_layer(load, "quota", topology=topo)
+    gpu = CostModel(topo).with_params(CostParams(replica_move_s=0.01))
+    assert gpu.predict(plan).moves_R is None
+    host = CostModel(topo).with_params(CostParams(copy_s_per_byte=1e-10, corun_slowdown=0.0))
+    moved = host.with_params(host.params.model_copy(update={"replica_move_s": 0.01, "backward_replica_move_s": 0.03}))
+    m = moved.predict(plan).moves_R
+    tree = host.replica_tree(plan)
+    assert m.tolist() == [float(np.sum(tree.src == r) + np.sum(tree.dst == r)) for r in range(2)] and m.min() >= 1
+    base, more = host.predict(plan), moved.predict(plan)
+    tr = host.traffic(plan)
+    assert more.compute_fwd_s == pytest.approx(float((host.compute_time_R(tr.tokens_R, tr.instances_R,
+                                                replicas_R=tr.replica_instances_R) + 0.01 * m).max()))
+    f = host.params.backward_compute_factor
+    assert more.compute_bwd_s == pytest.approx(f * float((host.compute_time_R(
+        tr.tokens_R, tr.instances_R, backward=True, replicas_R=tr.replica_instances_R) + 0.03 * m).max()))
+    assert more.total_s > base.total_s and more.copy_s == base.copy_s  # the exposed copies are their own term
+
+
+def test_the_calibrator_learns_what_a_replica_copy_costs_each_way():
+    topo = Topology(num_ranks=2, num_experts=8, num_redundant_slots=2)
+    cm = CostModel(topo).with_params(CostParams(copy_s_per_byte=1e-10))
+    cal = Calibrator(cm)
+    rng = np.random.default_rng(3)
+    spt = cm.sec_per_token
+    bd0 = cm.ideal(np.full((2, 8), 64))
+    for n, i, p in _calls(rng, 2, 12):
+        m = np.array([p[1], p[1]]) + rng.integers(0, 2, 2)
+        bd = dataclasses.replace(bd0, rank_tokens_R=n.astype(float), instances_R=i.astype(float),
+                                 replicas_R=p.astype(float), moves_R=m.astype(float))
+        fwd = _finish(0.3 * (n + 16 * i) * spt + 0.002 * p + 0.001 * m, 0.1)
+        bwd = _finish(0.6 * (n + 40 * i) * spt + 0.004 * p + 0.006 * m, 0.5)
+        cal.observe(bd, {"compute_fwd_s": float(fwd.max()), "compute_bwd_s": float(bwd.max())},
+                    rank_compute_s={"compute_fwd_s": fwd, "compute_bwd_s": bwd}, policy="quota")
+    q = cal.params
+    assert q.replica_move_s == pytest.approx(0.001, rel=1e-4)
+    # kept before the factor (2x here), as the model applies it: factor x it = the backward's 6 ms per copy
+    assert q.backward_replica_move_s * q.backward_compute_factor == pytest.approx(0.006, rel=1e-4)

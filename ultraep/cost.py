@@ -38,7 +38,7 @@ can record through the telemetry recorder) the prediction next to the measuremen
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from itertools import combinations
 from typing import Any, Literal
 
@@ -138,6 +138,19 @@ class CostParams(BaseModel):
         "tokens per rank on CPU 0.8-3.3 ms per replica instance against 0-0.5 ms forward). None: "
         "replica_instance_s. Calibrated from every rank's backward compute.",
     )
+    replica_move_s: float = Field(
+        default=0.0, ge=0,
+        description="Seconds a rank's forward expert compute takes longer per replica copy it sends or receives in "
+        "the call, where the host runtime's transport copies run on the cores that compute (CPU ranks sharing a "
+        "host; modelled where copy_s_per_byte > 0): at 64 tokens per rank a rank that only sends its experts to "
+        "replicas computed its backward 26-29 % slower than with more tokens and none (2026-11-26, seventh session). "
+        "Calibrated from every rank's compute.",
+    )
+    backward_replica_move_s: float | None = Field(
+        default=None, ge=0,
+        description="The same in the backward (the replicas' gradients return to the masters), before "
+        "backward_compute_factor. None: replica_move_s.",
+    )
     corun_slowdown: float = Field(
         default=0.0, ge=0,
         description="Ranks that share one host's cores and memory slow each other while they compute: a rank computes "
@@ -213,6 +226,8 @@ class CostBreakdown:
     instances_R: np.ndarray | None = field(default=None, repr=False, compare=False)
     #: ``[R]`` of those instances that are replicas
     replicas_R: np.ndarray | None = field(default=None, repr=False, compare=False)
+    #: ``[R]`` replica copies each rank sends or receives (None where the model has no such cost: on GPUs)
+    moves_R: np.ndarray | None = field(default=None, repr=False, compare=False)
     #: the predicting model's seconds per token before ``compute_scale`` (the layer's expert geometry): the unit in
     #: which :class:`ComputeFit` fits every rank's measured compute
     sec_per_token: float = 0.0
@@ -225,7 +240,7 @@ class CostBreakdown:
 
 
 _BREAKDOWN_FLOATS = tuple(f.name for f in fields(CostBreakdown)
-                          if f.name not in ("rank_tokens_R", "instances_R", "replicas_R", "sec_per_token"))
+                          if f.name not in ("rank_tokens_R", "instances_R", "replicas_R", "moves_R", "sec_per_token"))
 
 
 class CostModel:
@@ -272,6 +287,8 @@ class CostModel:
         self.half_tokens_bwd = self.half_tokens if p.backward_half_tokens is None else float(p.backward_half_tokens)
         self.replica_instance_s_bwd = (p.replica_instance_s if p.backward_replica_instance_s is None
                                        else float(p.backward_replica_instance_s))
+        self.replica_move_s_bwd = (p.replica_move_s if p.backward_replica_move_s is None
+                                   else float(p.backward_replica_move_s))
         self.bw_L = np.array([t.scale_up.bandwidth_GBps, t.scale_out.bandwidth_GBps]) * 1e9
         self.lat_L = np.array([t.scale_up.latency_us, t.scale_out.latency_us]) * 1e-6
         self.a2a_eff = hw.a2a_efficiency
@@ -332,10 +349,12 @@ class CostModel:
                        (q[:, M:] > 0).sum(axis=1))
 
     # ------------------------------------------------------------------ terms
-    def compute_time_R(self, tokens_R, instances_R, backward: bool = False, replicas_R=None) -> np.ndarray:
+    def compute_time_R(self, tokens_R, instances_R, backward: bool = False, replicas_R=None,
+                       moves_R=None) -> np.ndarray:
         """``[R]`` forward expert compute seconds per rank (grouped-GEMM efficiency curve), with ``replicas_R`` of
-        the instances replicas (each ``replica_instance_s`` more); ``backward``: the same tokens' backward before
-        ``backward_compute_factor``, with the backward's per-instance cost."""
+        the instances replicas (each ``replica_instance_s`` more) and ``moves_R`` replica copies each rank sends or
+        receives (each ``replica_move_s`` more); ``backward``: the same tokens' backward before
+        ``backward_compute_factor``, with the backward's per-instance and per-copy costs."""
         h = self.half_tokens_bwd if backward else self.half_tokens
         t = (np.asarray(tokens_R, dtype=np.float64) + h * np.asarray(instances_R)) * (
             self.sec_per_token * self.params.compute_scale
@@ -343,6 +362,9 @@ class CostModel:
         rep_s = self.replica_instance_s_bwd if backward else self.params.replica_instance_s
         if replicas_R is not None and rep_s > 0:
             t = t + rep_s * np.asarray(replicas_R, dtype=np.float64)
+        move_s = self.replica_move_s_bwd if backward else self.params.replica_move_s
+        if moves_R is not None and move_s > 0:
+            t = t + move_s * np.asarray(moves_R, dtype=np.float64)
         return t
 
     def busiest_compute_s(self, t_R: np.ndarray, backward: bool = False) -> float:
@@ -434,6 +456,9 @@ class CostModel:
         if dom is not None and plan.choice is None:  # the overlay alone: no planner, no replicas
             return self.predict_hybrid(plan.load_RE, dom.size, dom.compression, fetched=dom.fetched)
         tr = self.traffic(plan)
+        moves_R = self.replica_moves_R(plan)
+        if moves_R is not None:
+            tr = replace(tr, replica_moves_R=moves_R)
         ag_bytes_R = None if dom is None else self.allgather_bytes_R(dom.size, dom.compression, dom.fetched)
         if sync_s is None:
             sync_s = plan.sync_s
@@ -447,18 +472,28 @@ class CostModel:
             tr, plan_s=self.planner_time(plan), wsync=wsync,
             grad_s=self.grad_reduce_time(plan) if self.params.mode == "training" else 0.0,
             overlap_static=plan.static_overlap, ag_bytes=ag_bytes_R,
-            engine_s=float(plan.engine_s), master_s=master_s, copy_s=self.copy_time(plan),
+            engine_s=float(plan.engine_s), master_s=master_s, copy_s=self.copy_time(plan, moves_R),
         )
 
-    def copy_time(self, plan: Plan) -> float:
+    def replica_moves_R(self, plan: Plan) -> np.ndarray | None:
+        """``[R]`` replica copies each rank sends or receives under ``plan`` (the copy tree's edges that touch it),
+        where the host runtime copies them (``copy_s_per_byte > 0``); None elsewhere or without replicas."""
+        if self.params.copy_s_per_byte <= 0 or plan.num_replicas == 0 or plan.expert_domains is not None:
+            return None
+        tree = self.replica_tree(plan)
+        R = self.topology.num_ranks
+        return (np.bincount(tree.src, minlength=R) + np.bincount(tree.dst, minlength=R)).astype(np.float64)
+
+    def copy_time(self, plan: Plan, moves_R: np.ndarray | None = None) -> float:
         """Exposed host copies of ``plan``'s replicas: the busiest rank's bytes packed/unpacked (weights) and,
-        in training, packed/reduced (fp32 gradients), at ``copy_s_per_byte``."""
+        in training, packed/reduced (fp32 gradients), at ``copy_s_per_byte``; ``moves_R``: the plan's
+        :meth:`replica_moves_R` when the caller has them."""
         p = self.params
         if p.copy_s_per_byte <= 0 or plan.num_replicas == 0:
             return 0.0
-        tree = self.replica_tree(plan)
-        R = self.topology.num_ranks
-        moves = np.bincount(tree.src, minlength=R) + np.bincount(tree.dst, minlength=R)
+        moves = self.replica_moves_R(plan) if moves_R is None else moves_R
+        if moves is None:
+            return 0.0
         nbytes = moves * self.expert_bytes
         if p.mode == "training":
             nbytes = nbytes + moves * self.grad_bytes
@@ -533,7 +568,8 @@ class CostModel:
                   ag_bytes, engine_s: float = 0.0, master_s: float | None = None,
                   copy_s: float = 0.0) -> CostBreakdown:
         p = self.params
-        comp_R = self.compute_time_R(tr.tokens_R, tr.instances_R, replicas_R=tr.replica_instances_R)
+        comp_R = self.compute_time_R(tr.tokens_R, tr.instances_R, replicas_R=tr.replica_instances_R,
+                                     moves_R=tr.replica_moves_R)
         compute = self.busiest_compute_s(comp_R)
         a2a = 2.0 * self.dispatch_time(tr)
         # Pre-dispatch critical path: planning, then replica weights (dispatch waits for them).
@@ -561,10 +597,12 @@ class CostModel:
                + p.call_overhead_s)
         if p.mode == "training":
             same = (self.half_tokens_bwd == self.half_tokens and self.replica_instance_s_bwd == p.replica_instance_s
+                    and self.replica_move_s_bwd == p.replica_move_s
                     and p.backward_corun_slowdown in (None, p.corun_slowdown)
                     and p.backward_compute_noise in (None, p.compute_noise))
             comp_b = p.backward_compute_factor * (compute if same else self.busiest_compute_s(
-                self.compute_time_R(tr.tokens_R, tr.instances_R, backward=True, replicas_R=tr.replica_instances_R),
+                self.compute_time_R(tr.tokens_R, tr.instances_R, backward=True, replicas_R=tr.replica_instances_R,
+                                    moves_R=tr.replica_moves_R),
                 backward=True))
             a2a_b = p.backward_a2a_factor * a2a
             restore = max(0.0, wsync - p.non_moe_bwd_s) if (p.restore_in_backward and wsync > 0) else 0.0
@@ -590,6 +628,7 @@ class CostModel:
             imbalance=float(tokens.max() / mean) if mean > 0 else 1.0,
             rank_tokens_R=tokens, instances_R=np.asarray(tr.instances_R, dtype=np.float64),
             replicas_R=None if tr.replica_instances_R is None else np.asarray(tr.replica_instances_R, dtype=np.float64),
+            moves_R=tr.replica_moves_R,
             sec_per_token=self.sec_per_token,
             replica_tokens=float(np.sum(tr.replica_tokens_R)) if tr.replica_tokens_R is not None else 0.0,
             replica_instances=float(np.sum(tr.replica_instances_R)) if tr.replica_instances_R is not None else 0.0,
@@ -630,23 +669,24 @@ def half_tokens_from_spread(tokens_R: np.ndarray, instances_R: np.ndarray, measu
 # ---------------------------------------------------------------------------------------------- compute fit
 # What expert compute costs, fitted over every rank of every measured call (issue 35).
 #
-# Legend: R ranks, K slowdowns tried (FIT_SLOWDOWNS), 3 unknowns.
+# Legend: R ranks, K slowdowns tried (FIT_SLOWDOWNS), 4 unknowns.
 #
-# A rank's expert compute, as alone, is ``w_r = a·n_r + b·i_r + d·p_r`` in model seconds: ``n_r`` tokens and ``i_r``
-# active instances at the layer's seconds per token (``CostModel.sec_per_token``), so ``a`` is ``compute_scale`` and
-# ``b / a`` the per-instance cost in tokens (``half_tokens``), and ``p_r`` replica instances at ``d`` seconds each
-# (``replica_instance_s``). Ranks that share one host slow each other while they compute
+# A rank's expert compute, as alone, is ``w_r = a·n_r + b·i_r + d·p_r + e·m_r`` in model seconds: ``n_r`` tokens and
+# ``i_r`` active instances at the layer's seconds per token (``CostModel.sec_per_token``), so ``a`` is
+# ``compute_scale`` and ``b / a`` the per-instance cost in tokens (``half_tokens``), ``p_r`` replica instances at
+# ``d`` seconds each (``replica_instance_s``) and ``m_r`` replica copies the rank sends or receives at ``e`` seconds
+# each (``replica_move_s``: on a host, the transport's copies run on the cores that compute; 0 where not modelled). Ranks that share one host slow each other while they compute
 # (``CostParams.corun_slowdown`` = k): ordered by work, the rank with the least finishes at ``(1 + k (R - 1)) w``, the
 # next that plus ``(1 + k (R - 2))`` times its remaining work, and so on. For a fixed k every rank's measured time is
-# linear in ``(a, b, d)``, and every rank's row is linear in k, so three matrices hold the least-squares sums of every
+# linear in ``(a, b, d, e)``, and every rank's row is linear in k, so three matrices hold the least-squares sums of every
 # k of FIT_SLOWDOWNS at once, and the best k wins.
 #
 #     Step 1 (:meth:`ComputeFit.add`, every measured call): each rank gives one row, divided by its measured seconds so
 #            that every rank weighs by its relative error; older sums decay by FIT_DECAY per call of the same
 #            policy and FIT_STALE_DECAY per call of another (the machine drifts, and one policy's calls must not
 #            wash out the few of a probed one: :class:`ComputeFit`).
-#     Step 2 (:meth:`ComputeFit.solve`): per k the non-negative least squares of the three unknowns (every subset of
-#            them tried: 7 small solves, batched over k); the smallest k whose residual is within FIT_TIE of the
+#     Step 2 (:meth:`ComputeFit.solve`): per k the non-negative least squares of the four unknowns (every subset
+#            of them tried: 15 small solves, batched over k); the smallest k whose residual is within FIT_TIE of the
 #            best one's (balanced calls cannot tell a slowdown from a slower machine: only uneven ones can).
 #
 # Why: one ratio per uneven call (the slowest rank over the least busy) learned the per-instance cost from a few
@@ -666,14 +706,17 @@ FIT_TIE = 0.01
 FIT_MIN_CALLS = 4
 #: a solved fit is kept for this many calls (the sums move slowly; a solve costs ~0.15 ms on the decision's path)
 FIT_SOLVE_EVERY = 4
-#: ``[7, 3]`` which unknowns each subset solves for (every non-empty subset)
-_FIT_MASKS = np.array([[float(j in sub) for j in range(3)] for m in (1, 2, 3) for sub in combinations(range(3), m)])
+#: the unknowns: a (tokens), b (instances), d (replica instances), e (replica copies)
+FIT_UNKNOWNS = 4
+#: ``[15, 4]`` which unknowns each subset solves for (every non-empty subset)
+_FIT_MASKS = np.array([[float(j in sub) for j in range(FIT_UNKNOWNS)] for m in range(1, FIT_UNKNOWNS + 1)
+                       for sub in combinations(range(FIT_UNKNOWNS), m)])
 
 
 @dataclass(frozen=True)
 class FittedCompute:
     """One solved fit: the slowdown ``k``, ``a`` (s per model second of tokens), ``b`` (s per instance's model
-    second), ``d`` (s per replica instance), and the calls behind it."""
+    second), ``d`` (s per replica instance), ``e`` (s per replica copy sent or received), and the calls behind it."""
 
     k: float
     a: float
@@ -681,6 +724,7 @@ class FittedCompute:
     d: float
     calls: int
     noise: float = 0.0  # the ranks' relative spread around the fit within a call (CostParams.compute_noise)
+    e: float = 0.0
 
 
 def corun_finish(t_R: np.ndarray, k: float) -> np.ndarray:
@@ -707,14 +751,18 @@ def _norm_cdf(z: np.ndarray) -> np.ndarray:
 
 
 #: grid points of :func:`expected_max`'s integral, and its reach in standard deviations of the largest mean
-EMAX_POINTS, EMAX_REACH = 96, 6.0
+EMAX_POINTS, EMAX_REACH = 192, 6.0
+#: the points added across a narrow rank's spread, in its standard deviations
+EMAX_FINE = np.linspace(-4.0, 4.0, 17)
 
 
 def expected_max(mean_R: np.ndarray, noise: float) -> float:
     """E[max_r X_r] for independent ``X_r ~ N(m_r, (noise m_r)^2)``: ``lo + integral_lo^hi (1 - prod_r Phi((x - m_r)
     / (noise m_r))) dx``, where below ``lo`` (6 standard deviations under the largest mean) the product is 0 to
-    within 1e-9, above ``hi`` 1. Ranks that cannot reach ``lo`` are left out; the trapezoid over 96 points is
-    within 1e-4 relative of the exact value (tests). ``noise`` 0: the largest mean."""
+    within 1e-9, above ``hi`` 1. Ranks that cannot reach ``lo`` are left out; the trapezoid over 192 points, and
+    17 more across each narrow rank's spread, is within 1e-4 relative of the exact value (tests; 96 points and no
+    narrow ranks' points were 2.2-2.7e-4 off at noise 0.5 with ranks of 0.25 or 9.5 beside 8). ``noise`` 0: the largest
+    mean."""
     m = np.asarray(mean_R, dtype=np.float64)
     top = float(m.max()) if m.size else 0.0
     if noise <= 0 or top <= 0:
@@ -723,6 +771,14 @@ def expected_max(mean_R: np.ndarray, noise: float) -> float:
     hi = top * (1.0 + EMAX_REACH * noise)
     m = m[(m > 0) & (m * (1.0 + EMAX_REACH * noise) > lo)]  # an idle rank (0 s) never finishes last
     x = np.linspace(lo, hi, EMAX_POINTS)
+    # a rank whose spread spans fewer than 4 of the grid's steps moves the product within a few steps: the grid gets
+    # points across its spread (its mean +- 4 standard deviations; ranks within a quarter step share them). Without
+    # them means (8, 0.25, 0.25) at noise 0.5 came out 2.2e-4 high (hypothesis, 2026-11-26)
+    step = (hi - lo) / (EMAX_POINTS - 1)
+    narrow = m[noise * m < 4.0 * step]
+    if narrow.size:
+        narrow = np.unique(np.round(narrow / (step / 4))) * (step / 4)
+        x = np.union1d(x, np.clip((narrow[:, None] * (1.0 + noise * EMAX_FINE[None, :])).ravel(), lo, hi))
     F = _norm_cdf((x[:, None] - m[None, :]) / (noise * m[None, :])).prod(axis=1)
     y = 1.0 - F
     return lo + float(((y[1:] + y[:-1]) * np.diff(x)).sum() / 2.0)
@@ -747,10 +803,11 @@ class _FitSums:
     """The decaying least-squares sums of one regime's calls (see :class:`ComputeFit`)."""
 
     def __init__(self) -> None:
-        self.G = np.zeros((3, 3, 3))  # sums of D0'D0, D0'D1 + D1'D0, D1'D1: G(k) = G[0] + k G[1] + k^2 G[2]
-        self.g = np.zeros((2, 3))  # sums of D0, D1: g(k) = g[0] + k g[1] (the target is 1 per row)
+        U = FIT_UNKNOWNS
+        self.G = np.zeros((3, U, U))  # sums of D0'D0, D0'D1 + D1'D0, D1'D1: G(k) = G[0] + k G[1] + k^2 G[2]
+        self.g = np.zeros((2, U))  # sums of D0, D1: g(k) = g[0] + k g[1] (the target is 1 per row)
         self.c = 0.0  # rows
-        self.H = np.zeros((3, 3, 3))  # the same sums over rows centred within their call: the ranks' spread
+        self.H = np.zeros((3, U, U))  # the same sums over rows centred within their call: the ranks' spread
         self.dof = 0.0  # rows minus calls (the spread's degrees of freedom)
 
     def decay(self, w: float) -> None:
@@ -783,17 +840,19 @@ class ComputeFit:
     H = property(lambda self: sum(r.H for r in self._regimes.values()))
     dof = property(lambda self: sum(r.dof for r in self._regimes.values()))
 
-    def add(self, tokens_R, instances_R, replicas_R, t_R, sec_per_token: float, regime: str = "") -> bool:
+    def add(self, tokens_R, instances_R, replicas_R, t_R, sec_per_token: float, regime: str = "",
+            moves_R=None) -> bool:
         """Fold one call in: ``[R]`` tokens, active instances, replica instances and measured seconds per rank;
-        ``regime``: the policy whose plan ran it. Ranks that computed nothing or measured nothing are left out;
-        False when no rank was usable."""
+        ``regime``: the policy whose plan ran it; ``moves_R``: replica copies each rank sent or received (None: 0).
+        Ranks that computed nothing or measured nothing are left out; False when no rank was usable."""
         n, i, p, t = (np.asarray(x, dtype=np.float64) for x in (tokens_R, instances_R, replicas_R, t_R))
+        m = np.zeros_like(n) if moves_R is None else np.asarray(moves_R, dtype=np.float64)
         use = (t > 0) & (n > 0)
         if use.sum() == 0 or not np.all(np.isfinite(t)):
             return False
-        X = np.stack([n * sec_per_token, i * sec_per_token, p], axis=1)  # [R, 3] model seconds
+        X = np.stack([n * sec_per_token, i * sec_per_token, p, m], axis=1)  # [R, 4] model seconds
         A0, A1 = corun_matrices(t)
-        D0, D1 = ((A @ X)[use] / t[use, None] for A in (A0, A1))  # [R', 3]: each row over its measurement
+        D0, D1 = ((A @ X)[use] / t[use, None] for A in (A0, A1))  # [R', 4]: each row over its measurement
         C0, C1 = D0 - D0.mean(axis=0), D1 - D1.mean(axis=0)  # centred: their fitted values are the ranks' spread
         for key, sums in self._regimes.items():
             sums.decay(FIT_DECAY if key == regime else FIT_STALE_DECAY)
@@ -827,12 +886,13 @@ class ComputeFit:
         # (solved in unknowns scaled to a unit diagonal: tokens, instances and replicas differ by orders of magnitude)
         diag = np.einsum("kii->ki", GK)
         u = np.where(diag > 0, 1.0 / np.sqrt(np.where(diag > 0, diag, 1.0)), 1.0)  # [K, 3]
-        GU = GK * u[:, :, None] * u[:, None, :] + 1e-12 * np.eye(3)
-        M = _FIT_MASKS[:, None, :]  # [S, 1, 3]
-        sel = M[..., :, None] * M[..., None, :]  # [S, 1, 3, 3]
-        A = np.where(sel > 0, GU[None], np.eye(3))  # [S, K, 3, 3]
+        U = FIT_UNKNOWNS
+        GU = GK * u[:, :, None] * u[:, None, :] + 1e-12 * np.eye(U)
+        M = _FIT_MASKS[:, None, :]  # [S, 1, U]
+        sel = M[..., :, None] * M[..., None, :]  # [S, 1, U, U]
+        A = np.where(sel > 0, GU[None], np.eye(U))  # [S, K, U, U]
         try:
-            W = np.linalg.solve(A, (gK * u)[None, ..., None] * M[..., None])[..., 0] * u[None]  # [S, K, 3]
+            W = np.linalg.solve(A, (gK * u)[None, ..., None] * M[..., None])[..., 0] * u[None]  # [S, K, U]
         except np.linalg.LinAlgError:
             return None
         resid = np.einsum("ski,kij,skj->sk", W, GK, W) - 2 * np.einsum("ski,ki->sk", W, gK) + self.c  # [S, K]
@@ -847,13 +907,13 @@ class ComputeFit:
         kk = int(np.flatnonzero(best_r <= floor * (1 + FIT_TIE) + 1e-9 * self.c)[0])  # the smallest near the best
         if not np.isfinite(best_r[kk]) or best_w[kk, 0] <= 0:
             return None
-        a, b, d = (float(x) for x in best_w[kk])
+        a, b, d, e = (float(x) for x in best_w[kk])
         k_ = float(FIT_SLOWDOWNS[kk])
         # the ranks' relative spread within a call: a rank's residual minus its call's mean residual is C w (the
         # target, 1 per row, centres to 0), so its mean square is w' H(k) w over the degrees of freedom
         spread = float(best_w[kk] @ (self.H[0] + k_ * self.H[1] + k_ * k_ * self.H[2]) @ best_w[kk])
         noise = float(np.sqrt(max(spread, 0.0) / self.dof)) if self.dof > 0 else 0.0
-        return FittedCompute(k_, a, b, d, self.calls, min(noise, 1.0))
+        return FittedCompute(k_, a, b, d, self.calls, min(noise, 1.0), e)
 
 
 # ---------------------------------------------------------------------------------------------- calibration
@@ -1054,8 +1114,8 @@ class Calibrator:
     def _fit_compute(self, predicted: CostBreakdown, rank_compute_s: dict[str, np.ndarray],
                      policy: str = "") -> dict[str, float]:
         """Fold every rank's measured compute into the fits; once the forward's is solved, the compute parameters it
-        and the backward's give (``compute_scale``, ``half_tokens``, ``replica_instance_s``, ``corun_slowdown``,
-        ``compute_noise`` and their backward counterparts) replace what the call-level ratios learned. {} while the
+        and the backward's give (``compute_scale``, ``half_tokens``, ``replica_instance_s``, ``replica_move_s``,
+        ``corun_slowdown``, ``compute_noise`` and their backward counterparts) replace what the call-level ratios learned. {} while the
         fits lack calls."""
         n, i = predicted.rank_tokens_R, predicted.instances_R
         if n is None or i is None or predicted.sec_per_token <= 0:
@@ -1063,16 +1123,17 @@ class Calibrator:
         rep = predicted.replicas_R if predicted.replicas_R is not None else np.zeros_like(n)
         for key, t_R in rank_compute_s.items():
             if key in self.fits and t_R is not None and len(t_R) == len(n):
-                self.fits[key].add(n, i, rep, t_R, predicted.sec_per_token, regime=policy)
+                self.fits[key].add(n, i, rep, t_R, predicted.sec_per_token, regime=policy, moves_R=predicted.moves_R)
         fwd = self.fits["compute_fwd_s"].solve()
         if fwd is None:
             return {}
         out = {"compute_scale": fwd.a, "half_tokens": fwd.b / fwd.a, "replica_instance_s": fwd.d,
-               "corun_slowdown": fwd.k, "compute_noise": fwd.noise}
+               "replica_move_s": fwd.e, "corun_slowdown": fwd.k, "compute_noise": fwd.noise}
         bwd = self.fits["compute_bwd_s"].solve()
         if bwd is not None and bwd.a > 0:
             out.update(backward_compute_factor=bwd.a / fwd.a, backward_half_tokens=bwd.b / bwd.a,
                        backward_replica_instance_s=bwd.d * fwd.a / bwd.a,  # before the factor, as the model applies it
+                       backward_replica_move_s=bwd.e * fwd.a / bwd.a,
                        backward_corun_slowdown=bwd.k, backward_compute_noise=bwd.noise)
         return out
 
