@@ -675,11 +675,12 @@ def half_tokens_from_spread(tokens_R: np.ndarray, instances_R: np.ndarray, measu
 # ``i_r`` active instances at the layer's seconds per token (``CostModel.sec_per_token``), so ``a`` is
 # ``compute_scale`` and ``b / a`` the per-instance cost in tokens (``half_tokens``), ``p_r`` replica instances at
 # ``d`` seconds each (``replica_instance_s``) and ``m_r`` replica copies the rank sends or receives at ``e`` seconds
-# each (``replica_move_s``: on a host, the transport's copies run on the cores that compute; 0 where not modelled). Ranks that share one host slow each other while they compute
-# (``CostParams.corun_slowdown`` = k): ordered by work, the rank with the least finishes at ``(1 + k (R - 1)) w``, the
-# next that plus ``(1 + k (R - 2))`` times its remaining work, and so on. For a fixed k every rank's measured time is
-# linear in ``(a, b, d, e)``, and every rank's row is linear in k, so three matrices hold the least-squares sums of every
-# k of FIT_SLOWDOWNS at once, and the best k wins.
+# each (``replica_move_s``: on a host, the transport's copies run on the cores that compute; 0 where not modelled).
+# Ranks that share one host slow each other while they compute (``CostParams.corun_slowdown`` = k): ordered by work,
+# the rank with the least finishes at ``(1 + k (R - 1)) w``, the next that plus ``(1 + k (R - 2))`` times its
+# remaining work, and so on. For a fixed k every rank's measured time is linear in ``(a, b, d, e)``, and every rank's
+# row is linear in k, so three matrices hold the least-squares sums of every k of FIT_SLOWDOWNS at once, and the best
+# k wins.
 #
 #     Step 1 (:meth:`ComputeFit.add`, every measured call): each rank gives one row, divided by its measured seconds so
 #            that every rank weighs by its relative error; older sums decay by FIT_DECAY per call of the same
@@ -760,9 +761,8 @@ def expected_max(mean_R: np.ndarray, noise: float) -> float:
     """E[max_r X_r] for independent ``X_r ~ N(m_r, (noise m_r)^2)``: ``lo + integral_lo^hi (1 - prod_r Phi((x - m_r)
     / (noise m_r))) dx``, where below ``lo`` (6 standard deviations under the largest mean) the product is 0 to
     within 1e-9, above ``hi`` 1. Ranks that cannot reach ``lo`` are left out; the trapezoid over 192 points, and
-    17 more across each narrow rank's spread, is within 1e-4 relative of the exact value (tests; 96 points and no
-    narrow ranks' points were 2.2-2.7e-4 off at noise 0.5 with ranks of 0.25 or 9.5 beside 8). ``noise`` 0: the largest
-    mean."""
+    17 more across each narrow rank's spread, is within 1e-4 relative of the exact value (tests; at 96 points ranks
+    of 0.25 or 9.5 beside 8 at noise 0.5 came out 2.2-2.7e-4 off). ``noise`` 0: the largest mean."""
     m = np.asarray(mean_R, dtype=np.float64)
     top = float(m.max()) if m.size else 0.0
     if noise <= 0 or top <= 0:
