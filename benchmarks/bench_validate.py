@@ -101,7 +101,7 @@ def calibration_calls(run_dir: Path, run_id: str, names) -> dict[str, int]:
     """``{policy: calls}`` of each of ``names`` that the calibrating run ``run_dir`` measured over all its steps (warm-up
     included: its engine learned from every call): what each prediction rests on. An adaptive run's are its decisions;
     a fixed policy's run measured only that policy. The fit learns what one policy's calls cost from those calls: a
-    policy the engine ran 3 of 40 calls is predicted from 3 calls whose layer time varies 3-13 % from call to call
+    policy the engine ran 3 of 40 calls is predicted from 3 calls whose layer time varies 2-13 % from call to call
     (2026-11-26, seventh session)."""
     from ultraep.telemetry import open_run
 
