@@ -238,8 +238,7 @@ class AdaptivePolicy:
                 # "probe" of it cancelled the switch this decision had chosen)
                 chosen, reason, probe = probe_of, self.schedule.reason(probe_of, self.current), True
         self._anchor_predictions(topology, plans, resident, names=[chosen])  # what its outcome is measured against
-        if idle:
-            reason = f"idle: {self.fallback} in force, nothing in contention, exploration budget spent"
+        reason = f"idle: {self.fallback} in force, nothing in contention, exploration budget spent" if idle else reason
         facts = {"late": late, "same_as_none": same, "screened": list(screened), "pending": pending, "probe": probe,
                  "confirm": confirm is not None,
                  "none_clear": _clear_win(feasible, best, self.fallback, self.switch_now), "idle": idle,
@@ -288,7 +287,8 @@ class AdaptivePolicy:
         self.outcomes.restart = chosen if a.get("confirm") else None  # a confirmation replaces its stale history
         self.outcomes.decisions += 1
         same, idle = set(a.get("same_as_none", ())), bool(a.get("idle"))
-        self.schedule.record(self.policies, chosen, preds, same, bool(a.get("none_clear")), weighed=not idle)
+        self.schedule.record(self.policies, chosen, preds, same, bool(a.get("none_clear")), weighed=not idle,
+                             left=None if a.get("probe") else a.get("previous"))
         weighing, self._weighing = self._weighing, None
         if not idle and weighing is not None:
             self.budget.note(preds, self.fallback, same, weighing["floors"], weighing["stake_s"])

@@ -8,6 +8,16 @@ since it was last planned, and its losing streak; from these it says which candi
 
 Regret bound: a resting candidate is re-planned at least once per ``probe_every`` decisions, and a probe runs
 a candidate predicted at most ``probe_max_loss`` slower than the best, once per ``probe_every`` decisions.
+
+Re-check after a switch: where outcomes are measured, the policy a switch left is probed again after
+``probe_every / 8`` decisions, and that fresh measurement replaces its history (the tracker's ``restart``). A
+switch weighs one fresh measurement of the target against the median of the policy in force's last runs, which
+can reach back to calls the clock cannot credit (the policy in force has no later runs to read the machine's level
+on). On the runtime at the default shape (2026-11-26) quota's four runs in the engine's first 14 calls measured
+592-687 ms (its own run settled at 600-615), one eplb probe measured 667, the engine switched to eplb, and quota
+was not measured again within the 40-call run: adaptive ran 11 % slower than quota's own run. A candidate is
+re-checked at most once per ``probe_every`` decisions, so two candidates within noise of each other cannot make
+the engine alternate between them on re-checks.
 """
 
 from __future__ import annotations
@@ -40,6 +50,9 @@ class ProbeSchedule:
         self._ran: set[str] = set()  # candidates that ran at least once
         self._none_streak = 0  # consecutive decisions the fallback won by more than switch_now
         self._lost: dict[str, int] = {}  # consecutive decisions a planned candidate lost by more than switch_now
+        self._recheck: set[str] = set()  # candidates a switch left, not measured since (re-checked sooner)
+        self._left_at: dict[str, int] = {}  # the decision each candidate was last marked for a re-check
+        self._recorded = 0  # decisions recorded
 
     # ------------------------------------------------------------------ reading the schedule
     def has_run(self, name: str) -> bool:
@@ -49,9 +62,9 @@ class ProbeSchedule:
         return self.probe_every if name not in self._ran else self._since.get(name, 0)
 
     def period(self, name: str) -> int:
-        """``probe_every``, or ``probe_every / 8`` for a candidate measured fewer than FEW_RUNS times (only where
-        outcomes are measured at all: a simulation measures nothing)."""
-        few = self.outcomes.observed and self.outcomes.runs(name) < FEW_RUNS
+        """``probe_every``, or ``probe_every / 8`` for a candidate measured fewer than FEW_RUNS times or left by a
+        switch and not measured since (only where outcomes are measured at all: a simulation measures nothing)."""
+        few = self.outcomes.observed and (self.outcomes.runs(name) < FEW_RUNS or name in self._recheck)
         return max(1, self.probe_every // 8) if few else self.probe_every
 
     def due(self, name: str) -> bool:
@@ -121,6 +134,8 @@ class ProbeSchedule:
 
     def reason(self, name: str, current: str | None) -> str:
         """The decision's reason when ``name`` is probed while ``current`` stays in force."""
+        if name in self._recheck:
+            return f"probe: {name} re-checked after the switch to {current} (its runs before it are replaced)"
         why = "has not run yet" if name not in self._ran else f"last ran {self.since_run(name)} decisions ago"
         return f"probe: {name} {why} (kept {current})"
 
@@ -130,12 +145,22 @@ class ProbeSchedule:
         self._ran.discard(name)
 
     def record(self, names, chosen: str, predictions: dict[str, float], same: set[str], fallback_clear: bool,
-               weighed: bool = True) -> None:
+               weighed: bool = True, left: str | None = None) -> None:
         """One committed decision: ``chosen`` ran; the candidates in ``predictions`` were planned (the others in
         ``names`` were not); a planned candidate lost clearly if predicted slower than the chosen one by more
         than ``switch_now``, or did what the fallback does (``same``); ``fallback_clear``: the fallback won clearly.
-        A decision that weighed nothing (``weighed=False``: the exploration budget's idle one) leaves the streaks."""
+        A decision that weighed nothing (``weighed=False``: the exploration budget's idle one) leaves the streaks.
+        ``left``: the policy in force before this decision, unless this decision was a probe (a switch from
+        ``left`` to ``chosen`` marks ``left`` for a re-check, at most once per ``probe_every`` decisions)."""
+        self._recorded += 1
         self._ran.add(chosen)
+        if chosen in self._recheck:  # the re-check: its fresh measurement replaces its history
+            self._recheck.discard(chosen)
+            self.outcomes.restart = chosen
+        if (left not in (None, chosen) and self.outcomes.observed and self.probe_every > 0
+                and self._recorded - self._left_at.get(left, -self.probe_every) >= self.probe_every):
+            self._recheck.add(left)
+            self._left_at[left] = self._recorded
         for n in names:
             self._since[n] = 0 if n == chosen else self._since.get(n, 0) + 1
             self._unplanned[n] = 0 if n in predictions else self._unplanned.get(n, 0) + 1

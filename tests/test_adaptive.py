@@ -343,3 +343,45 @@ def test_a_switch_on_a_stale_measurement_measures_the_target_again_first():
     assert wanted and wanted[0]["reason"].startswith("confirm: none -> quota") and wanted[0]["probe"]
     assert not any(a["reason"].startswith("switch") for a in seen)  # measured again, quota still loses
     assert pol.current == "none"
+
+
+def test_the_policy_a_switch_left_is_measured_again_and_taken_back_when_it_wins():
+    """The runtime at the default shape (2026-11-26): quota's runs in the engine's first calls were slow (the
+    machine's first calls), one eplb probe right after measured below quota's median of those, the engine switched
+    to eplb, and quota was not measured again in the run (11 % slower than quota's own run). The policy a switch
+    left is re-checked within probe_every / 8 decisions, its fresh measurement replacing its history."""
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota", "eplb"), probe_every=32)
+    truth = {"none": 2e-3, "quota": 1.0e-3, "eplb": 1.08e-3}
+    chosen = _drive(pol, cm, _load(1.0), truth, lambda i, n: 1.2 if i < 8 else 1.0, 40)  # slow first 8 calls
+    switch = next(i for i in range(1, 40) if chosen[i] == chosen[i - 1] == "eplb")  # eplb in force (not a probe)
+    assert switch < 16  # the scenario: the engine did switch to eplb on quota's stale runs
+    back = next(i for i in range(switch, 40) if chosen[i] == "quota")
+    assert back - switch <= 32 // 8 + 2  # re-checked within probe_every / 8 (before: at the next probe, 32 later)
+    assert pol.current == "quota" and chosen[-10:] == ["quota"] * 10
+    assert chosen[back:].count("eplb") <= 2  # eplb, left in turn, is re-checked once, then rests
+
+
+def test_a_candidate_is_re_checked_at_most_once_per_probe_period():
+    from policies.probes import ProbeSchedule
+
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=16)
+    pol.outcomes.observed = 5  # outcomes are measured (the runtime)
+    s: ProbeSchedule = pol.schedule
+    names = ("none", "quota")
+    rechecked = lambda n: s.reason(n, "x").startswith(f"probe: {n} re-checked")  # noqa: E731
+    s.record(names, "quota", {"none": 2.0, "quota": 1.0}, set(), False, left="none")  # none -> quota
+    assert rechecked("none") and not rechecked("quota")
+    s.record(names, "none", {"none": 2.0, "quota": 1.0}, set(), False, left=None)  # the re-check (a probe)
+    assert pol.outcomes.restart == "none" and not rechecked("none")  # its fresh run replaces its history
+    s.record(names, "none", {"none": 1.0, "quota": 2.0}, set(), False, left="quota")  # switched back
+    assert rechecked("quota")  # quota's first re-check
+    s.record(names, "quota", {"none": 2.0, "quota": 1.0}, set(), False, left="none")  # and forth again
+    assert not rechecked("quota")  # it ran
+    assert not rechecked("none")  # none was marked 3 decisions ago: not again within probe_every
+    for _ in range(16):
+        s.record(names, "quota", {"none": 2.0, "quota": 1.0}, set(), False, left="quota")
+    s.record(names, "none", {"none": 1.0, "quota": 2.0}, set(), False, left="quota")
+    s.record(names, "quota", {"none": 2.0, "quota": 1.0}, set(), False, left="none")
+    assert rechecked("none")  # a probe period later, a switch marks it again
