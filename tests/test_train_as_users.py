@@ -9,7 +9,8 @@ wrapped model. After each step the unwrapped model takes the wrapped model's par
 every rank), so each step compares one forward and backward at the same parameters: fp32 rounding of one pass,
 not Adam's amplification of last-bit differences compounded over steps (an element whose gradient is rounding
 noise moves by the full learning rate), which made a fixed tolerance a matter of the CPU's kernels. A replica left
-stale after an optimizer step, or a master stepped twice, still shows at the next step.
+stale after an optimizer step still shows at the next step (its rows are computed with old weights); the optimizer
+step itself is torch's, on the parameters and gradients compared here.
 
 Every rank computes that reference itself (the batches are a function of rank and step), so each scenario is
 one launch. The token batches use three ids, so routing is skewed and the planners make replicas (asserted).
