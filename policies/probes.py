@@ -51,8 +51,7 @@ class ProbeSchedule:
         self._none_streak = 0  # consecutive decisions the fallback won by more than switch_now
         self._lost: dict[str, int] = {}  # consecutive decisions a planned candidate lost by more than switch_now
         self._recheck: set[str] = set()  # candidates a switch left, not measured since (re-checked sooner)
-        self._left_at: dict[str, int] = {}  # the decision each candidate was last marked for a re-check
-        self._recorded = 0  # decisions recorded
+        self._left_at: dict[str, int] = {}  # the decision (outcomes.decisions) each was last marked for a re-check
 
     # ------------------------------------------------------------------ reading the schedule
     def has_run(self, name: str) -> bool:
@@ -151,16 +150,16 @@ class ProbeSchedule:
         than ``switch_now``, or did what the fallback does (``same``); ``fallback_clear``: the fallback won clearly.
         A decision that weighed nothing (``weighed=False``: the exploration budget's idle one) leaves the streaks.
         ``left``: the policy in force before this decision, unless this decision was a probe (a switch from
-        ``left`` to ``chosen`` marks ``left`` for a re-check, at most once per ``probe_every`` decisions)."""
-        self._recorded += 1
+        ``left`` to ``chosen`` marks ``left`` for a re-check, at most once per ``probe_every`` decisions, counted by
+        ``outcomes.decisions``, which the chooser advances before it records)."""
         self._ran.add(chosen)
         if chosen in self._recheck:  # the re-check: its fresh measurement replaces its history
             self._recheck.discard(chosen)
             self.outcomes.restart = chosen
         if (left not in (None, chosen) and self.outcomes.observed and self.probe_every > 0
-                and self._recorded - self._left_at.get(left, -self.probe_every) >= self.probe_every):
+                and self.outcomes.decisions - self._left_at.get(left, -self.probe_every) >= self.probe_every):
             self._recheck.add(left)
-            self._left_at[left] = self._recorded
+            self._left_at[left] = self.outcomes.decisions
         for n in names:
             self._since[n] = 0 if n == chosen else self._since.get(n, 0) + 1
             self._unplanned[n] = 0 if n in predictions else self._unplanned.get(n, 0) + 1

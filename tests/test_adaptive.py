@@ -371,17 +371,22 @@ def test_a_candidate_is_re_checked_at_most_once_per_probe_period():
     s: ProbeSchedule = pol.schedule
     names = ("none", "quota")
     rechecked = lambda n: s.reason(n, "x").startswith(f"probe: {n} re-checked")  # noqa: E731
-    s.record(names, "quota", {"none": 2.0, "quota": 1.0}, set(), False, left="none")  # none -> quota
+
+    def record(chosen, preds, left):  # one committed decision, as AdaptivePolicy.commit records it
+        pol.outcomes.decisions += 1
+        s.record(names, chosen, preds, set(), False, left=left)
+
+    record("quota", {"none": 2.0, "quota": 1.0}, "none")  # none -> quota
     assert rechecked("none") and not rechecked("quota")
-    s.record(names, "none", {"none": 2.0, "quota": 1.0}, set(), False, left=None)  # the re-check (a probe)
+    record("none", {"none": 2.0, "quota": 1.0}, None)  # the re-check (a probe)
     assert pol.outcomes.restart == "none" and not rechecked("none")  # its fresh run replaces its history
-    s.record(names, "none", {"none": 1.0, "quota": 2.0}, set(), False, left="quota")  # switched back
+    record("none", {"none": 1.0, "quota": 2.0}, "quota")  # switched back
     assert rechecked("quota")  # quota's first re-check
-    s.record(names, "quota", {"none": 2.0, "quota": 1.0}, set(), False, left="none")  # and forth again
+    record("quota", {"none": 2.0, "quota": 1.0}, "none")  # and forth again
     assert not rechecked("quota")  # it ran
     assert not rechecked("none")  # none was marked 3 decisions ago: not again within probe_every
     for _ in range(16):
-        s.record(names, "quota", {"none": 2.0, "quota": 1.0}, set(), False, left="quota")
-    s.record(names, "none", {"none": 1.0, "quota": 2.0}, set(), False, left="quota")
-    s.record(names, "quota", {"none": 2.0, "quota": 1.0}, set(), False, left="none")
+        record("quota", {"none": 2.0, "quota": 1.0}, "quota")
+    record("none", {"none": 1.0, "quota": 2.0}, "quota")
+    record("quota", {"none": 2.0, "quota": 1.0}, "none")
     assert rechecked("none")  # a probe period later, a switch marks it again

@@ -38,7 +38,7 @@ can record through the telemetry recorder) the prediction next to the measuremen
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from itertools import combinations
 from typing import Any, Literal
 
@@ -457,8 +457,6 @@ class CostModel:
             return self.predict_hybrid(plan.load_RE, dom.size, dom.compression, fetched=dom.fetched)
         tr = self.traffic(plan)
         moves_R = self.replica_moves_R(plan)
-        if moves_R is not None:
-            tr = replace(tr, replica_moves_R=moves_R)
         ag_bytes_R = None if dom is None else self.allgather_bytes_R(dom.size, dom.compression, dom.fetched)
         if sync_s is None:
             sync_s = plan.sync_s
@@ -472,13 +470,14 @@ class CostModel:
             tr, plan_s=self.planner_time(plan), wsync=wsync,
             grad_s=self.grad_reduce_time(plan) if self.params.mode == "training" else 0.0,
             overlap_static=plan.static_overlap, ag_bytes=ag_bytes_R,
-            engine_s=float(plan.engine_s), master_s=master_s, copy_s=self.copy_time(plan, moves_R),
+            engine_s=float(plan.engine_s), master_s=master_s, copy_s=self.copy_time(plan, moves_R), moves_R=moves_R,
         )
 
     def replica_moves_R(self, plan: Plan) -> np.ndarray | None:
         """``[R]`` replica copies each rank sends or receives under ``plan`` (the copy tree's edges that touch it),
-        where the host runtime copies them (``copy_s_per_byte > 0``); None elsewhere or without replicas."""
-        if self.params.copy_s_per_byte <= 0 or plan.num_replicas == 0 or plan.expert_domains is not None:
+        where the host runtime copies them (``copy_s_per_byte > 0``); None elsewhere or without replicas (a HybridEP
+        overlay has none)."""
+        if self.params.copy_s_per_byte <= 0 or plan.num_replicas == 0:
             return None
         tree = self.replica_tree(plan)
         R = self.topology.num_ranks
@@ -489,8 +488,6 @@ class CostModel:
         in training, packed/reduced (fp32 gradients), at ``copy_s_per_byte``; ``moves_R``: the plan's
         :meth:`replica_moves_R` when the caller has them."""
         p = self.params
-        if p.copy_s_per_byte <= 0 or plan.num_replicas == 0:
-            return 0.0
         moves = self.replica_moves_R(plan) if moves_R is None else moves_R
         if moves is None:
             return 0.0
@@ -566,10 +563,10 @@ class CostModel:
 
     def _assemble(self, tr: Traffic, *, plan_s: float, wsync: float, grad_s: float, overlap_static: bool,
                   ag_bytes, engine_s: float = 0.0, master_s: float | None = None,
-                  copy_s: float = 0.0) -> CostBreakdown:
+                  copy_s: float = 0.0, moves_R: np.ndarray | None = None) -> CostBreakdown:
+        """The breakdown of one plan's traffic ``tr``; ``moves_R``: its :meth:`replica_moves_R` (None: not modelled)."""
         p = self.params
-        comp_R = self.compute_time_R(tr.tokens_R, tr.instances_R, replicas_R=tr.replica_instances_R,
-                                     moves_R=tr.replica_moves_R)
+        comp_R = self.compute_time_R(tr.tokens_R, tr.instances_R, replicas_R=tr.replica_instances_R, moves_R=moves_R)
         compute = self.busiest_compute_s(comp_R)
         a2a = 2.0 * self.dispatch_time(tr)
         # Pre-dispatch critical path: planning, then replica weights (dispatch waits for them).
@@ -602,7 +599,7 @@ class CostModel:
                     and p.backward_compute_noise in (None, p.compute_noise))
             comp_b = p.backward_compute_factor * (compute if same else self.busiest_compute_s(
                 self.compute_time_R(tr.tokens_R, tr.instances_R, backward=True, replicas_R=tr.replica_instances_R,
-                                    moves_R=tr.replica_moves_R),
+                                    moves_R=moves_R),
                 backward=True))
             a2a_b = p.backward_a2a_factor * a2a
             restore = max(0.0, wsync - p.non_moe_bwd_s) if (p.restore_in_backward and wsync > 0) else 0.0
@@ -628,7 +625,7 @@ class CostModel:
             imbalance=float(tokens.max() / mean) if mean > 0 else 1.0,
             rank_tokens_R=tokens, instances_R=np.asarray(tr.instances_R, dtype=np.float64),
             replicas_R=None if tr.replica_instances_R is None else np.asarray(tr.replica_instances_R, dtype=np.float64),
-            moves_R=tr.replica_moves_R,
+            moves_R=moves_R,
             sec_per_token=self.sec_per_token,
             replica_tokens=float(np.sum(tr.replica_tokens_R)) if tr.replica_tokens_R is not None else 0.0,
             replica_instances=float(np.sum(tr.replica_instances_R)) if tr.replica_instances_R is not None else 0.0,
@@ -1115,8 +1112,8 @@ class Calibrator:
                      policy: str = "") -> dict[str, float]:
         """Fold every rank's measured compute into the fits; once the forward's is solved, the compute parameters it
         and the backward's give (``compute_scale``, ``half_tokens``, ``replica_instance_s``, ``replica_move_s``,
-        ``corun_slowdown``, ``compute_noise`` and their backward counterparts) replace what the call-level ratios learned. {} while the
-        fits lack calls."""
+        ``corun_slowdown``, ``compute_noise`` and their backward counterparts) replace what the call-level ratios
+        learned. {} while the fits lack calls."""
         n, i = predicted.rank_tokens_R, predicted.instances_R
         if n is None or i is None or predicted.sec_per_token <= 0:
             return {}

@@ -170,9 +170,6 @@ class Traffic:
     #: tokens and active instances of the replica slots (beyond the masters): the runtime's per-replica cost
     replica_tokens_R: np.ndarray | None = None
     replica_instances_R: np.ndarray | None = None
-    #: replica copies each rank sends or receives (the copy tree's edges that touch it), where the host's transport
-    #: copies run beside the ranks' compute (``CostParams.replica_move_s``); None: not modelled
-    replica_moves_R: np.ndarray | None = None
 
 
 def hybrid_destinations(topology: "Topology", S: int, fetched: int | None = None) -> np.ndarray:
