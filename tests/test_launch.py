@@ -25,3 +25,27 @@ def test_fork_unless_nccl_ranks_follow_a_process_that_used_cuda(monkeypatch):
 def test_spawned_ranks_run_a_module_level_function_and_return_by_rank():
     got = launch(_rank_sum, 2, 10, backend="gloo", method="spawn", timeout_s=120)
     assert got == [(0, 2, 21.0), (1, 2, 21.0)]
+
+
+def _one_rank_crashes(rank, world):
+    import os
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        import faulthandler
+
+        faulthandler.disable()  # (pytest's dump of every thread would only fill the log)
+        os.abort()  # a crash in native code (SIGABRT), as a double free is
+    dist.all_reduce(torch.ones(1))  # rank 0 waits on the dead peer: a connection reset, not the cause
+
+
+def test_a_rank_killed_by_a_signal_is_named_before_its_peers_errors():
+    import pytest
+
+    from ultraep.errors import LaunchedRankError
+
+    with pytest.raises(LaunchedRankError) as info:
+        launch(_one_rank_crashes, 2, backend="gloo", timeout_s=60)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("rank 1 died with signal SIGABRT"), str(info.value)

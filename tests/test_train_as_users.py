@@ -157,7 +157,8 @@ def _scenario(rank, world, family, config, how, steps=STEPS):
         if (d := _differs(loss_sum / world, ref_loss, rtol=1e-5)) is not None:
             problems.append(f"step {step} loss: {d}")
         ref_params = dict(ref.named_parameters())
-        for name, (g, is_master) in _grads(model, rt, rank).items():
+        got = _grads(model, rt, rank)  # once per step: under FSDP2 every gradient's gather is a collective
+        for name, (g, is_master) in got.items():
             want = ref_params[name].grad
             if is_master:
                 M = g.shape[0]
@@ -165,7 +166,7 @@ def _scenario(rank, world, family, config, how, steps=STEPS):
             # fp32 rounding of one forward and backward (both models at the same parameters)
             if (d := _differs(g, want, rtol=2e-5)) is not None:
                 problems.append(f"step {step} {name}: {d}")
-        missing = [n for n, p in ref_params.items() if p.grad is not None and n not in _grads(model, rt, rank)]
+        missing = [n for n, p in ref_params.items() if p.grad is not None and n not in got]
         problems += [f"step {step} {n}: no gradient" for n in missing]
         opt.step()
         _take_parameters(ref, model, rt, world)

@@ -63,6 +63,29 @@ def start_method(backend: str) -> str:
     return "spawn" if torch.cuda.is_initialized() else "fork"
 
 
+def _crashed(procs, errors: list[str]) -> list[str]:
+    """The ranks a signal killed (a crash in native code), not reported yet: a peer of a crashed rank fails with
+    a connection reset, and its traceback alone would point at the wrong rank. The ranks this launch killed
+    (SIGKILL, after the first error) are not listed."""
+    import signal
+
+    return [f"rank {r} died with {_death(p.exitcode)} (its peers' errors follow)" for r, p in enumerate(procs)
+            if p.exitcode is not None and p.exitcode < 0 and -p.exitcode != signal.SIGKILL
+            and not any(e.startswith(f"rank {r} ") for e in errors)]
+
+
+def _death(code: int) -> str:
+    """A dead rank's exit code in words: a negative one is the signal that killed it (a crash in native code)."""
+    import signal
+
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"signal {signal.Signals(-code).name} (a crash in native code, or killed)"
+    except ValueError:
+        return f"signal {-code}"
+
+
 def launch(fn, world_size: int, *args, backend: str = "auto", threads_per_rank: int = 1,
            timeout_s: float = 600.0, method: str | None = None):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return the results by rank.
@@ -89,7 +112,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", threads_per_rank: 
             except _queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode != 0 and r not in got]
                 if dead:
-                    errors.append(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                    errors.append(f"rank {dead[0]} died with {_death(procs[dead[0]].exitcode)}")
                 elif time.monotonic() > deadline:
                     errors.append(f"ranks did not finish within {timeout_s:.0f} s")
                 continue
@@ -104,5 +127,5 @@ def launch(fn, world_size: int, *args, backend: str = "auto", threads_per_rank: 
                 p.kill()
                 p.join(timeout=1)
     if errors:
-        raise LaunchedRankError("\n".join(errors))
+        raise LaunchedRankError("\n".join(_crashed(procs, errors) + errors))
     return [got[r] for r in range(world_size)]
