@@ -58,6 +58,8 @@ class ExplorationBudget:
     standing: dict[str, float] = field(default_factory=dict)
     #: what any plan could save over the fallback (its time minus the ideal) at the last weighing
     stake_s: float = 0.0
+    #: the candidates whose standing is a floor (screened, never weighed since): a bound, not an estimate
+    floors: set[str] = field(default_factory=set)
 
     def free(self) -> float:
         """Seconds weighing may still cost now (negative: overdrawn)."""
@@ -72,8 +74,16 @@ class ExplorationBudget:
         what the stake grew since (skew appearing can save at most that much more), or it was never weighed. A
         candidate in ``due`` (due for a probe: ``{name: the probe's range}``) is in contention within that range."""
         growth, due = max(0.0, stake_s - self.stake_s), due or {}
-        return any(self.standing.get(n, 0.0) - growth <= (1.0 + max(max_loss, due.get(n, 0.0))) * fallback_s
-                   for n in names if n != fallback)
+        return any(self._could(n, growth, fallback_s, max(max_loss, due.get(n, 0.0))) for n in names if n != fallback)
+
+    def _could(self, name: str, growth: float, fallback_s: float, max_loss: float) -> bool:
+        """Whether ``name`` could come within ``max_loss`` of the fallback. A floor (the least a screened
+        candidate could take) is a bound, not an estimate with a model error: it contends only if it is below the
+        fallback's time. With the margin, a floor within ``switch_now`` of ``none`` held the budget in contention
+        for good at 64 tokens per rank (quota's floor 65.4 ms, ``none`` 64.9): the replay's adaptive weighed every
+        decision and paid 4 % over ``none`` while it ran ``none`` (2026-11-27)."""
+        s = self.standing.get(name, 0.0) - growth
+        return s < fallback_s if name in self.floors else s <= (1.0 + max_loss) * fallback_s
 
     def idle(self, names, fallback: str, fallback_s: float, stake_s: float, max_loss: float, weigh_s: float,
              due: dict[str, float] | None = None) -> bool:
@@ -88,11 +98,14 @@ class ExplorationBudget:
         """A weighed decision: the candidates' corrected predictions (seconds), those that did what the fallback
         does (``same``: never in contention on their own), the least the candidates screened before their first
         weighing could take (``floors``), and what any plan could save on its load (``stake_s``)."""
-        for n, v in floors.items():
-            self.standing.setdefault(n, v)
+        for n, v in floors.items():  # refreshed at each screening until the candidate is weighed
+            if n not in self.standing or n in self.floors:
+                self.standing[n] = float(v)
+                self.floors.add(n)
         for n, v in predictions.items():
             if n != fallback:
                 self.standing[n] = float("inf") if n in same else float(v)
+                self.floors.discard(n)
         self.stake_s = float(stake_s)
 
     def charge(self, run_s: float, saved_s: float, spent_s: float) -> None:

@@ -157,3 +157,21 @@ def test_idle_decisions_charge_nothing_and_keep_the_streaks():
     assert len(idle) > 30
     eplb = pol.policies["eplb"]
     assert len(eplb._history) == min(60, eplb.window)  # every load reached eplb's window, planned or not
+
+
+def test_a_screened_candidates_floor_is_a_bound_not_an_estimate():
+    """A floor (the least a screened candidate could take) at or above the fallback's time cannot win: it does not
+    keep the budget in contention; the same figure as a weighed prediction (with a model error) does. A floor is
+    refreshed at each screening until the candidate is weighed (at 64 tokens per rank quota's floor 65.4 ms within
+    switch_now of none's 64.9 held the replay's budget in contention for 40 decisions, 2026-11-27)."""
+    from ultraep.policies.exploration import ExplorationBudget
+
+    b = ExplorationBudget()
+    b.note({"none": 64.9e-3}, "none", set(), {"quota": 65.4e-3}, stake_s=0.0)
+    assert not b.in_contention(["none", "quota"], "none", 64.9e-3, 0.0, max_loss=0.02)
+    b.note({"none": 64.9e-3}, "none", set(), {"quota": 64.0e-3}, stake_s=0.0)  # refreshed: now below none
+    assert b.in_contention(["none", "quota"], "none", 64.9e-3, 0.0, max_loss=0.02)
+    b.note({"none": 64.9e-3, "quota": 65.4e-3}, "none", set(), {}, stake_s=0.0)  # weighed: an estimate
+    assert b.in_contention(["none", "quota"], "none", 64.9e-3, 0.0, max_loss=0.02)
+    b.note({"none": 64.9e-3}, "none", set(), {"quota": 70.0e-3}, stake_s=0.0)  # a weighed standing stays
+    assert b.standing["quota"] == 65.4e-3
