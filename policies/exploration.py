@@ -23,7 +23,8 @@ weighed, no decision overhead — only when all of these hold:
   candidate, feplb measured a few % from ``none`` at 64 tokens per rank, the runtime's adaptive measured 3.5 %
   slower than ``none``'s own run while running ``none``, 2026-11-26); a candidate that did exactly what the fallback
   does is the fallback under another name; a candidate never weighed is in contention, one screened before
-  its first weighing counts at the least it could take (the ideal plus its planner);
+  its first weighing counts at the least it could take (the ideal plus its planner, refreshed at each
+  screening): a bound, so it contends only below the fallback's time, without the margin;
 * the budget cannot pay one weighing (the cost model's decision overhead).
 
 So where nothing pays, weighing costs at most ``share`` of the run. Where nothing is measured (the simulator), a
