@@ -31,6 +31,9 @@ def test_steps_say_what_one_gpu_cannot_run():
     two, not_run = gpu_check.steps_for(2)
     assert two[-1].name == "bench_runtime on NCCL" and "--backend" in two[-1].cmd and not not_run
     assert "-m" in one[0].cmd and "cuda" in one[0].cmd
+    # only the modules that hold a CUDA test are collected: a GPU machine needs no dashboard or browser packages
+    assert "tests/test_gpu.py" in one[0].cmd and "tests/test_kernels_dispatch.py" in one[0].cmd
+    assert not any("dashboard" in a for a in one[0].cmd)
 
 
 def test_outcomes_become_a_dated_section_appended_under_one_heading(tmp_path):
