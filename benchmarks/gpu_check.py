@@ -42,6 +42,7 @@ class Step:
     cmd: list[str]
     timeout_s: int
     show_output: bool = False  # its output (a benchmark's table) goes into the dated section
+    allowed_skips: tuple[str, ...] | None = None  # a pytest step: the skip reasons that do not fail it
 
 
 @dataclass
@@ -50,6 +51,14 @@ class Outcome:
     ok: bool
     seconds: float
     tail: str
+    summary: str = ""  # the output's last line (pytest's counts), or why an exit status 0 was not a pass
+
+
+def unexpected_skips(out: str, allowed: tuple[str, ...]) -> list[str]:
+    """The ``-rs`` lines of a pytest run (``SKIPPED [2] tests/x.py:60: needs a CUDA GPU``) whose reason is not
+    one of ``allowed``: on a GPU machine a CUDA test that skipped did not run, and pytest still exits 0."""
+    lines = [ln for ln in out.splitlines() if ln.startswith("SKIPPED [")]
+    return [ln for ln in lines if not any(ln.rstrip().endswith(": " + a) for a in allowed)]
 
 
 def run_step(step: Step, env: dict) -> Outcome:
@@ -62,13 +71,18 @@ def run_step(step: Step, env: dict) -> Outcome:
         out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         ok, out = False, out + f"\n(timed out after {step.timeout_s} s)"
     lines = out.strip().splitlines()
-    return Outcome(step, ok, time.perf_counter() - t0, "\n".join(lines[-40:]))
+    summary = lines[-1].strip() if lines else ""
+    if ok and step.allowed_skips is not None and (bad := unexpected_skips(out, step.allowed_skips)):
+        ok, summary = False, f"{summary}; skipped on this machine: " + "; ".join(bad)
+    return Outcome(step, ok, time.perf_counter() - t0, "\n".join(lines[-40:]), summary)
 
 
 def section(outcomes: list[Outcome], not_run: list[str], device: str, commit: str, when: str) -> str:
     """The dated Markdown section appended to docs/benchmarks.md."""
-    out = [f"\n### {when} UTC: {device}, commit {commit}\n", "| step | result | seconds |", "|---|---|---|"]
-    out += [f"| {o.step.name} | {'passed' if o.ok else 'FAILED'} | {o.seconds:.0f} |" for o in outcomes]
+    out = [f"\n### {when} UTC: {device}, commit {commit}\n", "| step | result | seconds | last line |",
+           "|---|---|---|---|"]
+    out += [f"| {o.step.name} | {'passed' if o.ok else 'FAILED'} | {o.seconds:.0f} | {o.summary.replace('|', '/')} |"
+            for o in outcomes]
     for o in outcomes:
         if o.step.show_output or not o.ok:
             out += ["", f"`{' '.join(o.step.cmd[1:])}` (last lines):", "", "```", o.tail, "```"]
@@ -101,6 +115,9 @@ def visible_gpus() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
+TWO_GPUS = "needs 2 CUDA GPUs (an NCCL pair)"  # tests/test_gpu.py's skip reason for the two-rank NCCL run
+
+
 def cuda_test_modules(tests: Path = ROOT / "tests") -> list[str]:
     """The test modules that hold a ``cuda``-marked test, relative to the repository root. Collecting only these
     (not the whole suite) means a GPU machine needs the runtime's packages, not the dashboard's or the browser's,
@@ -112,7 +129,8 @@ def steps_for(num_gpus: int) -> tuple[list[Step], list[str]]:
     py = sys.executable
     steps = [
         Step("CUDA-only tests", [py, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider",
-                                 *cuda_test_modules()], 240),
+                                 *cuda_test_modules()], 240,
+             allowed_skips=() if num_gpus >= 2 else (TWO_GPUS,)),
         Step("kernel timings", [py, "benchmarks/bench_kernels.py", "--quick"], 150, show_output=True),
     ]
     not_run = []
@@ -142,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     n = torch.cuda.device_count()
     device = f"{n} x {torch.cuda.get_device_name(0)}"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+    # "-dirty" when the working tree differs from the commit (a copy carried to a GPU machine, say)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
     # compile for the GPU (tests/conftest.py defaults it to 1); check CUDA through NVML, which creates no CUDA

@@ -65,3 +65,23 @@ def test_a_gpu_machine_with_the_cpu_wheel_is_not_a_pass(monkeypatch, capsys):
     assert gpu_check.main([]) == 1
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "sees 2 GPU(s)" in out[0] and "CPU build" in out[0]
+
+
+def test_a_cuda_test_that_skipped_on_the_gpu_machine_fails_the_step():
+    """pytest exits 0 when every test skips (no CUDA in the test process, say): the step must not read as passed.
+    Only the reason one GPU cannot help (no NCCL pair) is allowed, and the step's last line lands in the table."""
+    py = sys.executable
+
+    def pytest_like(*reasons):
+        lines = [f"SKIPPED [1] tests/test_gpu.py:{i}: {r}" for i, r in enumerate(reasons)] + ["9 passed, 1 skipped"]
+        return gpu_check.Step("CUDA-only tests", [py, "-c", f"print({chr(10).join(lines)!r})"], 30,
+                              allowed_skips=(gpu_check.TWO_GPUS,))
+
+    ok = gpu_check.run_step(pytest_like(gpu_check.TWO_GPUS), {})
+    assert ok.ok and ok.summary == "9 passed, 1 skipped"
+    bad = gpu_check.run_step(pytest_like(gpu_check.TWO_GPUS, "needs a CUDA GPU"), {})
+    assert not bad.ok and "skipped on this machine" in bad.summary and "needs a CUDA GPU" in bad.summary
+    text = gpu_check.section([ok, bad], [], "1 x Fake GPU", "abc1234", "2026-11-27 04:00")
+    assert "| CUDA-only tests | passed | 0 | 9 passed, 1 skipped |" in text and "| CUDA-only tests | FAILED |" in text
+    # with two GPUs nothing may skip
+    assert gpu_check.steps_for(2)[0][0].allowed_skips == ()
