@@ -2,15 +2,18 @@
 
 For every shape of ``bench_runtime.py`` the runs of ``none``, ``quota``, ``feplb`` and ``adaptive`` are measured as
 there (2 gloo ranks, one thread each, interleaved), this time recorded. The run of ``--calibrate-on`` (default
-``adaptive``, the engine users run: it measures several policies, so it learns what one policy's run cannot, such
-as what an expert instance costs beyond its tokens, which only calls with uneven ranks show, as its probes of
-``none``) gives the cost model its engine learned; the simulator replays that run's routing (the same in every run of a shape) through every policy
-on that model (``ultraep simulate RUN --topology from-run``). Per shape and policy the table puts the measured
-layer time (median over the timed calls of the slowest rank's forward + backward, as the runtime recorded it) next
-to the prediction, and the measured speed-up over none next to the predicted one. ``--demo`` adds ``ultraep demo``
-(none and adaptive on a real model; calibrated on its adaptive run). A second table gives, per shape, adaptive's
-measured layer time over the best fixed policy's and what adaptive ran (issues 33 and 34 read it from the same run).
-``--from DIR`` measures nothing: it re-predicts the recordings a ``--keep DIR`` run left (deterministic).
+``adaptive``, the engine users run: it measures several policies, so it learns what one policy's run cannot, such as
+what an expert instance costs beyond its tokens, which only calls with uneven ranks show, as its probes of ``none``)
+gives the cost model its engine learned; the simulator replays that run's routing (the same in every run of a shape)
+through every policy on that model (``ultraep simulate RUN --topology from-run``). Per shape and policy the table puts
+the measured layer time (median over the timed calls of the slowest rank's forward + backward, as the runtime recorded
+it) next to the prediction, and the measured speed-up over none next to the predicted one, and that measured speed-
+up's standard error (a bootstrap over the timed steps: what a 5 % goal can be checked against). A shape takes
+``--iters`` timed calls at the default shape's size and more where a call is cheap and noisy (:func:`timed_iters`:
+5.7x at 64 tokens per rank). ``--demo`` adds ``ultraep demo`` (none and adaptive on a real model; calibrated on its
+adaptive run). A second table gives, per shape, adaptive's measured layer time over the best fixed policy's and what
+adaptive ran (issues 33 and 34 read it from the same run). ``--from DIR`` measures nothing: it re-predicts the
+recordings a ``--keep DIR`` run left (deterministic).
 
 Goals (issue 35): predicted layer time within 10 % of measured, predicted speed-up over none within 5 %, at every
 shape and in the demo, three runs on a quiet machine.
@@ -23,6 +26,8 @@ shape and in the demo, three runs on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import copy
+import math
 import os
 import subprocess
 import sys
@@ -78,17 +83,54 @@ def predict(run_dir: Path, policies, skip_steps: int = 1) -> dict[str, float]:
             for p in policies}
 
 
-def measured_layer_time(con, run_id: str, skip_steps: int = 0) -> float:
-    """The slowest rank's measured layer time per call (what the runtime measured of the layers the model predicts;
-    the benchmark's own wall clock also holds the loss and its backward, 11-15 ms at the default shape), reduced
-    like the prediction (:func:`per_layer_median`: the run's warm-up steps and its first ``skip_steps`` left out)."""
+def measured_calls(con, run_id: str, skip_steps: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``([C] step, [C] layer, [C] seconds)``: the slowest rank's measured layer time of every call the statistic
+    keeps (the run's warm-up steps and its first ``skip_steps`` left out)."""
     rows = con.execute(
         "SELECT step, layer, max(measured_s) FROM timings WHERE run_id = ? AND measured_s IS NOT NULL "
         "GROUP BY step, microbatch, layer ORDER BY ALL", [run_id]).fetchall()
     if not rows:
+        return np.zeros(0, int), np.zeros(0, int), np.zeros(0)
+    step, layer, m = (np.asarray(x) for x in zip(*rows))
+    keep = (step >= skip_steps) & ~np.isin(step, sorted(warmup_steps(con, run_id)))
+    return step[keep], layer[keep], m[keep].astype(np.float64)
+
+
+def measured_layer_time(con, run_id: str, skip_steps: int = 0) -> float:
+    """The slowest rank's measured layer time per call (what the runtime measured of the layers the model predicts;
+    the benchmark's own wall clock also holds the loss and its backward, 11-15 ms at the default shape), reduced
+    like the prediction (:func:`per_layer_median` over :func:`measured_calls`)."""
+    return per_layer_median(*measured_calls(con, run_id, skip_steps), 0, set())
+
+
+#: resamples behind a measured speed-up's standard error
+BOOTSTRAP = 400
+
+
+def speedup_se(none_calls, calls, paired: bool, seed: int = 0) -> float:
+    """Relative standard error of a measured speed-up over none (``per_layer_median`` of ``none_calls`` over that of
+    ``calls``, each :func:`measured_calls`' triple), by bootstrap over steps: ``paired`` resamples the same steps of
+    both runs (bench_runtime interleaves the policies within every step, so a slow moment of the machine slows both),
+    else each run's steps apart (the demo's runs follow each other). What a prediction's error is measured against:
+    at 64 tokens per rank 20 timed calls left it at 2-5 % (2026-11-27)."""
+    rng = np.random.default_rng(seed)
+    sn, ss = np.unique(none_calls[0]), np.unique(calls[0])
+    if paired:
+        sn = ss = np.intersect1d(sn, ss)
+    if len(sn) < 2 or len(ss) < 2:
         return float("nan")
-    step, layer, m = zip(*rows)
-    return per_layer_median(step, layer, m, skip_steps, warmup_steps(con, run_id))
+
+    def stat(c, steps):  # the statistic over the calls of the resampled steps, a step drawn twice counted twice
+        idx = np.concatenate([np.flatnonzero(c[0] == s) for s in steps])
+        return per_layer_median(np.zeros(len(idx)), c[1][idx], c[2][idx], 0, set())
+
+    out = []
+    for _ in range(BOOTSTRAP):
+        a = rng.choice(sn, len(sn))
+        b = a if paired else rng.choice(ss, len(ss))
+        out.append(stat(none_calls, a) / stat(calls, b))
+    out = np.asarray(out)
+    return float(out.std() / out.mean())
 
 
 def adaptive_ran(con, run_id: str, skip_steps: int = 0) -> dict[str, int]:
@@ -118,22 +160,24 @@ def calibration_calls(run_dir: Path, run_id: str, names) -> dict[str, int]:
 
 def recorded_rows(runs_dir: Path, source: str, names: list[str], calibrate_on: str, skip_steps: int) -> tuple[list, dict, dict]:
     """The validation rows of one source from its recorded runs ``runs_dir/<source>-<policy>`` (one per policy of
-    ``names``): ``[(source, policy, measured s, predicted s, measured speed-up, predicted speed-up)]``, what
+    ``names``): ``[(source, policy, measured s, predicted s, measured speed-up, predicted speed-up, the measured
+    speed-up's relative standard error)]`` (:func:`speedup_se`, paired: the policies ran interleaved), what
     adaptive ran (``{}`` without an adaptive run) and the calls of each policy behind the predictions
     (:func:`calibration_calls`). Re-predicting recorded runs is deterministic: ``--from`` re-runs it
     on a kept directory."""
     from ultraep.telemetry import open_run
 
-    measured, ran = {}, {}
+    measured, ran, calls = {}, {}, {}
     for n in names:
         con = open_run(runs_dir / f"{source}-{n}")
-        measured[n] = measured_layer_time(con, f"{source}-{n}", skip_steps)
+        calls[n] = measured_calls(con, f"{source}-{n}", skip_steps)
+        measured[n] = per_layer_median(*calls[n], 0, set())
         if n == "adaptive":
             ran = adaptive_ran(con, f"{source}-{n}", skip_steps)
         con.close()
     predicted = predict(runs_dir / f"{source}-{calibrate_on}", names, max(1, skip_steps))
-    rows = [(source, n, measured[n], predicted[n], measured["none"] / measured[n], predicted["none"] / predicted[n])
-            for n in names]
+    rows = [(source, n, measured[n], predicted[n], measured["none"] / measured[n], predicted["none"] / predicted[n],
+             0.0 if n == "none" else speedup_se(calls["none"], calls[n], paired=True)) for n in names]
     return rows, ran, calibration_calls(runs_dir / f"{source}-{calibrate_on}", f"{source}-{calibrate_on}", names)
 
 
@@ -149,8 +193,31 @@ def adaptive_vs_best(rows: list[tuple]) -> tuple[float, str, float] | None:
     return by["adaptive"][2] / fixed[best][2], best, by["adaptive"][3] / best_pred
 
 
+#: the most a cheap shape's timed calls are multiplied by (:func:`timed_iters`)
+MAX_ITERS_SCALE = 6.0
+
+
+def timed_iters(shape, iters: int, max_scale: float = MAX_ITERS_SCALE) -> int:
+    """Timed calls of ``shape``: ``iters`` (those of the default shape) times the square root of how much less expert
+    work a call of ``shape`` does than the default's (tokens x top-k x hidden x ffn), between 1 and ``max_scale``, in
+    whole rounds of the interleaving orders. Why: the median's standard error goes with a call's relative spread over
+    the square root of the calls, and a cheap call spreads more (its fixed overheads vary from call to call) and costs
+    little: 20 calls at 64 tokens per rank left a measured speed-up 2-5 % uncertain against 1-2 % at the default
+    shape (2026-11-27), the size of the 5 % the prediction is held to. tok64 gets 5.7x, tok512 2x, tok1024 and h512
+    1.4x, the others 1x: about 2 minutes more in a 15-minute run."""
+    def work(s) -> int:
+        return s.tokens * s.top_k * s.hidden * s.ffn
+
+    scale = min(max(max_scale, 1.0), max(1.0, math.sqrt(work(SHAPES["default"]) / work(shape))))
+    n_orders = len(carryover_orders(len(MEASURED_POLICIES)))
+    return -(-math.ceil(iters * scale) // n_orders) * n_orders
+
+
 def _shape_rows(shape, args, runs_dir: Path) -> tuple[list, dict, dict]:
-    """Measure ``shape`` (recorded into ``runs_dir``) and validate it: see :func:`recorded_rows`."""
+    """Measure ``shape`` (recorded into ``runs_dir``; its timed calls :func:`timed_iters`) and validate it: see
+    :func:`recorded_rows`."""
+    args = copy.copy(args)
+    args.iters = timed_iters(shape, args.iters, getattr(args, "max_iters_scale", MAX_ITERS_SCALE))
     _run_shape(shape, args, MEASURED_POLICIES, str(runs_dir))
     return recorded_rows(runs_dir, shape.name, [n for n, _, _ in MEASURED_POLICIES], args.calibrate_on, args.warmup)
 
@@ -172,12 +239,14 @@ def demo_rows(runs_dir: Path) -> tuple[list, dict, dict]:
     ids = [r[0] for r in con.execute("SELECT DISTINCT run_id FROM runs ORDER BY 1").fetchall()]
     by = {i.rsplit("-", 1)[-1]: i for i in ids}
     balanced = next(p for p in by if p != "none")
-    measured = {p: measured_layer_time(con, by[p]) for p in ("none", balanced)}
+    calls = {p: measured_calls(con, by[p]) for p in ("none", balanced)}
+    measured = {p: per_layer_median(*calls[p], 0, set()) for p in calls}
     ran = adaptive_ran(con, by[balanced]) if balanced == "adaptive" else {}
     con.close()
     predicted = predict(runs_dir / by[balanced], ["none", balanced])
-    return [("demo", p, measured[p], predicted[p], measured["none"] / measured[p], predicted["none"] / predicted[p])
-            for p in ("none", balanced)], ran, calibration_calls(runs_dir / by[balanced], by[balanced], ["none"])
+    se = {"none": 0.0, balanced: speedup_se(calls["none"], calls[balanced], paired=False)}  # the runs follow each other
+    return [("demo", p, measured[p], predicted[p], measured["none"] / measured[p], predicted["none"] / predicted[p],
+             se[p]) for p in ("none", balanced)], ran, calibration_calls(runs_dir / by[balanced], by[balanced], ["none"])
 
 
 def print_tables(sources: list[tuple[str, list, dict, dict]], title: str) -> list[dict]:
@@ -188,24 +257,27 @@ def print_tables(sources: list[tuple[str, list, dict, dict]], title: str) -> lis
 
     table = Table(title=title)
     for c in ("source", "policy", "calls behind", "measured ms", "predicted ms", "error", "measured speed-up",
-              "predicted speed-up", "error "):
+              "its SE", "predicted speed-up", "error "):
         table.add_column(c, justify="left" if c in ("source", "policy") else "right")
     vs = Table(title="adaptive / best fixed policy, measured (issues 33, 34) and predicted")
     for c in ("source", "adaptive ran (calls)", "best fixed (measured)", "adaptive / best fixed", "predicted"):
         vs.add_column(c, justify="left" if c != "adaptive / best fixed" and c != "predicted" else "right")
     out = []
-    worst_t = worst_x = 0.0
+    worst_t = worst_x = worst_se = 0.0
     for src, rows, ran, calls in sources:
-        for _, pol, m, p, mx, px in rows:
+        for _, pol, m, p, mx, px, se in rows:
             et, ex = p / m - 1.0, px / mx - 1.0
             worst_t, worst_x = max(worst_t, abs(et)), max(worst_x, abs(ex))
-            table.add_row(src, pol, str(calls[pol]) if pol in calls else "-", f"{1e3 * m:.2f}", f"{1e3 * p:.2f}", f"{100 * et:+.1f} %", f"{mx:.3f}", f"{px:.3f}",
+            worst_se = max(worst_se, se) if math.isfinite(se) else worst_se
+            table.add_row(src, pol, str(calls[pol]) if pol in calls else "-", f"{1e3 * m:.2f}", f"{1e3 * p:.2f}", f"{100 * et:+.1f} %", f"{mx:.3f}",
+                          "-" if pol == "none" else f"{100 * se:.1f} %", f"{px:.3f}",
                           f"{100 * ex:+.1f} %")
             x = f"2x1/{src}"
             out += [row(WHAT, pol, "measured_layer_time", "s", x, [m]),
                     row(WHAT, pol, "predicted_layer_time", "s", x, [p]),
                     row(WHAT, pol, "measured_speedup_vs_none", "ratio", x, [mx]),
-                    row(WHAT, pol, "predicted_speedup_vs_none", "ratio", x, [px])]
+                    row(WHAT, pol, "predicted_speedup_vs_none", "ratio", x, [px]),
+                    row(WHAT, pol, "measured_speedup_relative_se", "ratio", x, [se])]
             if pol in calls:
                 out.append(row(WHAT, pol, "calibration_calls", "calls", x, [calls[pol]]))
         a = adaptive_vs_best(rows)
@@ -218,7 +290,8 @@ def print_tables(sources: list[tuple[str, list, dict, dict]], title: str) -> lis
     console.print(table)
     console.print(vs)
     console.print(f"worst |predicted / measured - 1|: layer time {100 * worst_t:.1f} % (goal <= 10 %), speed-up over none "
-                  f"{100 * worst_x:.1f} % (goal <= 5 %)")
+                  f"{100 * worst_x:.1f} % (goal <= 5 %); largest standard error of a measured speed-up "
+                  f"{100 * worst_se:.1f} %")
     return out
 
 
@@ -231,7 +304,9 @@ def main() -> None:
     ap.add_argument("--calibrate-on", default="adaptive", choices=[n for n, _, _ in MEASURED_POLICIES],
                     help="the recorded run whose learned cost model predicts every policy (default adaptive)")
     ap.add_argument("--slots", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=3, help="timed calls at the default shape (cheaper shapes: more)")
+    ap.add_argument("--max-iters-scale", type=float, default=MAX_ITERS_SCALE,
+                    help="the most a cheap shape's timed calls are multiplied by (1: every shape takes --iters)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", type=Path, default=None, help="keep the recorded runs in this directory")

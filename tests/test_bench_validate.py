@@ -10,6 +10,7 @@ import math
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch  # noqa: F401 - imported before fork so ranks start fast
 import transformers  # noqa: F401
@@ -24,7 +25,8 @@ def recorded(tmp_path_factory):
     """One tiny shape measured and recorded by the benchmark's own runner: (its rows, what adaptive ran, the calls
     behind the predictions, the dir)."""
     runs = tmp_path_factory.mktemp("validate") / "tiny"
-    args = argparse.Namespace(slots=2, iters=4, warmup=1, seed=0, backend="gloo", calibrate_on="quota")
+    args = argparse.Namespace(slots=2, iters=4, warmup=1, seed=0, backend="gloo", calibrate_on="quota",
+                              max_iters_scale=1.0)
     rows, ran, calls = bench_validate._shape_rows(Shape("tiny", tokens=64, hidden=32, ffn=32), args, runs)
     return rows, ran, calls, runs
 
@@ -32,9 +34,10 @@ def recorded(tmp_path_factory):
 def test_every_policy_has_a_measured_and_a_predicted_layer_time(recorded):
     rows, ran, calls, _ = recorded
     assert [r[1] for r in rows] == ["none", "quota", "feplb", "adaptive"]
-    for src, pol, m, p, mx, px in rows:
+    for src, pol, m, p, mx, px, se in rows:
         assert src == "tiny" and m > 0 and p > 0 and math.isfinite(m) and math.isfinite(p), (pol, m, p)
         assert mx == pytest.approx(rows[0][2] / m) and px == pytest.approx(rows[0][3] / p)
+        assert se == 0.0 if pol == "none" else 0.0 < se < 1.0, (pol, se)  # the measured speed-up's own uncertainty
     assert rows[0][4] == 1.0 and rows[0][5] == 1.0
     # adaptive ran one policy or several, one decision per timed call (4 calls after 1 warm-up step)
     assert sum(ran.values()) == 4 and set(ran) <= {"none", "quota", "feplb", "eplb"}
@@ -57,7 +60,9 @@ def test_the_tables_print_and_from_re_predicts_the_same(recorded, capsys, monkey
     text = capsys.readouterr().out
     assert "adaptive / best fixed" in text and "worst |predicted / measured - 1|" in text and "calls behind" in text
     assert {r["metric"] for r in out} >= {"measured_layer_time", "predicted_layer_time",
-                                          "measured_adaptive_vs_best_fixed", "calibration_calls"}
+                                          "measured_adaptive_vs_best_fixed", "calibration_calls",
+                                          "measured_speedup_relative_se"}
+    assert "its SE" in text and "largest standard error of a measured speed-up" in text
     again, ran2, calls2 = bench_validate.recorded_rows(runs, "tiny", ["none", "quota", "feplb", "adaptive"], "quota", 1)
     assert again == rows and ran2 == ran and calls2 == calls  # deterministic: the recordings, re-predicted
     # calibrated on the adaptive run instead, the calls behind each prediction are the ones its engine ran
@@ -78,3 +83,32 @@ def test_both_sides_reduce_the_same_calls_the_same_way():
     assert got == pytest.approx((1.5 + 3.5) / 2)  # medians of (1, 1, 2, 50) and (3, 3, 5, 4)
     assert bench_validate.per_layer_median(step, layer, secs, 0, set()) == pytest.approx((2.0 + 4.0) / 2)
     assert math.isnan(bench_validate.per_layer_median(step, layer, secs, 9, set()))
+
+
+def test_a_speed_ups_standard_error_shrinks_with_its_calls_and_pairing_removes_the_shared_drift():
+    """The bootstrap's SE of a measured speed-up: a quarter with 16x the calls; and where both runs slow together
+    step by step (bench_runtime interleaves them), pairing the steps sees through it."""
+    rng = np.random.default_rng(1)
+
+    def calls(n, drift):
+        steps = np.arange(n)
+        return steps, np.zeros(n, int), 1.0 + drift + 0.1 * rng.standard_normal(n)
+
+    few = bench_validate.speedup_se(calls(20, 0), calls(20, 0), paired=False)
+    many = bench_validate.speedup_se(calls(320, 0), calls(320, 0), paired=False)
+    assert 0.02 < few < 0.06 and many == pytest.approx(few / 4, rel=0.35)
+    drift = 0.5 * np.sin(np.arange(40))  # the machine's slow moments, the same for both runs
+    a, b = calls(40, drift), calls(40, drift)
+    assert bench_validate.speedup_se(a, b, paired=True) < 0.5 * bench_validate.speedup_se(a, b, paired=False)
+    assert math.isnan(bench_validate.speedup_se(calls(1, 0), calls(1, 0), paired=True))
+
+
+def test_cheap_shapes_get_more_timed_calls():
+    from benchmarks.bench_runtime import SHAPES
+
+    got = {k: bench_validate.timed_iters(s, 20) for k, s in SHAPES.items()}
+    assert got["default"] == got["mixtral"] == got["e16"] == got["tok4096"] == 20
+    assert got["tok64"] >= 5 * 20 and got["tok512"] == 40 and 20 < got["tok1024"] < 40
+    assert all(v % 4 == 0 for v in got.values())  # whole rounds of the 4 interleaving orders
+    assert bench_validate.timed_iters(SHAPES["tok64"], 20, max_scale=1.0) == 20
+    assert bench_validate.timed_iters(Shape("tiny", tokens=1, hidden=8, ffn=8), 20) == 120  # at most 6x
