@@ -7,8 +7,8 @@ what an expert instance costs beyond its tokens, which only calls with uneven ra
 gives the cost model its engine learned; the simulator replays that run's routing (the same in every run of a shape)
 through every policy on that model (``ultraep simulate RUN --topology from-run``). Per shape and policy the table puts
 the measured layer time (median over the timed calls of the slowest rank's forward + backward, as the runtime recorded
-it) next to the prediction, and the measured speed-up over none next to the predicted one, and that measured speed-
-up's standard error (a bootstrap over the timed steps: what a 5 % goal can be checked against). A shape takes
+it) next to the prediction, and the measured speed-up over none next to the predicted one, and that measured
+speed-up's standard error (a bootstrap over the timed steps: what a 5 % goal can be checked against). A shape takes
 ``--iters`` timed calls at the default shape's size and more where a call is cheap and noisy (:func:`timed_iters`:
 5.7x at 64 tokens per rank). ``--demo`` adds ``ultraep demo`` (none and adaptive on a real model; calibrated on its
 adaptive run). A second table gives, per shape, adaptive's measured layer time over the best fixed policy's and what
