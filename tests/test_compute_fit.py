@@ -124,6 +124,46 @@ def test_the_calibrator_takes_the_compute_parameters_from_the_fit():
     assert tr.replica_instances_R.sum() >= 1 and got == pytest.approx(want_b, rel=1e-6)
 
 
+def test_a_fit_whose_solve_fails_keeps_its_last_solution_against_the_others_new_one(monkeypatch):
+    """The backward's solve fails (a fixed routing's two ranks can be fitted without a token cost) while the forward's
+    is solved anew at 3x the scale: the model's backward stays the backward fit's, not its old factor times the new
+    scale (a 64-token feplb run predicted 158 ms against 50 measured for four calls, 2026-11-27)."""
+    topo = Topology(num_ranks=2, num_experts=8, num_redundant_slots=2)
+    cm = CostModel(topo)
+    cal = Calibrator(cm)
+    rng = np.random.default_rng(2)
+    spt = cm.sec_per_token
+    bd0 = cm.ideal(np.full((2, 8), 64))
+
+    def call(n, i, p, a_fwd):
+        bd = dataclasses.replace(bd0, rank_tokens_R=n.astype(float), instances_R=i.astype(float),
+                                 replicas_R=p.astype(float))
+        fwd = _finish(a_fwd * (n + 16.0 * i) * spt, 0.1)
+        bwd = _finish(0.6 * (n + 40.0 * i) * spt, 0.5)
+        cal.observe(bd, {"compute_fwd_s": float(fwd.max()), "compute_bwd_s": float(bwd.max())},
+                    rank_compute_s={"compute_fwd_s": fwd, "compute_bwd_s": bwd})
+
+    for n, i, p in _calls(rng, 2, 8):
+        call(n, i, p, 0.3)
+    n, i = np.array([1500.0, 300.0]), np.array([4.0, 4.0])
+    want = _finish(0.6 * (n + 40.0 * i) * spt, 0.5).max()
+
+    def backward(model):
+        p = model.params
+        return p.backward_compute_factor * model.busiest_compute_s(model.compute_time_R(n, i, backward=True), True)
+
+    assert backward(cal.model) == pytest.approx(want, rel=1e-6)
+    old_bwd = cal.fits["compute_bwd_s"].solve()
+    new_fwd = dataclasses.replace(cal.fits["compute_fwd_s"].solve(), a=0.9, b=0.0)  # solved anew: 3x, no per-instance
+    monkeypatch.setattr(cal.fits["compute_fwd_s"], "solve", lambda: new_fwd)
+    monkeypatch.setattr(cal.fits["compute_bwd_s"], "solve", lambda: None)
+    for n_, i_, p_ in _calls(rng, 2, 4):
+        call(n_, i_, p_, 0.9)
+        assert cal.params.compute_scale == pytest.approx(0.9) and cal.params.half_tokens == 0.0
+        assert backward(cal.model) == pytest.approx(want, rel=1e-6)  # the backward fit's, against the new forward
+        assert cal.params.backward_compute_factor == pytest.approx(old_bwd.a / 0.9)
+
+
 def test_a_probe_s_calls_keep_their_weight_while_another_policy_runs():
     """A few calls of a balanced policy (instance counts that differ), then many of ``none`` (every rank the same
     count) that the model does not describe exactly (the least busy rank measures 15 % over it, as on a shared
