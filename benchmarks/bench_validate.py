@@ -85,7 +85,9 @@ def predict(run_dir: Path, policies, skip_steps: int = 1) -> dict[str, float]:
 
 def measured_calls(con, run_id: str, skip_steps: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``([C] step, [C] layer, [C] seconds)``: the slowest rank's measured layer time of every call the statistic
-    keeps (the run's warm-up steps and its first ``skip_steps`` left out)."""
+    keeps (the run's warm-up steps and its first ``skip_steps`` left out): what the runtime measured of the layers
+    the model predicts (the benchmark's own wall clock also holds the loss and its backward, 11-15 ms at the default
+    shape), reduced like the prediction by :func:`per_layer_median`."""
     rows = con.execute(
         "SELECT step, layer, max(measured_s) FROM timings WHERE run_id = ? AND measured_s IS NOT NULL "
         "GROUP BY step, microbatch, layer ORDER BY ALL", [run_id]).fetchall()
@@ -94,13 +96,6 @@ def measured_calls(con, run_id: str, skip_steps: int = 0) -> tuple[np.ndarray, n
     step, layer, m = (np.asarray(x) for x in zip(*rows))
     keep = (step >= skip_steps) & ~np.isin(step, sorted(warmup_steps(con, run_id)))
     return step[keep], layer[keep], m[keep].astype(np.float64)
-
-
-def measured_layer_time(con, run_id: str, skip_steps: int = 0) -> float:
-    """The slowest rank's measured layer time per call (what the runtime measured of the layers the model predicts;
-    the benchmark's own wall clock also holds the loss and its backward, 11-15 ms at the default shape), reduced
-    like the prediction (:func:`per_layer_median` over :func:`measured_calls`)."""
-    return per_layer_median(*measured_calls(con, run_id, skip_steps), 0, set())
 
 
 #: resamples behind a measured speed-up's standard error
@@ -204,7 +199,7 @@ def timed_iters(shape, iters: int, max_scale: float = MAX_ITERS_SCALE) -> int:
     the square root of the calls, and a cheap call spreads more (its fixed overheads vary from call to call) and costs
     little: 20 calls at 64 tokens per rank left a measured speed-up 2-5 % uncertain against 1-2 % at the default
     shape (2026-11-27), the size of the 5 % the prediction is held to. tok64 gets 5.7x, tok512 2x, tok1024 and h512
-    1.4x, the others 1x: about 2 minutes more in a 15-minute run."""
+    1.4x, the others 1x: a run took 1102-1148 s against 868-918 s before (2026-11-27)."""
     def work(s) -> int:
         return s.tokens * s.top_k * s.hidden * s.ffn
 

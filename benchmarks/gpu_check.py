@@ -4,10 +4,11 @@ On a machine without CUDA it prints one line saying so and exits 0 (with GPUs bu
 pin ``make setup`` installs — it says that and exits 1: not a silent pass). With CUDA it runs, each step under a
 time limit so the whole fits in 10 minutes on one H100:
 
-1. every CUDA-only test (``pytest -m cuda`` with ``TRITON_INTERPRET=0``, so Triton compiles for the GPU):
-   each Triton kernel against its torch reference on odd shapes, empty experts and one-token inputs, the
-   balanced layer and a wrapped tiny model at world size 1 on NCCL, and with two GPUs the two-rank NCCL
-   exactness run (``tests/test_gpu.py``, plus the kernel modules' CUDA tests);
+1. every CUDA-only test (``pytest -m cuda`` on the test modules that hold one, with ``TRITON_INTERPRET=0``, so
+   Triton compiles for the GPU): each Triton kernel against its torch reference on odd shapes, empty experts and
+   one-token inputs, the balanced layer and a wrapped tiny model at world size 1 on NCCL, and with two GPUs the
+   two-rank NCCL exactness run (``tests/test_gpu.py``, plus the kernel modules' CUDA tests); a CUDA test that
+   skips fails the step (with one GPU, only the NCCL pair may);
 2. the kernel timings (``benchmarks/bench_kernels.py --quick``);
 3. with two GPUs, ``benchmarks/bench_runtime.py --backend nccl`` (none vs quota at the default shape).
 
