@@ -155,8 +155,9 @@ def test_a_fit_whose_solve_fails_keeps_its_last_solution_against_the_others_new_
     assert backward(cal.model) == pytest.approx(want, rel=1e-6)
     old_bwd = cal.fits["compute_bwd_s"].solve()
     new_fwd = dataclasses.replace(cal.fits["compute_fwd_s"].solve(), a=0.9, b=0.0)  # solved anew: 3x, no per-instance
-    monkeypatch.setattr(cal.fits["compute_fwd_s"], "solve", lambda: new_fwd)
-    monkeypatch.setattr(cal.fits["compute_bwd_s"], "solve", lambda: None)
+    monkeypatch.setattr("ultraep.cost.FIT_SOLVE_EVERY", 1)  # every call solves again
+    monkeypatch.setattr(cal.fits["compute_fwd_s"], "_solve", lambda: new_fwd)
+    monkeypatch.setattr(cal.fits["compute_bwd_s"], "_solve", lambda: None)
     for n_, i_, p_ in _calls(rng, 2, 4):
         call(n_, i_, p_, 0.9)
         assert cal.params.compute_scale == pytest.approx(0.9) and cal.params.half_tokens == 0.0

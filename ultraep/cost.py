@@ -864,12 +864,16 @@ class ComputeFit:
 
     def solve(self) -> FittedCompute | None:
         """The best non-negative fit (see the comment above :class:`ComputeFit`), or None before
-        :data:`FIT_MIN_CALLS` calls; solved again once :data:`FIT_SOLVE_EVERY` calls were added since the last."""
+        :data:`FIT_MIN_CALLS` calls; solved again once :data:`FIT_SOLVE_EVERY` calls were added since the last. A
+        solve that fails (no non-negative fit with a token cost: two ranks whose calls all look alike can be fitted
+        without one) keeps the last solution: see :meth:`Calibrator._fit_compute` for what mixing did."""
         if self.calls < FIT_MIN_CALLS:
             return None
         if self._solved is not None and self.calls - self._solved[0] < FIT_SOLVE_EVERY:
             return self._solved[1]
         fit = self._solve()
+        if fit is None and self._solved is not None:
+            fit = self._solved[1]
         self._solved = (self.calls, fit)
         return fit
 
@@ -1018,7 +1022,6 @@ class Calibrator:
         self._n: dict[str, int] = {}  # observations per scale: the first ones weigh 1/n (a running mean)
         # every rank's compute, forward and backward, fitted over the calls (ComputeFit)
         self.fits = {"compute_fwd_s": ComputeFit(), "compute_bwd_s": ComputeFit()}
-        self._fitted: dict[str, FittedCompute] = {}  # each fit's last solution (a solve that fails keeps it)
 
     def _alpha(self, name: str) -> float:
         n = self._n.get(name, 0)
@@ -1116,9 +1119,8 @@ class Calibrator:
         ``corun_slowdown``, ``compute_noise`` and their backward counterparts) replace what the call-level ratios
         learned. {} while the fits lack calls.
 
-        A solve that fails (no non-negative fit with a token cost: two ranks whose calls all look alike can be fitted
-        without one) keeps that fit's last solution, and the backward's parameters, relative to the forward's scale,
-        are derived from both fits' current solutions every call. Why: left to the call-level ratios, a backward factor
+        A fit whose solve fails keeps its last solution (:meth:`ComputeFit.solve`), and the backward's parameters,
+        relative to the forward's scale, are derived from both fits' current solutions every call. Why: left to the call-level ratios, a backward factor
         learned against the forward's old scale met a forward solved anew (3x the scale, no per-instance cost) and the
         model predicted a backward 3x its measure for four calls (2026-11-27, 64 tokens per rank, feplb: 158 ms
         against 50), and a run that ended in such a state left that model to ``simulate --topology from-run``."""
@@ -1129,16 +1131,12 @@ class Calibrator:
         for key, t_R in rank_compute_s.items():
             if key in self.fits and t_R is not None and len(t_R) == len(n):
                 self.fits[key].add(n, i, rep, t_R, predicted.sec_per_token, regime=policy, moves_R=predicted.moves_R)
-        for key, fit in self.fits.items():
-            solved = fit.solve()
-            if solved is not None:
-                self._fitted[key] = solved
-        fwd = self._fitted.get("compute_fwd_s")
+        fwd = self.fits["compute_fwd_s"].solve()
         if fwd is None:
             return {}
         out = {"compute_scale": fwd.a, "half_tokens": fwd.b / fwd.a, "replica_instance_s": fwd.d,
                "replica_move_s": fwd.e, "corun_slowdown": fwd.k, "compute_noise": fwd.noise}
-        bwd = self._fitted.get("compute_bwd_s")
+        bwd = self.fits["compute_bwd_s"].solve()
         if bwd is not None and bwd.a > 0:
             out.update(backward_compute_factor=bwd.a / fwd.a, backward_half_tokens=bwd.b / bwd.a,
                        backward_replica_instance_s=bwd.d * fwd.a / bwd.a,  # before the factor, as the model applies it
