@@ -246,6 +246,38 @@ def test_calibration_learns_the_runtimes_call_overhead_and_the_engines_own():
     assert cal.params.plan_scale == plan_scale  # left to the fixed plans
 
 
+def test_calls_that_move_expert_weights_learn_their_own_call_overhead():
+    """A call that moves expert weights posts the weight and gradient sends; its residual is kept apart from that of
+    the calls that move none, and the model charges the difference only to plans that move weights."""
+    cm = _cm(R=8, E=16)
+    rng = np.random.default_rng(0)
+    load = rng.zipf(1.6, size=(8, 16)).clip(max=400).astype(np.int64) * 8
+    none = cm.predict(identity_plan("none", cm.topology, load))
+    quota = cm.predict(make_policy("quota").plan(load, cm.topology))
+    assert quota.weight_sync_s > 0 and none.weight_sync_s == 0 and none.copy_s == 0
+    terms = {"compute_fwd_s": 0.010, "compute_bwd_s": 0.020}
+    cal = Calibrator(cm, alpha=0.5)
+    cal.observe(quota, terms, total_s=0.040)  # residual 10 ms; only moving calls so far: it stands for every call
+    assert cal.params.call_overhead_s == pytest.approx(0.010) and cal.params.transfer_call_overhead_s == 0.0
+    cal.observe(none, terms, total_s=0.036)  # residual 6 ms: the plain calls' own
+    assert cal.params.call_overhead_s == pytest.approx(0.006)
+    assert cal.params.transfer_call_overhead_s == pytest.approx(0.004)
+    cal.observe(quota, terms, total_s=0.044)  # weight 1/2 within its kind: (10 + 14) / 2 = 12 ms
+    assert cal.params.call_overhead_s == pytest.approx(0.006)
+    assert cal.params.transfer_call_overhead_s == pytest.approx(0.006)
+    # charged to the plans that move weights only
+    base = cal.model.with_params(cal.params.model_copy(update={"call_overhead_s": 0.0,
+                                                                "transfer_call_overhead_s": 0.0}))
+    plans = {"none": identity_plan("none", cm.topology, load), "quota": make_policy("quota").plan(load, cm.topology)}
+    got = {k: cal.model.predict(v) for k, v in plans.items()}
+    assert got["none"].total_s == pytest.approx(base.predict(plans["none"]).total_s + 0.006)
+    assert got["quota"].total_s == pytest.approx(base.predict(plans["quota"]).total_s + 0.012)
+    assert got["quota"].call_overhead_s == pytest.approx(0.012)
+    # the sum is never negative: moving calls cheaper than the plain ones by more than the plain overhead
+    neg = cal.model.with_params(cal.params.model_copy(update={"transfer_call_overhead_s": -0.5}))
+    assert neg.predict(plans["quota"]).call_overhead_s == 0.0
+
+
 def test_a_weight_flight_hidden_behind_the_compute_only_lowers_its_scale():
     """The runtime's flight of replica weights is post -> first seen complete, and it looks only when it waits:
     a flight that ended inside the forward's all-to-all plus compute is an upper bound of the transfer."""

@@ -115,6 +115,14 @@ class CostParams(BaseModel):
         "token permute/unpermute and the glue between phases. Calibrated from each call's measured layer time "
         "minus its measured terms; 0 (the presets) models a runtime whose overheads vanish next to the terms.",
     )
+    transfer_call_overhead_s: float = Field(
+        default=0.0,
+        description="Seconds a call that moves expert weights (replicas or moved experts: weight and replica "
+        "gradient sends to post, buffers to unpack) spends outside the modelled terms beyond ``call_overhead_s``, "
+        "which then holds the calls that move none. Calibrated as the difference of the two kinds' residuals; 0 "
+        "until both kinds were measured. May be negative (a call that balances permutes fewer rows on its "
+        "busiest rank).",
+    )
     half_tokens: float | None = Field(
         default=None, ge=0,
         description="Tokens' worth of forward work every active expert instance costs beyond its tokens (the "
@@ -590,8 +598,11 @@ class CostModel:
             ag_s = ag_max / (self.bw_L[1] * self.a2a_eff) + self.lat_L[1] if ag_max > 0 else 0.0
             ag_s *= p.a2a_scale
             ag_exposed = max(0.0, ag_s - self.prefetch_window)
+        overhead = p.call_overhead_s
+        if moves_weights(wsync, copy_s, grad_s):
+            overhead = max(0.0, overhead + p.transfer_call_overhead_s)
         fwd = (engine_s + plan_exposed + sync_exposed + a2a + compute + ag_exposed + p.non_moe_fwd_s + copy_s
-               + p.call_overhead_s)
+               + overhead)
         if p.mode == "training":
             same = (self.half_tokens_bwd == self.half_tokens and self.replica_instance_s_bwd == p.replica_instance_s
                     and self.replica_move_s_bwd == p.replica_move_s
@@ -619,7 +630,7 @@ class CostModel:
             hybrid_ag_s=ag_s, hybrid_ag_exposed_s=ag_exposed, non_moe_fwd_s=p.non_moe_fwd_s, fwd_s=fwd,
             compute_bwd_s=comp_b, a2a_bwd_s=a2a_b, restore_exposed_s=restore, grad_reduce_s=grad_s,
             grad_reduce_exposed_s=grad_exposed, non_moe_bwd_s=p.non_moe_bwd_s if p.mode == "training" else 0.0,
-            copy_s=copy_s, call_overhead_s=p.call_overhead_s, bwd_s=bwd, total_s=fwd + bwd,
+            copy_s=copy_s, call_overhead_s=overhead, bwd_s=bwd, total_s=fwd + bwd,
             gemm_straggler_s=float(comp_R.max() - comp_R.mean()) if comp_R.size else 0.0,
             token_straggler=float(tokens.max() - mean) if tokens.size else 0.0,
             imbalance=float(tokens.max() / mean) if mean > 0 else 1.0,
@@ -977,6 +988,12 @@ def cost_model_from_record(record: dict[str, Any], path: str = "cost_model") -> 
 SUMMED_TERMS = ("compute_fwd_s", "compute_bwd_s", "a2a_fwd_s", "a2a_bwd_s", "copy_s", "plan_s")
 
 
+def moves_weights(weight_sync_s: float, copy_s: float, grad_reduce_s: float) -> bool:
+    """Whether a call whose plan costs these predicted seconds moves expert weights (sends replicas or moved experts,
+    copies them, reduces replica gradients back): such a call pays :attr:`CostParams.transfer_call_overhead_s`."""
+    return weight_sync_s > 0 or copy_s > 0 or grad_reduce_s > 0
+
+
 def call_residual(measured: dict[str, float], total_s: float) -> float:
     """Seconds of a call's measured layer time ``total_s`` outside its measured terms (``measured``, the
     :data:`ultraep.timings.TERMS` a runtime reports): the load all-gather, rerouting, permute/unpermute and the
@@ -994,9 +1011,10 @@ class Calibrator:
     first, so a few observations replace the seed figures instead of nudging them). ``compute_bwd_s`` measurements update ``backward_compute_factor`` the same way
     (ratio to the forward compute). Terms predicted or measured as 0 are skipped.
 
-    Two terms are additive seconds, not scales, and use the same weights on the seconds themselves:
-    ``call_overhead_s`` from the call's layer time minus its measured terms (:func:`call_residual`; the runtime's
-    load all-gather, reroute and permute, which no term covers), and ``engine_overhead_s`` from the measured
+    Three terms are additive seconds, not scales, and use the same weights on the seconds themselves:
+    ``call_overhead_s`` and ``transfer_call_overhead_s`` from the call's layer time minus its measured terms
+    (:func:`call_residual`; the runtime's load all-gather, reroute and permute, which no term covers; kept apart for
+    the calls that move expert weights and those that do not: :meth:`_call_overhead`), and ``engine_overhead_s`` from the measured
     ``plan_s`` of a call whose plan carries an engine cost (``engine_s > 0``: an adaptive decision) minus the
     planner figures the model already charges it; such a call leaves ``plan_scale`` to the fixed plans.
 
@@ -1020,6 +1038,7 @@ class Calibrator:
         self.recorder = recorder
         self.history: list[dict[str, Any]] = []
         self._n: dict[str, int] = {}  # observations per scale: the first ones weigh 1/n (a running mean)
+        self._overhead: dict[str, float] = {}  # the residual per kind of call (_call_overhead)
         # every rank's compute, forward and backward, fitted over the calls (ComputeFit)
         self.fits = {"compute_fwd_s": ComputeFit(), "compute_bwd_s": ComputeFit()}
 
@@ -1027,6 +1046,24 @@ class Calibrator:
         n = self._n.get(name, 0)
         self._n[name] = n + 1
         return max(self.alpha, 1.0 / (n + 1))
+
+    def _call_overhead(self, predicted: CostBreakdown, resid: float) -> dict[str, float]:
+        """``call_overhead_s`` and ``transfer_call_overhead_s`` after a call's residual ``resid``: each kind of call
+        (moving expert weights or not: :func:`moves_weights`) keeps its own running estimate with the weights of the
+        other additive terms; ``call_overhead_s`` is that of the calls that move none (that of the others until one
+        ran), ``transfer_call_overhead_s`` the difference (0 until both kinds ran). Why two: the calls that move
+        weights post the weight and gradient sends (about 3 ms each on 2 gloo ranks, whatever the shape); one
+        estimate learned from a run of mostly one kind mispredicted the other by 2-3 ms a call at 64 tokens per rank
+        (2026-11-27: the fixed policies' layer time 6-10 % short)."""
+        p = self.params
+        kind = "transfer" if moves_weights(predicted.weight_sync_s, predicted.copy_s, predicted.grad_reduce_s) \
+            else "plain"
+        self._overhead[kind] = self._fold(f"call_overhead_s.{kind}", self._overhead.get(kind, 0.0), resid)
+        plain, transfer = self._overhead.get("plain"), self._overhead.get("transfer")
+        if plain is None:
+            return {"call_overhead_s": transfer, "transfer_call_overhead_s": 0.0}
+        return {"call_overhead_s": plain,
+                "transfer_call_overhead_s": 0.0 if transfer is None else transfer - plain}
 
     def _fold(self, name: str, old: float, new: float) -> float:
         """An additive term's next value: ``new`` folded into ``old`` with the weight of ``name``'s next observation."""
@@ -1159,7 +1196,7 @@ class Calibrator:
         rows = []
         if total_s is not None and total_s > 0:  # the runtime's work outside every measured term: additive seconds
             resid = call_residual(measured, total_s)
-            updates["call_overhead_s"] = self._fold("call_overhead_s", p.call_overhead_s, resid)
+            updates.update(self._call_overhead(predicted, resid))
             rows.append({"term": "call_overhead_s", "predicted_s": pred.get("call_overhead_s", 0.0),
                          "measured_s": resid, "ratio": float(resid / pred["call_overhead_s"])
                          if pred.get("call_overhead_s") else float("nan")})
