@@ -1055,7 +1055,6 @@ class Calibrator:
         weights post the weight and gradient sends (about 3 ms each on 2 gloo ranks, whatever the shape); one
         estimate learned from a run of mostly one kind mispredicted the other by 2-3 ms a call at 64 tokens per rank
         (2026-11-27: the fixed policies' layer time 6-10 % short)."""
-        p = self.params
         kind = "transfer" if moves_weights(predicted.weight_sync_s, predicted.copy_s, predicted.grad_reduce_s) \
             else "plain"
         self._overhead[kind] = self._fold(f"call_overhead_s.{kind}", self._overhead.get(kind, 0.0), resid)
