@@ -1014,9 +1014,10 @@ class Calibrator:
     Three terms are additive seconds, not scales, and use the same weights on the seconds themselves:
     ``call_overhead_s`` and ``transfer_call_overhead_s`` from the call's layer time minus its measured terms
     (:func:`call_residual`; the runtime's load all-gather, reroute and permute, which no term covers; kept apart for
-    the calls that move expert weights and those that do not: :meth:`_call_overhead`), and ``engine_overhead_s`` from the measured
-    ``plan_s`` of a call whose plan carries an engine cost (``engine_s > 0``: an adaptive decision) minus the
-    planner figures the model already charges it; such a call leaves ``plan_scale`` to the fixed plans.
+    the calls that move expert weights and those that do not: :meth:`_call_overhead`), and ``engine_overhead_s``
+    from the measured ``plan_s`` of a call whose plan carries an engine cost (``engine_s > 0``: an adaptive
+    decision) minus the planner figures the model already charges it; such a call leaves ``plan_scale`` to the fixed
+    plans.
 
     ``weight_sync_s`` (the flight) is an upper bound unless the runtime blocked on it, and ``weight_wait_s`` (the
     exposed wait) bounds the exposure the model may predict: see :meth:`_weight_sync_target`.
