@@ -1053,9 +1053,9 @@ class Calibrator:
         (moving expert weights or not: :func:`moves_weights`) keeps its own running estimate with the weights of the
         other additive terms; ``call_overhead_s`` is that of the calls that move none (that of the others until one
         ran), ``transfer_call_overhead_s`` the difference (0 until both kinds ran). Why two: the calls that move
-        weights post the weight and gradient sends (about 3 ms each on 2 gloo ranks, whatever the shape); one
-        estimate learned from a run of mostly one kind mispredicted the other by 2-3 ms a call at 64 tokens per rank
-        (2026-11-27: the fixed policies' layer time 6-10 % short)."""
+        weights post the weight and gradient sends (3.0-4.3 and 3.4-7.6 ms on 2 gloo ranks); one estimate learned
+        from a run of mostly one kind mispredicted the other by 1.3-2.9 ms a call at 64 tokens per rank (2026-11-27:
+        the fixed policies' layer time up to 10 % short)."""
         kind = "transfer" if moves_weights(predicted.weight_sync_s, predicted.copy_s, predicted.grad_reduce_s) \
             else "plain"
         self._overhead[kind] = self._fold(f"call_overhead_s.{kind}", self._overhead.get(kind, 0.0), resid)
@@ -1157,8 +1157,8 @@ class Calibrator:
         learned. {} while the fits lack calls.
 
         A fit whose solve fails keeps its last solution (:meth:`ComputeFit.solve`), and the backward's parameters,
-        relative to the forward's scale, are derived from both fits' current solutions every call. Why: left to the call-level ratios, a backward factor
-        learned against the forward's old scale met a forward solved anew (3x the scale, no per-instance cost) and the
+        relative to the forward's scale, are derived from both fits' current solutions every call. Why: left to the
+        call-level ratios, a backward factor learned against the forward's old scale met a forward solved anew (3x the scale, no per-instance cost) and the
         model predicted a backward 3x its measure for four calls (2026-11-27, 64 tokens per rank, feplb: 158 ms
         against 50), and a run that ended in such a state left that model to ``simulate --topology from-run``."""
         n, i = predicted.rank_tokens_R, predicted.instances_R
