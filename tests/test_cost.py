@@ -278,6 +278,45 @@ def test_calls_that_move_expert_weights_learn_their_own_call_overhead():
     assert neg.predict(plans["quota"]).call_overhead_s == 0.0
 
 
+def test_replica_copies_learn_a_part_per_call_and_a_part_per_byte():
+    """The host runtime's copies cost a part per call (posting the sends) and a part per byte; fitted as a line over
+    calls that copy different bytes, they predict a plan of either size. Calls of one size cannot tell the parts
+    apart: the per-call part learned stays. A model without host copies (a GPU's) learns nothing."""
+    from ultraep.cost import CostBreakdown
+
+    base = _cm(R=2, E=8)
+    per_byte = 0.002 / (2 * (base.expert_bytes + base.grad_bytes))  # 2 experts' weights and gradients: 2 ms
+    cm = base.with_params(base.params.model_copy(update={"copy_s_per_byte": per_byte}))
+    two, four = np.array([2.0, 2.0]), np.array([4.0, 4.0])
+    assert cm.copy_bytes_time(two) == pytest.approx(0.002) and cm.copy_bytes_time(four) == pytest.approx(0.004)
+
+    def measured(moves):  # 5 ms a call and half the per-byte seed
+        return 0.005 + 0.5 * cm.copy_bytes_time(moves)
+
+    cal = Calibrator(cm, alpha=0.2)
+    for _ in range(3):  # one size only: through the origin, nothing known of a part per call
+        cal.observe(CostBreakdown(copy_s=cal.model.copy_bytes_time(two), moves_R=two), {"copy_s": measured(two)})
+    assert cal.params.copy_call_s == 0.0 and cal.params.copy_scale == pytest.approx(0.006 / 0.002)
+    for i in range(12):  # both sizes: the line
+        moves = four if i % 2 else two
+        cal.observe(CostBreakdown(copy_s=0.001, moves_R=moves), {"copy_s": measured(moves)})
+    assert cal.params.copy_call_s == pytest.approx(0.005) and cal.params.copy_scale == pytest.approx(0.5)
+    for moves in (two, four):
+        assert cal.model.copy_time(None, moves_R=moves) == pytest.approx(measured(moves))
+    for _ in range(40):  # one size again: the older calls fade out, the line stays
+        cal.observe(CostBreakdown(copy_s=0.001, moves_R=four), {"copy_s": measured(four)})
+    assert cal.params.copy_call_s == pytest.approx(0.005) and cal.params.copy_scale == pytest.approx(0.5)
+    for _ in range(60):  # then 10 % slower: the part per call stays, the scale takes the rest
+        cal.observe(CostBreakdown(copy_s=0.001, moves_R=four), {"copy_s": 1.1 * measured(four)})
+    assert cal.params.copy_call_s == pytest.approx(0.005)
+    assert cal.params.copy_scale == pytest.approx((1.1 * measured(four) - 0.005) / 0.004, rel=1e-3)
+    # a single scale fitted on one size would have mispredicted the other by the part per call
+    assert abs(0.006 / 0.002 * 0.004 - measured(four)) > 0.003
+    gpu = Calibrator(base, alpha=0.2)  # copy_s_per_byte 0: the copies overlap, no term to learn
+    gpu.observe(CostBreakdown(copy_s=0.0, moves_R=None), {"copy_s": 0.004})
+    assert gpu.params.copy_call_s == 0.0 and gpu.params.copy_scale == 1.0
+
+
 def test_a_weight_flight_hidden_behind_the_compute_only_lowers_its_scale():
     """The runtime's flight of replica weights is post -> first seen complete, and it looks only when it waits:
     a flight that ended inside the forward's all-to-all plus compute is an upper bound of the transfer."""

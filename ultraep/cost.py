@@ -13,7 +13,8 @@ arXiv 2604.19654 §2; the terms are listed in ``docs/simulator.md`` with the num
     weight_sync  = Σ_relay stages max_r max(send_r, recv_r) / (B_up · copy_eff) + latency
                    exposed: all of it (UltraEP Eq. 1), or with ``weight_sync_overlap`` only what exceeds the
                    dispatch plus the smallest per-rank master compute (posted early, waited late)
-    copy         = max_r replica bytes r packs/unpacks/reduces · copy_s_per_byte (host runtime; 0 on GPUs)
+    copy         = copy_call_s + max_r replica bytes r packs/unpacks/reduces · copy_s_per_byte
+                   (host runtime, a call with replicas; 0 on GPUs)
     plan         = planner time of the policy (model figures from the papers, or measured)
     engine       = the adaptive engine's decision overhead (``plan.engine_s``), else 0
     fwd          = engine + plan + weight_sync + a2a_fwd + compute_fwd + non_moe_fwd   (UltraEP Eq. 1)
@@ -65,7 +66,15 @@ class CostParams(BaseModel):
     weight_sync_scale: float = Field(default=1.0, gt=0, description="Calibrated multiplier of weight sync.")
     grad_reduce_scale: float = Field(default=1.0, gt=0, description="Calibrated multiplier of grad reduction.")
     plan_scale: float = Field(default=1.0, gt=0, description="Calibrated multiplier of planner latency.")
-    copy_scale: float = Field(default=1.0, gt=0, description="Calibrated multiplier of the exposed replica copies.")
+    copy_scale: float = Field(default=1.0, gt=0, description="Calibrated multiplier of the exposed replica copies' "
+                              "per-byte part.")
+    copy_call_s: float = Field(
+        default=0.0, ge=0,
+        description="Exposed seconds of replica copies every call with replicas pays whatever their bytes (posting "
+        "the weight and gradient sends, their buffers), where copy_s_per_byte > 0. On 2 gloo ranks 3.8-6.6 ms of the "
+        "5-8 ms copies of a call moving 2 or 4 experts (2026-11-27). Calibrated with copy_scale from the measured "
+        "copies (Calibrator._copy).",
+    )
     copy_s_per_byte: float = Field(
         default=0.0, ge=0,
         description="Exposed seconds per byte of replica state a rank packs, unpacks or reduces on its own critical "
@@ -492,17 +501,22 @@ class CostModel:
         return (np.bincount(tree.src, minlength=R) + np.bincount(tree.dst, minlength=R)).astype(np.float64)
 
     def copy_time(self, plan: Plan, moves_R: np.ndarray | None = None) -> float:
-        """Exposed host copies of ``plan``'s replicas: the busiest rank's bytes packed/unpacked (weights) and,
-        in training, packed/reduced (fp32 gradients), at ``copy_s_per_byte``; ``moves_R``: the plan's
+        """Exposed host copies of ``plan``'s replicas: ``copy_call_s`` plus the busiest rank's bytes packed/unpacked
+        (weights) and, in training, packed/reduced (fp32 gradients), at ``copy_s_per_byte``; ``moves_R``: the plan's
         :meth:`replica_moves_R` when the caller has them."""
         p = self.params
         moves = self.replica_moves_R(plan) if moves_R is None else moves_R
         if moves is None:
             return 0.0
-        nbytes = moves * self.expert_bytes
-        if p.mode == "training":
-            nbytes = nbytes + moves * self.grad_bytes
-        return float(nbytes.max()) * p.copy_s_per_byte * p.copy_scale
+        return p.copy_call_s + self.copy_bytes_time(moves) * p.copy_scale
+
+    def copy_bytes_time(self, moves_R: np.ndarray) -> float:
+        """The copies' per-byte part before ``copy_scale``: the busiest rank's bytes of ``moves_R`` (``[R]`` replica
+        copies, :meth:`replica_moves_R`) at ``copy_s_per_byte``, weights and, in training, fp32 gradients."""
+        nbytes = moves_R * self.expert_bytes
+        if self.params.mode == "training":
+            nbytes = nbytes + moves_R * self.grad_bytes
+        return float(nbytes.max()) * self.params.copy_s_per_byte
 
     def predict_hybrid(self, load_RE: np.ndarray, expert_domain_size: int, compression: float = 1.0, *,
                        fetched: int | None = None) -> CostBreakdown:
@@ -940,6 +954,12 @@ CALIBRATED_TERMS: dict[str, str] = {
 }
 
 
+#: the least spread (root mean square relative) of the calls' copied bytes that separates the copies' per-call part
+#: from their per-byte part (Calibrator._copy): 2 experts moved in 1 call of 10 and 4 in the others spread 15 %
+COPY_SPREAD = 0.05
+#: the least copy_scale (CostParams.copy_scale > 0): copies that did not grow with their bytes
+COPY_SCALE_FLOOR = 1e-3
+
 #: measured backward term → (the CostParams factor it calibrates, the forward term the factor multiplies)
 FACTOR_TERMS: dict[str, tuple[str, str]] = {
     "compute_bwd_s": ("backward_compute_factor", "compute_fwd_s"),
@@ -1040,6 +1060,8 @@ class Calibrator:
         self.history: list[dict[str, Any]] = []
         self._n: dict[str, int] = {}  # observations per scale: the first ones weigh 1/n (a running mean)
         self._overhead: dict[str, float] = {}  # the residual per kind of call (_call_overhead)
+        # the copies' weighted sums (1, x, y, x², x·y) of the per-byte part x and the measured copies y (_copy)
+        self._copy_sums = np.zeros(5)
         # every rank's compute, forward and backward, fitted over the calls (ComputeFit)
         self.fits = {"compute_fwd_s": ComputeFit(), "compute_bwd_s": ComputeFit()}
 
@@ -1064,6 +1086,39 @@ class Calibrator:
             return {"call_overhead_s": transfer, "transfer_call_overhead_s": 0.0}
         return {"call_overhead_s": plain,
                 "transfer_call_overhead_s": 0.0 if transfer is None else transfer - plain}
+
+    def _copy(self, predicted: CostBreakdown, measured: float, updates: dict[str, float]) -> dict[str, Any]:
+        """``copy_call_s`` and ``copy_scale`` from one call's measured replica copies: a line ``y = copy_call_s +
+        copy_scale · x`` fitted by least squares over the calls whose plan copies (``x`` the per-byte part unscaled,
+        the calls weighted as the other terms' observations). Where the calls' ``x`` spread less than
+        ``COPY_SPREAD`` of their root mean square (one plan's copies) they cannot tell the two parts apart: the
+        per-call part stays, the scale takes the rest. Why a per-call part: on 2 gloo ranks a call moving 4 experts
+        copied 6.3-8.1 ms and one moving 2 copied 4.9-6.8 (2026-11-27, 8 shapes, 4 runs); one scale learned on one
+        of them mispredicted the other by 1.5-3.9 ms a call."""
+        p = self.model.params
+        row = {"term": "copy_s", "predicted_s": predicted.copy_s, "measured_s": measured,
+               "ratio": measured / predicted.copy_s if predicted.copy_s > 0 else float("nan")}
+        x = 0.0 if predicted.moves_R is None else self.model.copy_bytes_time(predicted.moves_R)
+        if x <= 0:
+            return row  # the model copies nothing here (no replicas, or copies that overlap on a GPU)
+        a = self._alpha("copy_s")
+        self._copy_sums = (1 - a) * self._copy_sums + a * np.array([1.0, x, measured, x * x, x * measured])
+        _, sx, sy, sxx, sxy = self._copy_sums
+        var = sxx - sx * sx
+        call_s = None
+        if var > COPY_SPREAD ** 2 * sxx:  # the calls copied different bytes: both parts
+            scale = (sxy - sx * sy) / var
+            call_s = sy - scale * sx
+            if scale <= 0:  # more bytes were not slower: all per call
+                call_s, scale = sy, COPY_SCALE_FLOOR
+            elif call_s < 0:  # a line through the origin
+                call_s, scale = 0.0, sxy / sxx
+        else:
+            call_s = min(p.copy_call_s, sy)
+            scale = (sy - call_s) / sx
+        updates["copy_call_s"] = float(call_s)
+        updates["copy_scale"] = float(max(scale, COPY_SCALE_FLOOR))
+        return row
 
     def _fold(self, name: str, old: float, new: float) -> float:
         """An additive term's next value: ``new`` folded into ``old`` with the weight of ``name``'s next observation."""
@@ -1234,6 +1289,9 @@ class Calibrator:
                     updates[factor] = self._fold_log(factor, getattr(p, factor), value / base)
                     rows.append({"term": key, "predicted_s": pred.get(key, 0.0), "measured_s": float(value),
                                  "ratio": float(value / pred[key]) if pred.get(key) else float("nan")})
+                continue
+            if key == "copy_s":  # the replica copies: a part per call and a part per byte (_copy)
+                rows.append(self._copy(predicted, float(value), updates))
                 continue
             scale_name = CALIBRATED_TERMS.get(key)
             pv = pred.get(key, 0.0)
