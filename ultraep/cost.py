@@ -71,8 +71,8 @@ class CostParams(BaseModel):
     copy_call_s: float = Field(
         default=0.0, ge=0,
         description="Exposed seconds of replica copies every call with replicas pays whatever their bytes (posting "
-        "the weight and gradient sends, their buffers), where copy_s_per_byte > 0. On 2 gloo ranks 3.8-6.6 ms of the "
-        "5-8 ms copies of a call moving 2 or 4 experts (2026-11-27). Calibrated with copy_scale from the measured "
+        "the weight and gradient sends, their buffers), where copy_s_per_byte > 0. On 2 gloo ranks 2.4-7.1 ms of the "
+        "4.9-8.1 ms copies of a call moving 2 or 4 experts (2026-11-27). Calibrated with copy_scale from the measured "
         "copies (Calibrator._copy).",
     )
     copy_s_per_byte: float = Field(
@@ -1093,8 +1093,8 @@ class Calibrator:
         the calls weighted as the other terms' observations). Where the calls' ``x`` spread less than
         ``COPY_SPREAD`` of their root mean square (one plan's copies) they cannot tell the two parts apart: the
         per-call part stays, the scale takes the rest. Why a per-call part: on 2 gloo ranks a call moving 4 experts
-        copied 6.3-8.1 ms and one moving 2 copied 4.9-6.8 (2026-11-27, 8 shapes, 4 runs); one scale learned on one
-        of them mispredicted the other by 1.5-3.9 ms a call."""
+        copied 6.3-8.1 ms and one moving 2 copied 4.9-7.3 (2026-11-27, each run's and shape's mean, 7 shapes, 4 runs);
+        one scale learned on a run of mostly one of them mispredicted the other by up to 4.7 ms a call."""
         p = self.model.params
         row = {"term": "copy_s", "predicted_s": predicted.copy_s, "measured_s": measured,
                "ratio": measured / predicted.copy_s if predicted.copy_s > 0 else float("nan")}
