@@ -310,6 +310,9 @@ def test_replica_copies_learn_a_part_per_call_and_a_part_per_byte():
         cal.observe(CostBreakdown(copy_s=0.001, moves_R=four), {"copy_s": 1.1 * measured(four)})
     assert cal.params.copy_call_s == pytest.approx(0.005)
     assert cal.params.copy_scale == pytest.approx((1.1 * measured(four) - 0.005) / 0.004, rel=1e-3)
+    before = cal.params
+    cal.observe(CostBreakdown(copy_s=0.001, moves_R=two), {"copy_s": 0.0})  # nothing measured: nothing learned
+    assert cal.params == before
     # a single scale fitted on one size would have mispredicted the other by the part per call
     assert abs(0.006 / 0.002 * 0.004 - measured(four)) > 0.003
     gpu = Calibrator(base, alpha=0.2)  # copy_s_per_byte 0: the copies overlap, no term to learn

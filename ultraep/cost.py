@@ -1037,7 +1037,8 @@ class Calibrator:
     the calls that move expert weights and those that do not: :meth:`_call_overhead`), and ``engine_overhead_s``
     from the measured ``plan_s`` of a call whose plan carries an engine cost (``engine_s > 0``: an adaptive
     decision) minus the planner figures the model already charges it; such a call leaves ``plan_scale`` to the fixed
-    plans.
+    plans. The host copies are a line, ``copy_call_s`` plus ``copy_scale`` times their per-byte part, fitted by least
+    squares with the same weights (:meth:`_copy`).
 
     ``weight_sync_s`` (the flight) is an upper bound unless the runtime blocked on it, and ``weight_wait_s`` (the
     exposed wait) bounds the exposure the model may predict: see :meth:`_weight_sync_target`.
@@ -1099,13 +1100,12 @@ class Calibrator:
         row = {"term": "copy_s", "predicted_s": predicted.copy_s, "measured_s": measured,
                "ratio": measured / predicted.copy_s if predicted.copy_s > 0 else float("nan")}
         x = 0.0 if predicted.moves_R is None else self.model.copy_bytes_time(predicted.moves_R)
-        if x <= 0:
-            return row  # the model copies nothing here (no replicas, or copies that overlap on a GPU)
+        if x <= 0 or measured <= 0:
+            return row  # the model copies nothing here (no replicas, or copies that overlap on a GPU), or none measured
         a = self._alpha("copy_s")
         self._copy_sums = (1 - a) * self._copy_sums + a * np.array([1.0, x, measured, x * x, x * measured])
         _, sx, sy, sxx, sxy = self._copy_sums
         var = sxx - sx * sx
-        call_s = None
         if var > COPY_SPREAD ** 2 * sxx:  # the calls copied different bytes: both parts
             scale = (sxy - sx * sy) / var
             call_s = sy - scale * sx
