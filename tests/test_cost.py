@@ -313,8 +313,6 @@ def test_replica_copies_learn_a_part_per_call_and_a_part_per_byte():
     before = cal.params
     cal.observe(CostBreakdown(copy_s=0.001, moves_R=two), {"copy_s": 0.0})  # nothing measured: nothing learned
     assert cal.params == before
-    # a single scale fitted on one size would have mispredicted the other by the part per call
-    assert abs(0.006 / 0.002 * 0.004 - measured(four)) > 0.003
     gpu = Calibrator(base, alpha=0.2)  # copy_s_per_byte 0: the copies overlap, no term to learn
     gpu.observe(CostBreakdown(copy_s=0.0, moves_R=None), {"copy_s": 0.004})
     assert gpu.params.copy_call_s == 0.0 and gpu.params.copy_scale == 1.0

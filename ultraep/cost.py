@@ -950,8 +950,7 @@ CALIBRATED_TERMS: dict[str, str] = {
     "weight_sync_s": "weight_sync_scale",
     "grad_reduce_s": "grad_reduce_scale",
     "plan_s": "plan_scale",
-    "copy_s": "copy_scale",
-}
+}  # copy_s calibrates copy_scale with copy_call_s as a line (Calibrator._copy)
 
 
 #: the least spread (root mean square relative) of the calls' copied bytes that separates the copies' per-call part
