@@ -130,8 +130,8 @@ def wrapped_layer(shape, config: dict, device: torch.device | None = None, recor
 def _setup(rank, shape: Shape, args, policy, skew, recorder=None):
     """One wrapped layer (the same expert weights for every policy) and this rank's batch."""
     dev = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
-    layer, rt = wrapped_layer(shape, {"policy": policy, "num_redundant_slots": shape.slots or args.slots}, dev,
-                              recorder)
+    config = dict(policy) if isinstance(policy, dict) else {"policy": policy}  # a name, or a whole config
+    layer, rt = wrapped_layer(shape, {**config, "num_redundant_slots": shape.slots or args.slots}, dev, recorder)
     g = torch.Generator().manual_seed(7 + rank)
     x = torch.randn(shape.tokens, shape.hidden, generator=g).to(dev).requires_grad_(True)
     idx = _routing(rank, shape.tokens, shape.top_k, shape.experts, skew, args.seed).to(dev)

@@ -25,7 +25,7 @@ def recorded(tmp_path_factory):
     """One tiny shape measured and recorded by the benchmark's own runner: (its rows, what adaptive ran, the calls
     behind the predictions, the dir)."""
     runs = tmp_path_factory.mktemp("validate") / "tiny"
-    args = argparse.Namespace(slots=2, iters=4, warmup=1, seed=0, backend="gloo", calibrate_on="quota",
+    args = argparse.Namespace(slots=2, iters=4, warmup=1, seed=0, backend="gloo", calibrate_on="calibration",
                               max_iters_scale=1.0)
     rows, ran, calls = bench_validate._shape_rows(Shape("tiny", tokens=64, hidden=32, ffn=32), args, runs)
     return rows, ran, calls, runs
@@ -39,10 +39,12 @@ def test_every_policy_has_a_measured_and_a_predicted_layer_time(recorded):
         assert mx == pytest.approx(rows[0][2] / m) and px == pytest.approx(rows[0][3] / p)
         assert se == 0.0 if pol == "none" else 0.0 < se < 1.0, (pol, se)  # the measured speed-up's own uncertainty
     assert rows[0][4] == 1.0 and rows[0][5] == 1.0
-    # adaptive ran one policy or several, one decision per timed call (4 calls after 1 warm-up step)
-    assert sum(ran.values()) == 4 and set(ran) <= {"none", "quota", "feplb", "eplb"}
-    # calibrated on the quota run: its 5 calls (1 warm-up step + 4 timed) are every prediction's, none of the others
-    assert calls == {"none": 0, "quota": 5, "feplb": 0}
+    # adaptive ran one policy or several, one decision per timed call (4 asked, rounded up to the 10 interleaving
+    # orders of 5 runs: the four policies and the calibration run)
+    assert sum(ran.values()) == 10 and set(ran) <= {"none", "quota", "feplb", "eplb", "hybridep"}
+    # calibrated on the calibration run: in its 11 calls (1 warm-up step + 10 timed) its engine ran every policy
+    # of the table, each a few times
+    assert set(calls) == {"none", "quota", "feplb"} and sum(calls.values()) <= 11 and min(calls.values()) >= 2, calls
 
 
 def test_adaptive_against_the_best_fixed_policy():
@@ -54,6 +56,13 @@ def test_adaptive_against_the_best_fixed_policy():
     assert bench_validate.adaptive_vs_best(rows[:3]) is None
 
 
+def test_from_a_recording_without_a_calibration_run_says_what_to_do(tmp_path, monkeypatch):
+    (tmp_path / "default" / "default-adaptive").mkdir(parents=True)  # recorded before the calibration run existed
+    monkeypatch.setattr(sys, "argv", ["bench_validate", "--from", str(tmp_path), "--shapes", "default"])
+    with pytest.raises(SystemExit, match="has no calibration run to calibrate on .*use --calibrate-on adaptive"):
+        bench_validate.main()
+
+
 def test_the_tables_print_and_from_re_predicts_the_same(recorded, capsys, monkeypatch):
     rows, ran, calls, runs = recorded
     out = bench_validate.print_tables([("tiny", rows, ran, calls)], "title")
@@ -63,11 +72,20 @@ def test_the_tables_print_and_from_re_predicts_the_same(recorded, capsys, monkey
                                           "measured_adaptive_vs_best_fixed", "calibration_calls",
                                           "measured_speedup_relative_se"}
     assert "its SE" in text and "largest standard error of a measured speed-up" in text
-    again, ran2, calls2 = bench_validate.recorded_rows(runs, "tiny", ["none", "quota", "feplb", "adaptive"], "quota", 1)
+    again, ran2, calls2 = bench_validate.recorded_rows(runs, "tiny", ["none", "quota", "feplb", "adaptive"],
+                                                      "calibration", 1)
     assert again == rows and ran2 == ran and calls2 == calls  # deterministic: the recordings, re-predicted
     # calibrated on the adaptive run instead, the calls behind each prediction are the ones its engine ran
     _, ran3, calls3 = bench_validate.recorded_rows(runs, "tiny", ["none", "quota", "feplb", "adaptive"], "adaptive", 1)
-    assert sum(calls3.values()) <= 5 and all(calls3[p] >= ran3.get(p, 0) for p in calls3)
+    assert sum(calls3.values()) <= 11 and all(calls3[p] >= ran3.get(p, 0) for p in calls3)
+    # a fixed policy's run: its own calls are every prediction's, none of the others'
+    _, _, calls4 = bench_validate.recorded_rows(runs, "tiny", ["none", "quota", "feplb", "adaptive"], "quota", 1)
+    assert calls4 == {"none": 0, "quota": 11, "feplb": 0}
+    # the summary line: the same recordings on the adaptive run's model
+    args = argparse.Namespace(calibrate_on="calibration", warmup=1)
+    bench_validate.print_adaptive_calibrated(runs.parent, [("tiny", rows, ran, calls)], ["none", "quota", "feplb",
+                                                                                          "adaptive"], args)
+    assert "calibrated on each shape's adaptive run instead" in capsys.readouterr().out
     monkeypatch.setattr(sys, "argv", ["bench_validate", "--from", str(runs.parent), "--shapes", "nope"])
     with pytest.raises(SystemExit, match="--shapes: unknown shape 'nope'"):
         bench_validate.main()

@@ -60,6 +60,10 @@ def test_from_run_replays_the_runs_routing_on_its_own_model(run, tmp_path, capsy
                  "--no-progress", "--workers", "1"]) == 0
     text = capsys.readouterr().out
     assert "predicted: every figure" in text and "measured: run rec ran policy quota" in text
+    # the quota run measured no call of none and 6 of quota (3 steps x 2 layers): both predictions rest on few calls,
+    # and the output says so
+    few = " ".join(text[text.index("few calls"):].split())
+    assert "none 0, quota 6 layer calls" in few and "calibration_config()" in few
     rows = {r["policy"]: r for r in json.loads(out.read_text())}
     assert rows["quota"]["basis"] == "predicted" and rows["quota"]["settings"]["num_ranks"] == 2
     m = rows["quota"]["measured"]
@@ -183,3 +187,20 @@ def test_a_run_recorded_before_call_overhead_learns_it_from_its_timings(tmp_path
     with Recorder.open(tmp_path, "new", flush_interval_s=None) as r:
         r.record_step(0, extra={"cost_model": rec})
     assert recorded_cost_model(tmp_path / "new", "new").params.call_overhead_s == 0.5
+
+
+def test_the_few_calls_line_names_only_the_policies_measured_few_times():
+    from rich.console import Console
+
+    from ultraep.cli.simulate import print_basis
+
+    measured = {"run_id": "r", "policy": "adaptive", "chosen": {"quota": 40, "feplb": 3}, "calls": 43,
+                "measured_layer_ms": 1.0, "predicted_layer_ms": 1.0}
+    settings = {"topology": "t", "num_ranks": 2, "reported": ["none", "quota", "feplb", "adaptive"]}
+    console = Console(record=True, width=300)
+    print_basis("predicted", settings, measured, console)
+    text = console.export_text()
+    assert "measured none 0, feplb 3 layer calls" in text  # quota's 40 calls are enough; adaptive is not a policy run
+    console = Console(record=True, width=300)
+    print_basis("projected", settings, measured, console)  # a projection says what it is, no calibration advice
+    assert "few calls" not in console.export_text()

@@ -74,6 +74,7 @@ def test_config_cross_field_message_names_both_fields():
         ({"num_redundant_slots": "two"}, "num_redundant_slots"),
         ({"layers": {"1": {"kind": "magic"}}}, "layers.1"),
         ({"quota": {"balance_eps": 2}}, "quota.balance_eps"),
+        ({"adaptive": {"probe_every": -1}}, "adaptive.probe_every"),
         ({"surprise": 1}, "surprise"),
     ],
 )

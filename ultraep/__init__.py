@@ -17,6 +17,7 @@ _LAZY = {
     "Plan": "ultraep.plan",
     "Transfers": "ultraep.plan",
     "BalancerConfig": "ultraep.config",
+    "calibration_config": "ultraep.config",
     "plan_layer": "ultraep.planning",
     "validate_load": "ultraep.load",
     "metrics": "ultraep.plan.metrics",
@@ -36,7 +37,7 @@ _MODULES = {"metrics", "telemetry"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from ultraep.plan import metrics
-    from ultraep.config import BalancerConfig
+    from ultraep.config import BalancerConfig, calibration_config
     from ultraep.errors import ConfigError, LoadError, UltraEPError
     from ultraep.load import validate_load
     from ultraep.plan import Plan, Transfers

@@ -233,6 +233,14 @@ def _from_run_model(args, run_id: str, ranks: int):
     return CostModel(t, cm.hardware, cm.expert, cm.params.model_copy(update=update) if update else cm.params)
 
 
+#: the policies a run's engine can choose, whose calls the fit learns from (``adaptive`` chooses among them)
+FIXED_POLICIES = ("none", "quota", "eplb", "feplb", "hybridep")
+#: a policy the recorded run ran in fewer layer calls than this is flagged as predicted from few calls (from-run):
+#: at 64 tokens per rank 1-7 calls of quota in an adaptive run left its predicted speed-up 6.9-25.9 % off, 28 calls
+#: of it in a calibration run 1.7-7.9 % (2026-11-27, benchmarks/bench_validate.py)
+FEW_CALLS = 8
+
+
 def print_basis(basis: str, settings: dict, measured: dict | None, console) -> None:
     """Say which figures were measured and which are the model's: predictions for the machine that recorded the
     run (``from-run``) or projections to a cluster preset."""
@@ -253,6 +261,15 @@ def print_basis(basis: str, settings: dict, measured: dict | None, console) -> N
                   f"{chose}); {measured['calls']} layer calls after warm-up, layer time "
                   + (f"{m:.3f} ms measured, {p:.3f} ms predicted by its engine at the time" if m is not None
                      else "not measured (no timings recorded)"))
+    if basis != PREDICTED:
+        return
+    few = [f"{n} {measured['chosen'].get(n, 0)}" for n in settings.get("reported", ())
+           if n in FIXED_POLICIES and measured["chosen"].get(n, 0) < FEW_CALLS]
+    if few:
+        console.print(f"[bold]few calls[/bold]: the run measured {', '.join(few)} layer calls of these policies; their "
+                      "predictions rest on those (the model learns what a policy's calls cost from them). To predict "
+                      "every policy, record a calibration run (config: ultraep.calibration_config(); "
+                      "docs/simulator.md) and simulate that one")
 
 
 def print_activation(summary: list[dict], console) -> None:
