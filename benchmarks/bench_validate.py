@@ -9,15 +9,15 @@ model (``ultraep simulate RUN --topology from-run``). Why a calibration run: the
 cost from those calls, and an adaptive run measures a policy that does not pay a few times (2-7 calls of ``quota``
 at 64 tokens per rank, 2 of ``none`` at 4096): predicted from those, the speed-up over none missed by 9.1-10.7 % in
 3 of 4 runs (2026-11-27, twelfth session); in the thirteenth session's three recordings by 2.4 / 7.9 / 5.7 % on the
-calibration run's model and 6.9 / 5.7 / 25.9 % on the adaptive run's, which is still printed (one line) next to it. Per shape and policy the table puts the measured layer time
-(median over the timed calls of the slowest rank's forward + backward, as the runtime recorded it) next to the
-prediction, and the measured speed-up over none next to the predicted one, and that measured speed-up's standard
-error (a bootstrap over the timed steps: what a 5 % goal can be checked against). A shape takes ``--iters`` timed
-calls at the default shape's size and more where a call is cheap and noisy (:func:`timed_iters`: 5.7x at 64 tokens
-per rank). ``--demo`` adds ``ultraep demo`` (none and adaptive on a real model; calibrated on its adaptive run, which
-ran every policy 5-33 times). A second table gives, per shape, adaptive's measured layer time over the best fixed
-policy's and what adaptive ran (issues 33 and 34 read it from the same run). ``--from DIR`` measures nothing: it
-re-predicts the recordings a ``--keep DIR`` run left (deterministic).
+calibration run's model and 6.9 / 5.7 / 25.9 % on the adaptive run's, which is still printed (one line) next to it.
+Per shape and policy the table puts the measured layer time (median over the timed calls of the slowest rank's
+forward + backward, as the runtime recorded it) next to the prediction, and the measured speed-up over none next to
+the predicted one, and that measured speed-up's standard error (a bootstrap over the timed steps: what a 5 % goal can
+be checked against). A shape takes ``--iters`` timed calls at the default shape's size and more where a call is cheap
+and noisy (:func:`timed_iters`: 5.7x at 64 tokens per rank). ``--demo`` adds ``ultraep demo`` (none and adaptive on
+a real model; calibrated on its adaptive run, which ran every policy 4-33 times). A second table gives, per shape,
+adaptive's measured layer time over the best fixed policy's and what adaptive ran (issues 33 and 34 read it from the
+same run). ``--from DIR`` measures nothing: it re-predicts the recordings a ``--keep DIR`` run left (deterministic).
 
 Goals (issue 35): predicted layer time within 10 % of measured, predicted speed-up over none within 5 %, at every
 shape and in the demo, three runs on a quiet machine.

@@ -24,6 +24,11 @@ def test_overrides_are_other_top_level_keys():
     cfg = BalancerConfig.model_validate(calibration_config(num_redundant_slots=3, sync_check_every=0))
     assert (cfg.num_redundant_slots, cfg.sync_check_every, cfg.policy) == (3, 0, "adaptive")
     assert cfg.layer_options(0).probe_every == CALIBRATION_PROBE_EVERY
+    # adaptive options given are merged: the probes stay
+    cfg = BalancerConfig.model_validate(calibration_config(adaptive={"candidates": ("none", "quota")}))
+    opts = cfg.layer_options(0)
+    assert opts.candidates == ("none", "quota") and opts.probe_every == CALIBRATION_PROBE_EVERY
+    assert opts.explore_share is None
 
 
 def test_top_level_adaptive_options_and_a_layer_override():

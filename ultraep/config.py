@@ -310,11 +310,13 @@ def calibration_config(**overrides: Any) -> dict[str, Any]:
     run with it (a few dozen steps) before ``ultraep simulate RUN --topology from-run`` or a projection: a run of
     one policy, or an adaptive run that rarely left it, predicts the others from the few calls it measured of them.
     It trains as any wrapped model (exact); it runs slower than ``adaptive`` while it probes. ``overrides``: other
-    top-level config keys (``num_redundant_slots``, ...).
+    top-level config keys (``num_redundant_slots``, ...); an ``adaptive`` mapping among them is merged into the
+    calibration's adaptive options (``adaptive={"candidates": ("none", "quota")}`` keeps the probes).
 
     Measured (2026-11-27, ``benchmarks/bench_validate.py``, 2 gloo ranks, three recordings): calibrated on such a
     run the predicted speed-up over none was within 2.4 / 7.9 / 5.7 % of the measured one at every shape, on the
     adaptive run of the same recordings within 6.9 / 5.7 / 25.9 % (``quota`` at 64 tokens per rank, predicted from
     the 4 / 1 calls the adaptive engine ran of it in the first and third)."""
-    return {"policy": "adaptive", "adaptive": {"probe_every": CALIBRATION_PROBE_EVERY, "probe_max_loss": 1e6,
-                                               "explore_share": None}, **overrides}
+    adaptive = {"probe_every": CALIBRATION_PROBE_EVERY, "probe_max_loss": 1e6, "explore_share": None,
+                **dict(overrides.pop("adaptive", None) or {})}
+    return {"policy": "adaptive", "adaptive": adaptive, **overrides}
