@@ -313,10 +313,10 @@ def calibration_config(**overrides: Any) -> dict[str, Any]:
     top-level config keys (``num_redundant_slots``, ...); an ``adaptive`` mapping among them is merged into the
     calibration's adaptive options (``adaptive={"candidates": ("none", "quota")}`` keeps the probes).
 
-    Measured (2026-11-27, ``benchmarks/bench_validate.py``, 2 gloo ranks, three recordings): calibrated on such a
-    run the predicted speed-up over none was within 2.4 / 7.9 / 5.7 % of the measured one at every shape, on the
-    adaptive run of the same recordings within 6.9 / 5.7 / 25.9 % (``quota`` at 64 tokens per rank, predicted from
-    the 4 / 1 calls the adaptive engine ran of it in the first and third)."""
+    Measured (2026-11-27, ``benchmarks/bench_validate.py``, 2 gloo ranks, four recordings): calibrated on such a
+    run the predicted speed-up over none was within 2.4 / 7.9 / 5.7 / 6.0 % of the measured one at every shape, on
+    the adaptive run of the same recordings within 6.9 / 5.7 / 25.9 / 8.4 % (``quota`` at 64 tokens per rank,
+    predicted from the 4 / 1 / 4 calls the adaptive engine ran of it in the first, third and fourth)."""
     adaptive = {"probe_every": CALIBRATION_PROBE_EVERY, "probe_max_loss": 1e6, "explore_share": None,
                 **dict(overrides.pop("adaptive", None) or {})}
     return {"policy": "adaptive", "adaptive": adaptive, **overrides}

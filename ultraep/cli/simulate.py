@@ -237,7 +237,7 @@ def _from_run_model(args, run_id: str, ranks: int):
 FIXED_POLICIES = ("none", "quota", "eplb", "feplb", "hybridep")
 #: a policy the recorded run ran in fewer layer calls than this is flagged as predicted from few calls (from-run):
 #: at 64 tokens per rank 1-7 calls of quota in an adaptive run left its predicted speed-up 6.9-25.9 % off, 28 calls
-#: of it in a calibration run 1.7-7.9 % (2026-11-27, benchmarks/bench_validate.py)
+#: of it in a calibration run 1.7-7.9 % (2026-11-27, four recordings, benchmarks/bench_validate.py)
 FEW_CALLS = 8
 
 
