@@ -66,6 +66,14 @@ def test_config_cross_field_message_names_both_fields():
     assert "layers.3.quota.num_redundant_slots (9) must be <= (domain_size - 1) * masters_per_rank (7)" in str(info.value)
 
 
+def test_a_top_level_policy_options_slots_are_checked_under_their_own_path():
+    for policy in ("quota", "adaptive"):
+        cfg = BalancerConfig.model_validate({"policy": policy, policy: {"num_redundant_slots": 9}})
+        with pytest.raises(ConfigError) as info:
+            cfg.validate_for(num_ranks=8, num_masters=1)
+        assert info.value.path == f"{policy}.num_redundant_slots"
+
+
 @pytest.mark.parametrize(
     "data, loc",
     [

@@ -265,6 +265,9 @@ class BalancerConfig(_Model):
             raise ConfigError("domain_size", f"domain_size ({D}) must divide the number of ranks ({num_ranks})", D)
         limit = (D - 1) * num_masters
         checks = [("num_redundant_slots", self.num_redundant_slots)]
+        top = getattr(self, self.policy, None)  # the top-level options of the policy (layer_options reads them)
+        if isinstance(top, _Options) and getattr(top, "num_redundant_slots", None) is not None:
+            checks.append((f"{self.policy}.num_redundant_slots", top.num_redundant_slots))
         for layer, opts in sorted(self.layers.items()):
             n = getattr(opts, "num_redundant_slots", None)
             if n is not None:

@@ -7,7 +7,9 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import get_args
 
+from ultraep.config import CandidateName
 from ultraep.errors import ConfigError
 
 
@@ -233,8 +235,6 @@ def _from_run_model(args, run_id: str, ranks: int):
     return CostModel(t, cm.hardware, cm.expert, cm.params.model_copy(update=update) if update else cm.params)
 
 
-#: the policies a run's engine can choose, whose calls the fit learns from (``adaptive`` chooses among them)
-FIXED_POLICIES = ("none", "quota", "eplb", "feplb", "hybridep")
 #: a policy the recorded run ran in fewer layer calls than this is flagged as predicted from few calls (from-run):
 #: at 64 tokens per rank 1-7 calls of quota in an adaptive run left its predicted speed-up 6.9-25.9 % off, 28 calls
 #: of it in a calibration run 1.7-7.9 % (2026-11-27, four recordings, benchmarks/bench_validate.py)
@@ -264,7 +264,7 @@ def print_basis(basis: str, settings: dict, measured: dict | None, console) -> N
     if basis != PREDICTED:
         return
     few = [f"{n} {measured['chosen'].get(n, 0)}" for n in settings.get("reported", ())
-           if n in FIXED_POLICIES and measured["chosen"].get(n, 0) < FEW_CALLS]
+           if n in get_args(CandidateName) and measured["chosen"].get(n, 0) < FEW_CALLS]
     if few:
         console.print(f"[bold]few calls[/bold]: the run measured {', '.join(few)} layer calls of these policies; their "
                       "predictions rest on those (the model learns what a policy's calls cost from them). To predict "
