@@ -82,13 +82,13 @@ def predict(run_dir: Path, policies, skip_steps: int = 1) -> dict[str, float]:
     ``skip_steps`` steps and the run's warm-up steps left out), with the measurement's statistic
     (:func:`per_layer_median`)."""
     from ultraep.sim import simulate
-    from ultraep.sim.from_run import recorded_cost_model
+    from ultraep.sim.from_run import anchored_cost_model, recorded_cost_model
     from ultraep.telemetry import open_run
     from ultraep.traces import load_trace
 
     trace = load_trace(run_dir, "recorded-run")
     run_id = trace.meta.extra["run_id"]
-    cm = recorded_cost_model(run_dir, run_id)
+    cm, _ = anchored_cost_model(run_dir, run_id, recorded_cost_model(run_dir, run_id), trace)
     con = open_run(run_dir)
     skip = warmup_steps(con, run_id)
     con.close()
