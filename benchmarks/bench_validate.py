@@ -76,11 +76,11 @@ def warmup_steps(con, run_id: str) -> set[int]:
     return {int(r[0]) for r in con.execute("SELECT step FROM warmup_steps WHERE run_id = ?", [run_id]).fetchall()}
 
 
-def predict(run_dir: Path, policies, skip_steps: int = 1) -> dict[str, float]:
+def predict(run_dir: Path, policies, skip_steps: int = 1, anchor: bool = True) -> dict[str, float]:
     """Predicted seconds per layer call of ``policies`` on the recorded run ``run_dir``'s routing and cost model (what
-    ``ultraep simulate RUN --topology from-run`` prints), over the calls the measurement keeps (the first
-    ``skip_steps`` steps and the run's warm-up steps left out), with the measurement's statistic
-    (:func:`per_layer_median`)."""
+    ``ultraep simulate RUN --topology from-run`` prints: the model anchored on the run's own calls, unless not
+    ``anchor``), over the calls the measurement keeps (the first ``skip_steps`` steps and the run's warm-up steps left
+    out), with the measurement's statistic (:func:`per_layer_median`)."""
     from ultraep.sim import simulate
     from ultraep.sim.from_run import anchored_cost_model, recorded_cost_model
     from ultraep.telemetry import open_run
@@ -88,7 +88,9 @@ def predict(run_dir: Path, policies, skip_steps: int = 1) -> dict[str, float]:
 
     trace = load_trace(run_dir, "recorded-run")
     run_id = trace.meta.extra["run_id"]
-    cm, _ = anchored_cost_model(run_dir, run_id, recorded_cost_model(run_dir, run_id), trace)
+    cm = recorded_cost_model(run_dir, run_id)
+    if anchor:
+        cm, _ = anchored_cost_model(run_dir, run_id, cm, trace)
     con = open_run(run_dir)
     skip = warmup_steps(con, run_id)
     con.close()
@@ -167,7 +169,8 @@ def calibration_calls(run_dir: Path, run_id: str, names) -> dict[str, int]:
     return {n: int(ran.get(n, 0)) for n in names if n != "adaptive"}
 
 
-def recorded_rows(runs_dir: Path, source: str, names: list[str], calibrate_on: str, skip_steps: int) -> tuple[list, dict, dict]:
+def recorded_rows(runs_dir: Path, source: str, names: list[str], calibrate_on: str, skip_steps: int,
+                  anchor: bool = True) -> tuple[list, dict, dict]:
     """The validation rows of one source from its recorded runs ``runs_dir/<source>-<policy>`` (one per policy of
     ``names``): ``[(source, policy, measured s, predicted s, measured speed-up, predicted speed-up, the measured
     speed-up's relative standard error)]`` (:func:`speedup_se`, paired: the policies ran interleaved), what
@@ -184,7 +187,7 @@ def recorded_rows(runs_dir: Path, source: str, names: list[str], calibrate_on: s
         if n == "adaptive":
             ran = adaptive_ran(con, f"{source}-{n}", skip_steps)
         con.close()
-    predicted = predict(runs_dir / f"{source}-{calibrate_on}", names, max(1, skip_steps))
+    predicted = predict(runs_dir / f"{source}-{calibrate_on}", names, max(1, skip_steps), anchor)
     rows = [(source, n, measured[n], predicted[n], measured["none"] / measured[n], predicted["none"] / predicted[n],
              0.0 if n == "none" else speedup_se(calls["none"], calls[n], paired=True)) for n in names]
     return rows, ran, calibration_calls(runs_dir / f"{source}-{calibrate_on}", f"{source}-{calibrate_on}", names)
@@ -240,7 +243,7 @@ def _demo_rows(args, runs_dir: Path) -> tuple[list, dict, dict]:
     return demo_rows(runs_dir)
 
 
-def demo_rows(runs_dir: Path) -> tuple[list, dict, dict]:
+def demo_rows(runs_dir: Path, anchor: bool = True) -> tuple[list, dict, dict]:
     """The validation rows of a recorded ``ultraep demo --out runs_dir`` (its none and balanced runs; the balanced
     run's learned model predicts both), what adaptive ran and the calls behind the predictions."""
     from ultraep.telemetry import open_run
@@ -253,7 +256,7 @@ def demo_rows(runs_dir: Path) -> tuple[list, dict, dict]:
     measured = {p: per_layer_median(*calls[p], 0, set()) for p in calls}
     ran = adaptive_ran(con, by[balanced]) if balanced == "adaptive" else {}
     con.close()
-    predicted = predict(runs_dir / by[balanced], ["none", balanced])
+    predicted = predict(runs_dir / by[balanced], ["none", balanced], anchor=anchor)
     se = {"none": 0.0, balanced: speedup_se(calls["none"], calls[balanced], paired=False)}  # the runs follow each other
     return [("demo", p, measured[p], predicted[p], measured["none"] / measured[p], predicted["none"] / predicted[p],
              se[p]) for p in ("none", balanced)], ran, calibration_calls(runs_dir / by[balanced], by[balanced], ["none"])
@@ -328,6 +331,19 @@ def print_adaptive_calibrated(base: Path, sources: list, names: list[str], args)
           f"layer time {100 * t:.1f} %, speed-up over none {100 * x:.1f} %")
 
 
+def print_unanchored(base: Path, sources: list, names: list[str], args) -> None:
+    """The same recordings predicted on the calibrating runs' models as their engines learned them, not anchored on
+    those runs' own calls (``ultraep.sim.from_run.anchored_cost_model``), one summary line: what anchoring changed
+    (2026-11-27, the thirteenth session's four recordings: 2.4 / 7.9 / 5.7 / 6.0 % unanchored, 2.5 / 4.7 / 5.7 / 5.6 %
+    anchored)."""
+    again = [(src, *(demo_rows(base / src, anchor=False) if src == "demo"
+                     else recorded_rows(base / src, src, names, args.calibrate_on, args.warmup, anchor=False)))
+             for src, _, _, _ in sources]
+    t, x, _ = worst_errors(again)
+    print(f"not anchored on the calibrating runs' own calls: worst |predicted / measured - 1| layer time "
+          f"{100 * t:.1f} %, speed-up over none {100 * x:.1f} %")
+
+
 def main() -> None:
     reexec_with_settings()  # the host memory settings of the runs of record (benchmarks/host_memory.py)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -374,6 +390,7 @@ def main() -> None:
         print_tables(sources, f"simulator (from-run, calibrated on each shape's {args.calibrate_on} run) vs the "
                      f"runtime: re-predicted recordings in {args.from_dir}")
         print_adaptive_calibrated(args.from_dir, sources, names, args)
+        print_unanchored(args.from_dir, sources, names, args)
         return
     from ultraep.models import preload
 
@@ -388,6 +405,7 @@ def main() -> None:
         sources.append(("demo", *_demo_rows(args, base / "demo")))
     out = print_tables(sources, title)
     print_adaptive_calibrated(base, sources, names, args)
+    print_unanchored(base, sources, names, args)
     print(f"recorded runs in {base}")
     print(f"rows appended to {write_rows('bench_validate', out)}")
 

@@ -86,6 +86,14 @@ def test_the_tables_print_and_from_re_predicts_the_same(recorded, capsys, monkey
     bench_validate.print_adaptive_calibrated(runs.parent, [("tiny", rows, ran, calls)], ["none", "quota", "feplb",
                                                                                           "adaptive"], args)
     assert "calibrated on each shape's adaptive run instead" in capsys.readouterr().out
+    # and on the calibrating run's model as its engine learned it, not anchored on that run's calls: the measured
+    # side is the same, the predictions are the model's alone
+    raw, _, _ = bench_validate.recorded_rows(runs, "tiny", ["none", "quota", "feplb", "adaptive"], "calibration", 1,
+                                             anchor=False)
+    assert [r[:3] for r in raw] == [r[:3] for r in rows] and all(p > 0 for _, _, _, p, _, _, _ in raw)
+    bench_validate.print_unanchored(runs.parent, [("tiny", rows, ran, calls)], ["none", "quota", "feplb", "adaptive"],
+                                    args)
+    assert "not anchored on the calibrating runs' own calls" in capsys.readouterr().out
     monkeypatch.setattr(sys, "argv", ["bench_validate", "--from", str(runs.parent), "--shapes", "nope"])
     with pytest.raises(SystemExit, match="--shapes: unknown shape 'nope'"):
         bench_validate.main()

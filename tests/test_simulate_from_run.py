@@ -4,7 +4,10 @@ preset replays it as a projection; the output says which figures were measured, 
 
 import json
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch  # noqa: F401 - imported before fork so ranks start fast
 import transformers  # noqa: F401
 
@@ -29,10 +32,14 @@ def _recorded(rank, world, runs):
     with ultraep.telemetry.Recorder.open(runs, "rec", world_size=world, rank=rank, flush_interval_s=None,
                                          config={"policy": "quota"}) as rec:
         rt = ultraep.runtime_of(ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 2}, recorder=rec))
-        for step in range(3):  # the recorder keeps the engine's model at every step's end
+        for step in range(STEPS):  # the recorder keeps the engine's model at every step's end
             model(input_ids=_ids(rank, step)).logits.float().pow(2).mean().backward()
             rt.next_step()
     return cost_record(rt.engine.cost_model_for(rt.layers[0].layer))
+
+
+#: steps of the recorded run: its calls after the first step (2 layers each) are what anchoring compares
+STEPS = 6
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +54,7 @@ def test_the_runtime_records_the_cost_model_its_engine_learned(run):
     con = open_run(path)
     rows = con.execute("SELECT rank, step, extra_json FROM steps ORDER BY step, rank").fetchall()
     kept = [json.loads(x)["cost_model"] for r, _, x in rows if r == 0]
-    assert len(kept) == 3 and all(x is None for r, _, x in rows if r == 1)  # rank 0's copy only
+    assert len(kept) == STEPS and all(x is None for r, _, x in rows if r == 1)  # rank 0's copy only
     assert kept[-1] == json.loads(json.dumps(learned))  # the engine's model after the last step
     params = cost_model_from_record(kept[-1]).params
     assert params.compute_scale != CostParams().compute_scale  # calibrated on this machine, not the seed
@@ -60,14 +67,20 @@ def test_from_run_replays_the_runs_routing_on_its_own_model(run, tmp_path, capsy
                  "--no-progress", "--workers", "1"]) == 0
     text = capsys.readouterr().out
     assert "predicted: every figure" in text and "measured: run rec ran policy quota" in text
-    # the quota run measured no call of none and 6 of quota (3 steps x 2 layers): both predictions rest on few calls,
-    # and the output says so
+    # the quota run measured no call of none and 12 of quota (6 steps x 2 layers): none's prediction rests on few
+    # calls, and the output says so
     few = " ".join(text[text.index("few calls"):].split())
-    assert "none 0, quota 6 layer calls" in few and "calibration_config()" in few
+    assert "none 0 layer calls" in few and "calibration_config()" in few
+    anchored = " ".join(text[text.index("anchored on the run's own calls"):].split())
+    assert "calls moving" in anchored and "overhead moved" in anchored
     rows = {r["policy"]: r for r in json.loads(out.read_text())}
     assert rows["quota"]["basis"] == "predicted" and rows["quota"]["settings"]["num_ranks"] == 2
     m = rows["quota"]["measured"]
-    assert m["policy"] == "quota" and m["calls"] == 2 * 2 and m["measured_layer_ms"] > 0  # 2 layers x steps 1-2
+    # 2 layers x the steps after the first (a warm-up step)
+    assert m["policy"] == "quota" and m["calls"] == 2 * (STEPS - 1) and m["measured_layer_ms"] > 0
+    # what anchoring compared: every call after the first step, of each kind (moving expert weights or not)
+    anchor = rows["quota"]["settings"]["anchor"]
+    assert sum(k["calls"] for k in anchor.values()) == 2 * (STEPS - 1)
     assert rows["quota"]["settings"]["topology"] == learned["topology"]["name"]
 
 
@@ -126,7 +139,7 @@ def test_the_runtime_records_the_expert_activations_each_rank_holds(run):
         "SELECT t.rank, t.other['activation_bytes_before'], t.other['activation_bytes_after'], "
         "l.rank_load_before[t.rank + 1], l.rank_load_after[t.rank + 1] FROM timings t JOIN layer_loads l "
         "USING (run_id, step, microbatch, layer) ORDER BY ALL").fetchall()
-    assert len(got) == 2 * 2 * 3  # ranks x layers x steps
+    assert len(got) == 2 * 2 * STEPS  # ranks x layers x steps
     for _, before, after, rows_before, rows_after in got:
         assert before == rows_before * expert.activation_row_bytes and after == rows_after * expert.activation_row_bytes
     cols, rows = queries.run(con, queries.ACTIVATION_MEMORY)
@@ -204,3 +217,61 @@ def test_the_few_calls_line_names_only_the_policies_measured_few_times():
     console = Console(record=True, width=300)
     print_basis("projected", settings, measured, console)  # a projection says what it is, no calibration advice
     assert "few calls" not in console.export_text()
+
+
+def test_anchoring_moves_each_kind_of_call_by_what_the_model_missed(run):
+    """The anchored model reproduces the run's own calls: every call after the first step is compared with the
+    prediction of the policy that ran it, per kind of call; a model that over-predicts every call by 50 ms is seen
+    as exactly 50 ms further off, and anchoring takes that back (item 2: fix the model, not the table)."""
+    from ultraep.sim.from_run import ANCHOR_MIN_CALLS, anchored_cost_model, recorded_cost_model
+    from ultraep.traces import load_trace
+
+    path, _ = run
+    trace = load_trace(path, "recorded-run")
+    cm = recorded_cost_model(path, "rec")
+    _, first = anchored_cost_model(path, "rec", cm, trace)
+    assert sum(s.calls for s in first.values()) == 2 * (STEPS - 1)
+    p = cm.params
+    long = cm.with_params(p.model_copy(update={"call_overhead_s": p.call_overhead_s + 0.05}))
+    fixed, off = anchored_cost_model(path, "rec", long, trace)
+    assert off.keys() == first.keys()
+    for kind, s in first.items():
+        assert off[kind].calls == s.calls
+        assert off[kind].median_s == pytest.approx(s.median_s - 0.05, abs=1e-9)
+    # 50 ms against calls that vary by a few ms: a kind measured often enough is moved back by nearly all of it, and
+    # the model it gives sees what the shift left of the miss
+    often = [k for k, s in off.items() if s.calls >= ANCHOR_MIN_CALLS]
+    assert often
+    _, again = anchored_cost_model(path, "rec", fixed, trace)
+    for kind in often:
+        assert off[kind].shift_s == pytest.approx(off[kind].median_s, rel=0.05)
+        assert again[kind].median_s == pytest.approx(off[kind].median_s - off[kind].shift_s, abs=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1.0, 1.0), min_size=0, max_size=60), st.floats(-0.5, 0.5))
+def test_a_shift_never_exceeds_the_median_and_needs_enough_calls(noise, offset):
+    """Every kind's shift lies between 0 and the median of its differences, is 0 below ANCHOR_MIN_CALLS calls, and a
+    shift the calls' spread cannot tell from noise is shrunk toward 0."""
+    from ultraep.sim.from_run import ANCHOR_MIN_CALLS, _shift
+
+    diff = np.asarray(noise, dtype=np.float64) + offset
+    s = _shift(diff)
+    assert s.calls == len(noise)
+    if len(noise) < ANCHOR_MIN_CALLS:
+        assert s.shift_s == 0.0 and s.se_s is None
+        return
+    assert s.median_s == pytest.approx(float(np.median(diff)))
+    assert 0.0 <= s.shift_s / s.median_s <= 1.0 if s.median_s else s.shift_s == 0.0
+    if s.se_s >= abs(s.median_s):  # no further from 0 than one standard error: nothing moves
+        assert s.shift_s == 0.0
+
+
+def test_a_constant_miss_is_shifted_whole_and_pure_noise_barely():
+    from ultraep.sim.from_run import _shift
+
+    rng = np.random.default_rng(0)
+    assert _shift(0.004 + 1e-4 * rng.standard_normal(80)).shift_s == pytest.approx(0.004, rel=0.01)
+    # zero-mean noise (12 calls of a layer varying 1 %): what is left of the medians after shrinking is under half
+    noise = [_shift(np.random.default_rng(seed).standard_normal(12) * 0.01) for seed in range(40)]
+    assert sum(abs(s.shift_s) for s in noise) < 0.5 * sum(abs(s.median_s) for s in noise)

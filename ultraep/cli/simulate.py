@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -177,8 +178,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:  # fail now, not after the replay, if the runs directory cannot be made
         args.out.mkdir(parents=True, exist_ok=True)
         check_new_runs(args.out, args.run_name, policies)
+    shifts = None
     if args.topology == "from-run":
-        cm = _from_run_model(args, run_id, ranks)
+        cm, shifts = _from_run_model(args, run_id, ranks, trace)
     else:
         params = sim_params(mode=args.mode or "training", non_moe_fwd_s=args.non_moe_ms[0] * 1e-3,
                             non_moe_bwd_s=args.non_moe_ms[1] * 1e-3, resend_all_replicas=args.resend_replicas,
@@ -196,11 +198,15 @@ def run(args: argparse.Namespace) -> int:
     summary = [s for s in result.summary() if s["policy"] in result.settings["reported"]]
     basis = PREDICTED if args.topology == "from-run" else PROJECTED
     result.settings["basis"] = basis
+    if shifts is not None:  # what anchoring on the run's own calls moved, per kind of call (seconds)
+        result.settings["anchor"] = {k: dataclasses.asdict(v) for k, v in shifts.items()}
     measured = measured_summary(args.trace, run_id) if run_id is not None else None
     console = Console(width=max(120, shutil.get_terminal_size().columns))
     print_summary(summary, result.settings, console)
     print_activation(summary, console)
     print_basis(basis, result.settings, measured, console)
+    if shifts is not None:
+        print_anchor(shifts, console)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps([{**s, "basis": basis, "measured": measured, "settings": result.settings}
@@ -213,11 +219,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _from_run_model(args, run_id: str, ranks: int):
-    """The cost model of ``--topology from-run``: the one the recorded run's engine learned, on the run's EP group
-    (its slots, mode and per-layer time outside the MoE block unless given)."""
+def _from_run_model(args, run_id: str, ranks: int, trace):
+    """The cost model of ``--topology from-run``: the one the recorded run's engine learned, anchored on the run's own
+    measured calls (:func:`~ultraep.sim.from_run.anchored_cost_model`), on the run's EP group (its slots, mode and
+    per-layer time outside the MoE block unless given); and the anchoring's shifts per kind of call."""
     from ultraep.cost import CostModel
-    from ultraep.sim.from_run import recorded_cost_model
+    from ultraep.sim.from_run import anchored_cost_model, recorded_cost_model
 
     for flag, given in (("--set", bool(args.overrides)), ("--resend-replicas", args.resend_replicas)):
         if given:
@@ -230,9 +237,10 @@ def _from_run_model(args, run_id: str, ranks: int):
                           "project the run to another size with a preset --topology", ranks)
     if args.slots is not None and args.slots != t.num_redundant_slots:
         t = t.with_slots(args.slots)
+    cm, shifts = anchored_cost_model(args.trace, run_id, cm, trace, workers=args.workers)  # the run's own group
     update = {k: v for k, v in (("mode", args.mode), ("non_moe_fwd_s", args.non_moe_ms[0] * 1e-3 or None),
                                 ("non_moe_bwd_s", args.non_moe_ms[1] * 1e-3 or None)) if v is not None}
-    return CostModel(t, cm.hardware, cm.expert, cm.params.model_copy(update=update) if update else cm.params)
+    return CostModel(t, cm.hardware, cm.expert, cm.params.model_copy(update=update) if update else cm.params), shifts
 
 
 #: a policy the recorded run ran in fewer layer calls than this is flagged as predicted from few calls (from-run):
@@ -270,6 +278,25 @@ def print_basis(basis: str, settings: dict, measured: dict | None, console) -> N
                       "predictions rest on those (the model learns what a policy's calls cost from them). To predict "
                       "every policy, record a calibration run (config: ultraep.calibration_config(); "
                       "docs/simulator.md) and simulate that one")
+
+
+def print_anchor(shifts: dict, console) -> None:
+    """What anchoring the run's model on its own measured calls changed (from-run): per kind of call, how many calls
+    were compared, their median of measured minus predicted layer time with its standard error, and what the model's
+    call overhead of that kind was moved by (the median shrunk by its noise)."""
+    from ultraep.sim.from_run import PLAIN
+
+    if not shifts:
+        console.print("[bold]anchored[/bold]: no measured call of a replayable policy to compare; the run's model as "
+                      "its engine learned it")
+        return
+    parts = []
+    for kind, s in shifts.items():
+        what = "calls moving no expert weights" if kind == PLAIN else "calls moving expert weights"
+        se = f" +- {1e3 * s.se_s:.2f}" if s.se_s is not None else ""  # None: too few calls to tell
+        parts.append(f"{s.calls} {what}: measured - predicted {1e3 * s.median_s:+.2f}{se} ms (median), "
+                     f"overhead moved {1e3 * s.shift_s:+.2f} ms")
+    console.print("[bold]anchored[/bold] on the run's own calls (docs/simulator.md): " + "; ".join(parts))
 
 
 def print_activation(summary: list[dict], console) -> None:

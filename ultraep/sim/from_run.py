@@ -119,9 +119,10 @@ def measured_summary(path, run_id: str) -> dict:
 #             cannot tell from their noise (a dozen calls of a layer that varies 5-10 % from call to call) moves
 #             nothing, and add it to that kind's call overhead.
 #
-# Why the shrinkage: unshrunk, the shifts learned from the ~10 `none` calls a calibration run makes at the larger
-# shapes were 1-2 % of their layer time either way and moved the other predictions by as much (same recordings:
-# worst speed-up error 2.2 / 4.2 / 5.7 / 5.9 % unshrunk, 2.5 / 3.3 / 5.7 / 5.6 % shrunk, 2.4 / 7.9 / 5.7 / 6.0 % without).
+# Measured (the same four recordings, `bench_validate --from`): worst speed-up error 2.4 / 7.9 / 5.7 / 6.0 % without,
+# 2.5 / 4.7 / 5.7 / 5.6 % anchored; tok64's `quota` and `feplb` within 0.2-2.8 %. Why the shrinkage: unshrunk (applied
+# to the replayed rows offline), the shifts learned from the ~10 `none` calls a calibration run makes at the larger
+# shapes were 1-2 % of their layer time either way and moved the other predictions by as much (2.2 / 4.2 / 5.7 / 5.9 %).
 
 #: calls of a kind below which its shift is left at 0 (a median of fewer says little)
 ANCHOR_MIN_CALLS = 4
@@ -134,21 +135,22 @@ PLAIN, TRANSFER = "plain", "transfer"
 @dataclass(frozen=True)
 class AnchorShift:
     """One kind of call's comparison: ``calls`` paired, their ``median_s`` (measured minus predicted), its
-    standard error ``se_s`` and the ``shift_s`` added to that kind's call overhead."""
+    standard error ``se_s`` (None below ``ANCHOR_MIN_CALLS`` calls) and the ``shift_s`` added to that kind's call
+    overhead."""
 
     calls: int
     median_s: float
-    se_s: float
+    se_s: float | None
     shift_s: float
 
 
 def _shift(diff: np.ndarray) -> AnchorShift:
     n = int(diff.size)
     if n < ANCHOR_MIN_CALLS:
-        return AnchorShift(n, float(np.median(diff)) if n else 0.0, float("nan"), 0.0)
+        return AnchorShift(n, float(np.median(diff)) if n else 0.0, None, 0.0)
     med = float(np.median(diff))
     se = MEDIAN_SE * MAD_TO_SD * float(np.median(np.abs(diff - med))) / math.sqrt(n)
-    shift = med * max(0.0, 1.0 - (se / med) ** 2) if med != 0 else 0.0
+    shift = 0.0 if se >= abs(med) else med * (1.0 - (se / med) ** 2)  # (also med = 0; no overflow of se / med)
     return AnchorShift(n, med, se, shift)
 
 
@@ -170,10 +172,12 @@ def run_call_policies(con, run_id: str) -> dict[tuple[int, int, int], str]:
     return {(int(s), int(m), int(l)): policy for s, m, l in calls}
 
 
-def anchored_cost_model(path, run_id: str, cm: CostModel, trace) -> tuple[CostModel, dict[str, AnchorShift]]:
+def anchored_cost_model(path, run_id: str, cm: CostModel, trace, workers: int = 1
+                        ) -> tuple[CostModel, dict[str, AnchorShift]]:
     """``cm`` (the run's recorded model) with each kind of call's overhead shifted so that the model reproduces the
     run's own measured calls (see the comment above), and the shifts per kind (``{}``: nothing to compare, e.g. a run
-    without measured layer times or of a policy the simulator does not replay)."""
+    without measured layer times or of a policy the simulator does not replay). ``trace``: the run's routing
+    (``load_trace(path, "recorded-run")``, any of its layers); ``workers``: the replay's processes."""
     from ultraep.cost import moves_weights
     from ultraep.sim.replay import SIM_POLICIES, simulate
 
@@ -187,7 +191,7 @@ def anchored_cost_model(path, run_id: str, cm: CostModel, trace) -> tuple[CostMo
     names = sorted({p for p in policy_of.values() if p in SIM_POLICIES})
     if not names or not measured:
         return cm, {}
-    res = simulate(trace, cm, names, max_plans=None)
+    res = simulate(trace, cm, names, max_plans=None, workers=workers)
     where = {n: {(int(s), int(m), int(l)): i for i, (s, m, l) in
                  enumerate(zip(res.rows[n]["step"], res.rows[n]["microbatch"], res.rows[n]["layer"]))} for n in names}
     diffs: dict[str, list[float]] = {PLAIN: [], TRANSFER: []}
