@@ -185,8 +185,20 @@ def _body(rank, world, shape: Shape, args, policies, runs_dir=None):
     return out
 
 
+#: layer calls of one shape's ranks (warm-up and timed, every run) the launcher's default limit of 600 s is kept for:
+#: the runs of record (20 + 20 calls of 5 runs, bench_validate) took up to ~500 s at the costliest shape, tok4096
+LAUNCH_CALLS = 200
+
+
+def launch_timeout(args, runs: int) -> float:
+    """Seconds one shape's ranks may take: 600 up to :data:`LAUNCH_CALLS` calls, more in proportion beyond. Why: with
+    60 timed calls tok4096's ranks ran past the fixed 600 s and the validation lost the shape (2026-11-27)."""
+    return 600.0 * max(1.0, (args.warmup + args.iters) * runs / LAUNCH_CALLS)
+
+
 def _run_shape(shape: Shape, args, policies, runs_dir=None) -> dict:
-    out = launch(_body, 2, shape, args, policies, runs_dir, backend=args.backend, threads_per_rank=1)
+    out = launch(_body, 2, shape, args, policies, runs_dir, backend=args.backend, threads_per_rank=1,
+                 timeout_s=launch_timeout(args, len(policies)))
     res = {}
     for name, _, _ in policies:
         per_rank = [o[name] for o in out]

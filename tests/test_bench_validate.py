@@ -139,3 +139,13 @@ def test_cheap_shapes_get_more_timed_calls():
     assert all(v % 4 == 0 for v in got.values())  # whole rounds of the 4 interleaving orders
     assert bench_validate.timed_iters(SHAPES["tok64"], 20, max_scale=1.0) == 20
     assert bench_validate.timed_iters(Shape("tiny", tokens=1, hidden=8, ffn=8), 20) == 120  # at most 6x
+
+
+def test_a_shape_with_more_calls_gets_a_longer_launch_limit():
+    """The launcher's 600 s hold the runs of record (20 warm-up + 20 timed calls of 5 runs); 60 timed calls of the
+    costliest shape ran past it, so the limit grows with the calls."""
+    from benchmarks.bench_runtime import launch_timeout
+
+    assert launch_timeout(argparse.Namespace(warmup=20, iters=20), 5) == 600.0
+    assert launch_timeout(argparse.Namespace(warmup=1, iters=3), 4) == 600.0
+    assert launch_timeout(argparse.Namespace(warmup=20, iters=60), 5) == pytest.approx(1200.0)
