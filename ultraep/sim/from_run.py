@@ -78,17 +78,20 @@ def learned_call_overhead(con, run_id: str, alpha: float = 0.2) -> float:
     return est
 
 
+def configured_policy(con, run_id: str) -> str | None:
+    """The policy the run's config names (None: no config recorded, or not readable)."""
+    cfg = con.execute("SELECT any_value(config_json) FROM runs WHERE run_id = ?", [run_id]).fetchone()
+    try:
+        return json.loads(cfg[0]).get("policy") if cfg and cfg[0] else None
+    except (ValueError, AttributeError):
+        return None
+
+
 def measured_summary(path, run_id: str) -> dict:
     """What the run measured: its configured policy, the policies its engine chose, its layer calls (warm-up steps
     left out) and their mean measured and predicted layer time (the layer's time is the slowest rank's)."""
     con = _connect(path)
-    cfg = con.execute("SELECT any_value(config_json) FROM runs WHERE run_id = ?", [run_id]).fetchone()
-    configured = None
-    if cfg and cfg[0]:
-        try:
-            configured = json.loads(cfg[0]).get("policy")
-        except (ValueError, AttributeError):
-            configured = None
+    configured = configured_policy(con, run_id)
     calls, measured, predicted = con.execute(
         "WITH c AS (SELECT step, microbatch, layer, max(measured_s) AS m, max(predicted_s) AS p FROM timings "
         "WHERE run_id = ? AND measured_s IS NOT NULL AND step NOT IN (SELECT step FROM warmup_steps WHERE run_id = ?) "
@@ -161,11 +164,7 @@ def run_call_policies(con, run_id: str) -> dict[tuple[int, int, int], str]:
                        [run_id]).fetchall()
     if rows:
         return {(int(s), int(m), int(l)): p for s, m, l, p in rows}
-    cfg = con.execute("SELECT any_value(config_json) FROM runs WHERE run_id = ?", [run_id]).fetchone()
-    try:
-        policy = json.loads(cfg[0]).get("policy") if cfg and cfg[0] else None
-    except (ValueError, AttributeError):
-        policy = None
+    policy = configured_policy(con, run_id)
     if not policy:
         return {}
     calls = con.execute("SELECT DISTINCT step, microbatch, layer FROM timings WHERE run_id = ?", [run_id]).fetchall()
