@@ -149,3 +149,17 @@ def test_a_shape_with_more_calls_gets_a_longer_launch_limit():
     assert launch_timeout(argparse.Namespace(warmup=20, iters=20), 5) == 600.0
     assert launch_timeout(argparse.Namespace(warmup=1, iters=3), 4) == 600.0
     assert launch_timeout(argparse.Namespace(warmup=20, iters=60), 5) == pytest.approx(1200.0)
+
+
+def test_the_demo_is_the_users_command_with_more_steps_where_asked(tmp_path, capsys):
+    """The validation measures ``ultraep demo`` as a user runs it; ``--demo-steps`` only lengthens its runs."""
+    args = argparse.Namespace(quick_demo=False, demo_steps=None)
+    cmd = bench_validate.demo_command(args, tmp_path)
+    assert cmd[1:] == ["-m", "ultraep.cli", "demo", "--out", str(tmp_path)]
+    args = argparse.Namespace(quick_demo=True, demo_steps=90)
+    assert bench_validate.demo_command(args, tmp_path)[-3:] == ["--quick", "--steps", "90"]
+    from ultraep.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:  # the flag it passes is the demo's own
+        cli_main(["demo", "--help"])
+    assert e.value.code == 0 and "--steps" in capsys.readouterr().out
