@@ -4,10 +4,11 @@ For every shape of ``bench_runtime.py`` the runs of ``none``, ``quota``, ``feplb
 there (2 gloo ranks, one thread each, interleaved), this time recorded, and with them a *calibration run*
 (:func:`ultraep.config.calibration_config`: the adaptive engine probing every candidate every 4 decisions, whatever
 it is predicted to lose). The run of ``--calibrate-on`` (default that calibration run) gives the cost model its engine
-learned, anchored on that run's own calls as from-run anchors it (the unanchored figure is printed too); the simulator replays that run's routing (the same in every run of a shape) through every policy on that
-model (``ultraep simulate RUN --topology from-run``). Why a calibration run: the fit learns what one policy's calls
-cost from those calls, and an adaptive run measures a policy that does not pay a few times (2-7 calls of ``quota``
-at 64 tokens per rank, 2 of ``none`` at 4096): predicted from those, the speed-up over none missed by 9.1-10.7 % in
+learned, anchored on that run's own calls as from-run anchors it (the unanchored figure is printed too); the
+simulator replays that run's routing (the same in every run of a shape) through every policy on that model
+(``ultraep simulate RUN --topology from-run``). Why a calibration run: the fit learns what one policy's calls cost
+from those calls, and an adaptive run measures a policy that does not pay a few times (2-7 calls of ``quota`` at 64
+tokens per rank, 2 of ``none`` at 4096): predicted from those, the speed-up over none missed by 9.1-10.7 % in
 3 of 4 runs (2026-11-27, twelfth session); in the thirteenth session's four recordings by 2.4 / 7.9 / 5.7 / 6.0 % on
 the calibration run's model and 6.9 / 5.7 / 25.9 / 8.4 % on the adaptive run's, which is still printed next to it.
 Per shape and policy the table puts the measured layer time (median over the timed calls of the slowest rank's
