@@ -390,7 +390,7 @@ def unwrap(model: nn.Module) -> nn.Module:
             model._ddp_params_and_buffers_to_ignore = have.user
         else:
             del model._ddp_params_and_buffers_to_ignore
-    from ultraep.models.rewrite import restore
+    from ultraep.models.adapters import restore
 
     restore(model)  # blocks prepare() rewrote get their original classes back (same storage)
     return model
