@@ -65,13 +65,19 @@ def _train(rank, world, family, config, how, perturb=False):
         with torch.no_grad():
             p = rt.layers[0].master_params()[0]
             p[0].add_(p[0].abs().mean() * 10)
-    parallelism = ParallelismConfig()
+    import torchtitan.distributed.parallel_dims as titan_dims
+
+    titan_dims.device_type = "cpu"  # torchtitan 0.3.0 falls back to "cuda" without an accelerator
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor")  # the plain FSDP2 path (docs/guide/torchtitan.md)
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
     ac = FullAC.Config() if how == "fsdp-ac" else None
     integration.parallelize(spec.parallelize_fn, model, parallel_dims=dims,
                             training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
                             compile_config=CompileConfig(), ac_config=ac, dump_folder=tempfile.mkdtemp())
+    for m in model.modules():  # gloo has no PREMUL_SUM, which FSDP2 uses for a divide factor of 1: plain SUM
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     register_moe_load_balancing_hook(opt, [model], dims)
     vocab = int(ref.lm_head.weight.shape[0])
