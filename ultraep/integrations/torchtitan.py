@@ -105,9 +105,13 @@ def _balanced_class(owner: type, config_json: str) -> type:
         if getattr(self, _ATTR, None) is None:  # a second initialisation re-inits; the split happens once
             ultraep.wrap(self, type(self)._ultraep_config)
 
+    # torchtitan wires a Config class to the model class that defines it (Configurable.__init_subclass__): the
+    # balanced class defines its own Config, a subclass of the original's with the same fields
+    config_cls = dataclasses.dataclass(kw_only=True, slots=True)(
+        type("Config", (owner.Config,), {"__qualname__": f"{owner.__name__}.Config", "__module__": owner.__module__}))
     cls = type(owner.__name__, (owner,), {
-        "__init__": __init__, "init_states": init_states, "_ultraep_config": _parse(config_json),
-        "_ultraep_fsdp_ignores_experts": True, "__module__": owner.__module__,
+        "Config": config_cls, "__init__": __init__, "init_states": init_states,
+        "_ultraep_config": _parse(config_json), "_ultraep_fsdp_ignores_experts": True, "__module__": owner.__module__,
         "__doc__": f"{owner.__name__} balanced by ultraep (ultraep.integrations.torchtitan.balanced)."})
     _CLASSES[key] = cls
     return cls
@@ -131,9 +135,8 @@ def balanced_config(cfg, *, policy: str = "quota", slots: int = 2, **options):
 
     config = BalancerConfig.model_validate({"policy": policy, "num_redundant_slots": slots, **options})
     install()
-    new = dataclasses.replace(cfg)
-    new._owner = _balanced_class(cfg._owner, json.dumps(config.model_dump(mode="json"), sort_keys=True))
-    return new
+    cls = _balanced_class(cfg._owner, json.dumps(config.model_dump(mode="json"), sort_keys=True))
+    return cls.Config(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
 
 
 def _register() -> None:
