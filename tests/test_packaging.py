@@ -21,13 +21,14 @@ def test_wheel_has_only_the_ultraep_namespace(tmp_path):
     for pkg in ("policies", "kernels", "telemetry", "dashboard"):
         assert f"ultraep/{pkg}/__init__.py" in names
     assert "ultraep/policies/quota.py" in names
+    assert "ultraep/integrations/torchtitan.py" in names and "ultraep/models/torchtitan.py" in names
     assert not any("/tests/" in n or n.startswith("benchmarks") for n in names)
 
 
 def test_import_ultraep_is_light():
     code = (
         "import sys, ultraep; ultraep.Topology; "
-        "heavy = [m for m in ('torch', 'triton', 'streamlit', 'duckdb', 'transformers', 'numba') if m in sys.modules];"
+        "heavy = [m for m in ('torch', 'triton', 'streamlit', 'duckdb', 'transformers', 'numba', 'torchtitan') if m in sys.modules];"
         "print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -108,11 +108,18 @@ def _override(rank, world, family, policy, how):
         model = spec.model.build()
     tm.swap_attention(model)
     kwargs = _parallelize_kwargs(world, how)
+    if how == "fsdp-takes-experts":  # negative control: torchtitan's own fully_shard, without the exclusion
+        import torchtitan.distributed.fsdp as titan_fsdp
+
+        titan_fsdp.fully_shard = titan_fsdp.fully_shard.original
     model = spec.parallelize_fn(model, **kwargs)
     model.to_empty(device="cpu")
     torch.manual_seed(0)  # the trainer seeds every data-parallel rank alike
     with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
+        try:
+            model.init_weights(buffer_device=torch.device("cpu"))
+        except ultraep.UltraEPError as exc:
+            return {"refused": str(exc)}
     rt = ultraep.runtime_of(model)  # wrapped by init_weights
     assert rt.config.policy == policy and rt.layers, rt.report
     ref = tm.decoder(family)
@@ -155,7 +162,7 @@ def _loop(rank, world, model, ref, dims):
     register_moe_load_balancing_hook(opt, [model], dims)
     vocab = int(ref.lm_head.weight.shape[0])
     problems, tol = [], tolerance(torch.bfloat16)
-    bias_ref = {}
+    bias_ref, served = {}, 0
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
@@ -163,6 +170,8 @@ def _loop(rank, world, model, ref, dims):
         n_global = world * ids[:, 1:].numel()
         loss = _ce_sum(model(ids), ids) / n_global  # torchtitan's: every rank's sum over the global token count
         loss.backward()
+        for layer in rt.layers:  # rows this call's plan sent to replica slots: tokens served by replicas
+            served += int(layer.last_plan.routes_RRS[:, :, layer.topology.num_masters:].sum())
         everyone = torch.cat([_ids(vocab, r, step) for r in range(world)])
         ref_loss = _ce_sum(ref(everyone), everyone) / n_global
         ref_loss.backward()
@@ -198,14 +207,13 @@ def _loop(rank, world, model, ref, dims):
                     problems.append(f"step {step} {clean}: router bias differs")
         _take_parameters(ref, model, rt, world)
         rt.next_step(loss=float(total))
-    served = sum(int(h[5]) for h in rt.history)
     return {"problems": problems[:8], "replicas": served, "biases": len(bias_ref)}
 
 
 def _check(results):
     for r, res in enumerate(results):
         assert not res["problems"], f"rank {r}: " + "\n".join(res["problems"])
-    assert sum(res["replicas"] for res in results) > 0, "no replica was planned: the test would prove nothing"
+    assert sum(res["replicas"] for res in results) > 0, "no replica served a token: the test would prove nothing"
 
 
 @pytest.mark.numerics
@@ -235,3 +243,10 @@ def test_the_override_turns_a_stock_config_into_a_balanced_model_that_trains_exa
     """issue 54 item 3: `--override.imports ultraep.integrations.torchtitan.balanced` through torchtitan's own
     apply_overrides on the model spec, then the trainer's build order."""
     _check(run_ranks(_override, 2, "qwen3", policy, "fsdp-ac"))
+
+
+def test_without_the_exclusion_torchtitan_fsdp_takes_the_experts_and_wrap_refuses():
+    # negative control of the override's FSDP exclusion: the experts sharded by fully_shard are refused in one line
+    for res in run_ranks(_override, 2, "qwen3", "quota", "fsdp-takes-experts"):
+        msg = res.get("refused")
+        assert msg and "already sharded" in msg and "\n" not in msg, res

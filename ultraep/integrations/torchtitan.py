@@ -76,6 +76,7 @@ def install() -> None:
         return original(module, *args, ignored_params=ignored_params, **kwargs)
 
     setattr(fully_shard, _PATCHED, True)
+    fully_shard.original = original  # (tests take it back to show what the exclusion prevents)
     titan_fsdp.fully_shard = fully_shard
 
 

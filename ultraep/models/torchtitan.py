@@ -310,6 +310,7 @@ def _probe_prepared(block: nn.Module) -> None:
     if adapter is None or next(inner.parameters()).device.type == "meta":
         return
     try:
+        _check_tensors(inner, adapter.param_names)  # (sharded since it was prepared on the meta device)
         _probe(block, adapter)
     except UnsupportedModelError:
         object.__delattr__(inner, _MARK)
