@@ -161,6 +161,22 @@ def test_prepare_keeps_the_original_forward_until_wrapped_and_restore_undoes_it(
     assert type(block.routed_experts) is type(ref.routed_experts)
 
 
+def _round_trip(rank, world):
+    """wrap, then unwrap: the original module classes, state_dict keys (in order) and values."""
+    block = tm.moe_block("gpt_oss")
+    orig = copy.deepcopy(block)
+    ultraep.wrap(block, POLICIES["quota"])
+    assert type(block.routed_experts.inner_experts).__name__ == "BalancedExperts"
+    ultraep.unwrap(block)
+    sd, osd = block.state_dict(), orig.state_dict()
+    same = list(sd) == list(osd) and all(torch.equal(sd[k], osd[k]) for k in osd)
+    return same and [type(m) for m in block.modules()] == [type(m) for m in orig.modules()]
+
+
+def test_unwrap_gives_back_the_original_torchtitan_block():
+    assert run_ranks(_round_trip, 2) == [True, True]
+
+
 def _refusal(block) -> str:
     with pytest.raises(UnsupportedModelError) as info:
         titan.prepare(block)
