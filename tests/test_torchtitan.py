@@ -232,6 +232,18 @@ def test_a_changed_seam_is_refused_naming_the_version(monkeypatch):
     assert f"torchtitan {titan.version()}" in msg and "score_before_experts" in msg and titan.SEAM_VERSION in msg, msg
 
 
+def test_a_routed_experts_subclass_is_refused_in_one_line():
+    from torchtitan.models.common.moe import RoutedExperts
+
+    class OverlappedRoutedExperts(RoutedExperts):  # what an override package could put in place
+        pass
+
+    block = tm.moe_block("qwen3")
+    block.routed_experts.__class__ = OverlappedRoutedExperts
+    msg = _refusal(block)
+    assert "OverlappedRoutedExperts" in msg and "subclasses torchtitan's RoutedExperts" in msg, msg
+
+
 def test_a_bare_grouped_experts_is_refused():
     block = tm.moe_block("qwen3")
     with pytest.raises(UnsupportedModelError, match="outside a torchtitan RoutedExperts"):

@@ -93,6 +93,11 @@ def _is(mod: object, name: str) -> bool:
     return type(mod).__name__ == name and type(mod).__module__ == module
 
 
+def _subclasses(mod: object, name: str) -> bool:
+    """Whether ``mod``'s class is a proper subclass of torchtitan's class ``name``."""
+    return any(c.__name__ == name and c.__module__ == SEAM[name][0] for c in type(mod).__mro__[1:])
+
+
 def is_torchtitan(mod: object) -> bool:
     return type(mod).__module__.startswith("torchtitan.")
 
@@ -277,11 +282,14 @@ def prepare(model: nn.Module) -> list[str]:
             if not getattr(block, "_ultraep_probed", False):  # prepared on the meta device: probe once materialised
                 _probe_prepared(block)
             continue
-        if not is_torchtitan(block):
+        if not is_torchtitan(block) and not _subclasses(block, "RoutedExperts"):
             continue
         if type(block).__name__ == "MoE" or _is(block, "RoutedExperts"):
             check_seam(type(block).__name__)
         if not _is(block, "RoutedExperts"):
+            if _subclasses(block, "RoutedExperts"):
+                raise _refuse(name or "model", f"{type(block).__module__}.{type(block).__name__} subclasses torchtitan's "
+                              "RoutedExperts (an override's own routing path): ultraep balances RoutedExperts itself")
             continue
         _check_dispatcher(block)
         check_seam(type(block.token_dispatcher).__name__)
