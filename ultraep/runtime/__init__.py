@@ -3,9 +3,11 @@
 Modules, each with one job (dependencies point down the list):
 
 * :mod:`.wrap` — ``wrap`` / ``unwrap`` / ``runtime_of`` and :class:`EPRuntime`, the per-model state the layers
-  share (process groups, config, the engine, replica buffers, the recorder);
+  share (process groups, config, the engine, replica buffers);
 * :mod:`.layer` — :class:`~ultraep.runtime.layer.BalancedExperts`, what runs in place of an experts container:
   one call's collectives in order (load all-gather, plan, replica posts, token path), nothing else;
+* :mod:`.recording` — :class:`~ultraep.runtime.recording.Recording`, what the layers record through (the recorder,
+  the per-call history, the event trace; a failing record is counted, never raised);
 * :mod:`.token_path` — Steps 4-7 of a call: reroute, dispatch all-to-all, the slots' experts, combine all-to-all;
 * :mod:`.checkpoint_replay` — the forward of an activation-checkpoint recompute (the original call replayed);
 * :mod:`.call_record` — a call between its forward and its record (backward hooks, flush, the next observation);

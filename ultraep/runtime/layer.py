@@ -40,6 +40,7 @@ from ultraep.runtime.clock import clock_for
 from ultraep.runtime.guard import CollectiveGuard
 from ultraep.runtime.checkpoint_replay import recompute_forward
 from ultraep.runtime.recompute import Replay, Replays
+from ultraep.runtime.recording import Recording
 from ultraep.runtime.comm import check_same_plan, gather_load
 from ultraep.errors import PendingGradientsError
 from ultraep.runtime.load_header import GatheredLoad, LoadHeader, pack_load
@@ -51,7 +52,6 @@ from ultraep.runtime.token_path import route_tokens, run_slots
 
 if TYPE_CHECKING:  # pragma: no cover
     from ultraep.models.adapters import ExpertsAdapter
-    from ultraep.runtime.wrap import EPRuntime
 
 
 class BalancedExperts(nn.Module):
@@ -62,13 +62,17 @@ class BalancedExperts(nn.Module):
     """
 
     def __init__(self, container: nn.Module, adapter: "ExpertsAdapter", layer: int, name: str,
-                 runtime: "EPRuntime", memory: ReplicaMemory) -> None:
-        """``memory``: this layer's share of the replica memory budget (``replica_store.split_budget``, final)."""
+                 runtime, memory: ReplicaMemory) -> None:
+        """``runtime``: the model's :class:`~ultraep.runtime.wrap.EPRuntime` (groups, config, engine, step counters;
+        the layer never imports it: the runtime builds the layers); ``memory``: this layer's share of the replica
+        memory budget (``replica_store.split_budget``, final)."""
         super().__init__()
         self.adapter = adapter
         self.layer = layer
         self.name = name
         object.__setattr__(self, "runtime", runtime)  # not a submodule
+        #: what the layer, its token path and its replica jobs record through
+        self.recording: Recording = runtime.recording
         object.__setattr__(self, "container", container)  # keeps activation, flags; no parameters
         cfg = runtime.config
         like = [getattr(container, n)[0] for n in adapter.param_names]
@@ -89,14 +93,14 @@ class BalancedExperts(nn.Module):
         self.replica_context = ReplicaContext(
             rank=runtime.rank, transfer_group=runtime.transfer_group, guard=self.collective,
             expert_forward=partial(adapter.forward, container), master_params=self.master_params,
-            first_expert=self.first_expert, event=partial(runtime.event, layer=layer), transport=cfg.replica_transport)
+            first_expert=self.first_expert, event=partial(self.recording.event, layer=layer), transport=cfg.replica_transport)
         self.epoch = MasterEpoch()
         #: replica gradients of calls under ``runtime.no_sync()``, reduced by the next backward outside it
         self.deferred = DeferredGrads()
         #: this layer's calls an activation-checkpoint recompute may replay (runtime/recompute.py)
         self.replays = Replays()
         #: the call waiting for its backward before it is recorded, and the phases sent with the next load
-        self.calls = CallLog(lambda call, t, row: runtime.record_layer(self.layer, call, t, row),
+        self.calls = CallLog(lambda call, t, row: self.recording.record_layer(self.layer, call, t, row),
                              lambda call: self.replays.drop(call.replay))
         for p in self.master_params():  # masters follow the data-parallel wrapper's averaging (master_grads)
             if p.requires_grad:
@@ -170,7 +174,7 @@ class BalancedExperts(nn.Module):
         t1 = clk.now()
         decision, cached = self._decide(gathered)  # Step 2: [plan-hash all-gather]
         t2 = clk.now()
-        rt.event("planned", self.layer)
+        self.recording.event("planned", self.layer)
         needs_backward = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
             p.requires_grad for p in self.master_params() + self.shared_params()))
         # Step 3: replica weight posts (point-to-point batch W0)
@@ -221,7 +225,7 @@ class BalancedExperts(nn.Module):
         if obs is not None and meas_RK is not None:
             measured, total = phases.reduce_phases(meas_RK)
             measured.update(phases.compute_spread(meas_RK))
-            self.runtime.safe(self.runtime.engine.observe, obs[0], obs[1], self.layer, measured, total,
+            self.recording.safe(self.runtime.engine.observe, obs[0], obs[1], self.layer, measured, total,
                               rank_compute_s=phases.rank_compute(meas_RK))
 
     def _decide(self, gathered: GatheredLoad):

@@ -44,7 +44,7 @@ def route_tokens(layer, hidden_states: torch.Tensor, top_k_index: torch.Tensor, 
     with layer.collective("token dispatch (all-to-all)"):
         recv = AllToAll.apply(send, out_splits, in_splits, rt.group, lambda: layer.collective.timed(
             clk, marks, "dispatch_bwd_s", "token dispatch gradient (all-to-all)"))
-    rt.event("dispatched", layer.layer)
+    layer.recording.event("dispatched", layer.layer)
     t5 = clk.now()
     # per-expert views of the masters (one stacking backward instead of a full-size zero fill per slot)
     unbound = [p.unbind(0) for p in layer.master_params()]
@@ -63,7 +63,7 @@ def route_tokens(layer, hidden_states: torch.Tensor, top_k_index: torch.Tensor, 
     out = unpermute(y_send, top_k_weights.to(y_send.dtype), lay)
     if needs_backward and out.requires_grad:  # a checkpoint's recompute starts here on every rank
         out = RecomputeAnchor.apply(out, out.new_empty(0))
-    rt.event("combined", layer.layer)
+    layer.recording.event("combined", layer.layer)
     if job is not None and replay is None:
         job.finish_sends()
     return out, send, (t4, t5, t6, clk.now()), master_s
@@ -91,7 +91,7 @@ def run_slots(layer, recv: torch.Tensor, C: np.ndarray, plan, job, unbound: list
         if c:
             outs.append(layer.adapter.forward(layer.container, x[at:at + c], [u[s] for u in unbound]))
         at += c
-    layer.runtime.event("master_compute", layer.layer)
+    layer.recording.event("master_compute", layer.layer)
     master_s = clk.now() - t0
     if job is not None:
         job.counts = [int(c) for c in counts_S[M:]]  # rows per replica slot, in slot order

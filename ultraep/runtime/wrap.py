@@ -20,6 +20,7 @@ from ultraep.models.adapters import UnsupportedModelError, adapter_for, prepare,
 from ultraep.config import BalancerConfig
 from ultraep.runtime import data_parallel
 from ultraep.runtime.layer import BalancedExperts
+from ultraep.runtime.recording import Recording
 from ultraep.errors import UltraEPError
 from ultraep.runtime.replica_store import SharedSlots, split_budget
 from ultraep.runtime.transport import open_transfer_group
@@ -42,7 +43,7 @@ class WrapReport:
 
 class EPRuntime:
     """Per-model runtime state shared by the balanced layers: group, config, shared replica buffers, counters,
-    recorder."""
+    and their :class:`~ultraep.runtime.recording.Recording` (recorder, history, event trace)."""
 
     def __init__(self, config: BalancerConfig, group, recorder=None) -> None:
         self.config = config
@@ -62,28 +63,20 @@ class EPRuntime:
         self.transfer_group = open_transfer_group(ranks, backend, timeout)
         #: the replica buffers the ``restore`` layers share (each layer's own are in its ``store``)
         self.shared_slots = SharedSlots()
-        self.recorder = recorder
+        #: what the layers record through (recorder, failed recordings, per-call history, event trace)
+        self.recording = Recording(recorder)
         self.layers: list = []
         self.report = WrapReport()
         self.step = 0
         self.microbatch = -1
-        self.recording_errors = 0
         #: False inside :meth:`no_sync`: replica gradients wait on their ranks for the next backward outside it
         self.grad_sync = True
-        #: (step, layer, policy, imbalance before, after, replicas, plan s, transfer s, layer fwd s) per call
-        self.history: list[tuple] = []
-        #: when a list: (event, layer) in the order the balanced layers' steps ran (tests pin the order)
-        self.events: list[tuple[str, int]] | None = None
         #: the wrapped model (for the replicated-parameter check and FSDP detection); set by ``wrap``
         self.model_ref = lambda: None
         #: what the masters' gradients are multiplied by in backward: 1 / R where the data-parallel wrapper
         #: averages (``config.master_grads``), set at every forward
         self.master_grad_scale = 1.0
         self._fsdp: tuple[int, bool] = (-1, False)  # (step it was looked up at, whether FSDP manages the model)
-
-    def event(self, name: str, layer: int) -> None:
-        if self.events is not None:
-            self.events.append((name, layer))
 
     @contextmanager
     def no_sync(self):
@@ -124,8 +117,9 @@ class EPRuntime:
         every = self.config.sync_check_every
         if every and self.step % every == 0:
             self.check_replicated()
-        if self.recorder is not None:
-            self.safe(self._record_step, loss, step_time_s, self.step == 0 if warmup is None else bool(warmup))
+        if self.recording.recorder is not None:
+            self.recording.safe(self._record_step, loss, step_time_s,
+                                self.step == 0 if warmup is None else bool(warmup))
         self.step += 1
         self.microbatch = -1
 
@@ -137,12 +131,12 @@ class EPRuntime:
         extra = None
         if self.rank == 0 and self.layers and getattr(self, "engine", None) is not None:
             extra = {"cost_model": cost_record(self.engine.cost_model_for(self.layers[0].layer))}
-        self.recorder.record_step(self.step, loss=loss, step_time_s=step_time_s, warmup=warmup, extra=extra)
+        self.recording.recorder.record_step(self.step, loss=loss, step_time_s=step_time_s, warmup=warmup, extra=extra)
 
     def flush_records(self) -> None:
         """Record every layer call still waiting for its backward (at a step's end, or on a failure)."""
         for layer in self.layers:
-            self.safe(layer.flush_record)
+            self.recording.safe(layer.flush_record)
 
     def enter_layer(self, layer: int) -> None:
         if layer == 0:
@@ -180,17 +174,6 @@ class EPRuntime:
         data_parallel.check_replicated(model, masters, self.group, self.step)
 
 
-    # ------------------------------------------------------------------ telemetry (never breaks training)
-    def safe(self, fn, *args, **kwargs) -> None:
-        """Call ``fn`` (a telemetry or calibration step) so that its failure is counted in ``recording_errors``
-        and logged once, never raised: the layers and the step bookkeeping record through this."""
-        try:
-            fn(*args, **kwargs)
-        except Exception as exc:  # recording must never stop a training step
-            self.recording_errors += 1
-            if self.recording_errors == 1:
-                log.warning("ultraep: recording failed (%s: %s); training continues", type(exc).__name__, exc)
-
     def build_engine(self) -> None:
         """The one decision loop of this model's layers: their policies, a cost model seeded with this
         machine's figures (:func:`~ultraep.presets.local_seed`) and calibrated from every rank's measured phases."""
@@ -211,25 +194,11 @@ class EPRuntime:
         # A layer call is recorded once it is measured (after its backward), through the engine's one recording
         # path: the plan with the transfers that really moved, the decision, the call's timings. Plans are
         # identical on every rank: rank 0 records one copy.
-        self.engine = Engine(self.config, first.topology, cost_model=cm, recorder=self.recorder,
+        self.engine = Engine(self.config, first.topology, cost_model=cm, recorder=self.recording.recorder,
                              layer_topologies={la.layer: la.topology for la in self.layers},
                              layer_experts={la.layer: la.expert_spec for la in self.layers}, record_timings=False,
                              record_on_decide=False, record_plans=self.rank == 0)
-
-    def record_layer(self, layer: int, call, timings, row: dict) -> None:
-        """Record one layer call (a :class:`~ultraep.runtime.call_record.LayerCall` with its
-        :class:`~ultraep.runtime.call_timings.CallTimings`, ``row`` = their record) once its backward ran (or never
-        will): into ``history`` and, when recording, through :meth:`~ultraep.engine.Engine.record`."""
-        plan = call.plan
-        self.history.append((call.key[0], layer, plan.chosen_policy, plan.imbalance_before, plan.imbalance_after,
-                             plan.num_replicas, timings.plan_s, timings.transfer_s, timings.measured_s))
-        if self.recorder is not None:
-            self.safe(self._record_call, call, row)
-
-    def _record_call(self, call, row: dict) -> None:
-        job, plan = call.job, call.plan
-        secs = job.transfer_seconds() if job is not None and len(plan.transfers) else None
-        self.engine.record(call.decision, plan=plan, timings=row, transfer_seconds=secs)
+        self.recording.engine = self.engine
 
 
 def _one_host() -> bool:
