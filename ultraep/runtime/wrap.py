@@ -13,13 +13,16 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from ultraep.models.adapters import UnsupportedModelError, adapter_for, prepare, supported
 from ultraep.config import BalancerConfig
 from ultraep.runtime import data_parallel
+from ultraep.runtime import master_source
 from ultraep.runtime.layer import BalancedExperts
+from ultraep.runtime.master_source import MasterSource
 from ultraep.runtime.recording import Recording
 from ultraep.errors import UltraEPError
 from ultraep.runtime.replica_store import SharedSlots, split_budget
@@ -45,8 +48,10 @@ class EPRuntime:
     """Per-model runtime state shared by the balanced layers: group, config, shared replica buffers, counters,
     and their :class:`~ultraep.runtime.recording.Recording` (recorder, history, event trace)."""
 
-    def __init__(self, config: BalancerConfig, group, recorder=None) -> None:
+    def __init__(self, config: BalancerConfig, group, recorder=None, device=None) -> None:
         self.config = config
+        #: where the masters live (or will, for a model on the meta device): seeds the cost model, sizes the budget
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
@@ -183,13 +188,14 @@ class EPRuntime:
 
         first = self.layers[0]
         like = [p[0].detach() for p in first.master_params()]
-        hw, _, _, copy_s = local_seed(like, like[0].is_cuda)
+        cuda = self.device.type == "cuda"
+        hw, _, _, copy_s = local_seed(like, cuda)
         # the layers plan with their replica residency, so a plan's transfers are exactly what moves
         # CPU ranks on one host (ultraep.launch, or torchrun with LOCAL_WORLD_SIZE = WORLD_SIZE) exchange tokens over
         # its one loopback; how much their computing at the same time slows each other is learned (corun_slowdown)
         params = CostParams(weight_sync_overlap=True, resend_all_replicas=False, copy_s_per_byte=copy_s,
                             restore_in_backward=any(la.store.mode == "restore" for la in self.layers),
-                            a2a_shared_medium=not like[0].is_cuda and _one_host())
+                            a2a_shared_medium=not cuda and _one_host())
         cm = CostModel(first.topology, hw, first.expert_spec, params)
         # A layer call is recorded once it is measured (after its backward), through the engine's one recording
         # path: the plan with the transfers that really moved, the decision, the call's timings. Plans are
@@ -255,11 +261,12 @@ def replica_budget_bytes(budget, sizes: list[tuple[int, int, int]], device) -> i
     return int(budget)
 
 
-def replica_memory(config: BalancerConfig, found: list, world_size: int) -> list:
+def replica_memory(config: BalancerConfig, found: list, world_size: int, device=None) -> list:
     """Each layer's :class:`~ultraep.runtime.replica_store.ReplicaMemory`, decided before any layer is built (so
     each is built in its final mode): ``config.replica_memory_budget`` split in layer order over the experts
-    containers ``found`` (``(name, module)``), from their sizes alone."""
-    sizes, device = [], None
+    containers ``found`` (``(name, module)``), from their sizes alone. ``device``: where the masters will live
+    (default: where the first container's tensors are)."""
+    sizes = []
     for layer, (_, mod) in enumerate(found):
         adapter = adapter_for(mod)
         like = [getattr(mod, n)[0] for n in adapter.param_names]
@@ -270,14 +277,23 @@ def replica_memory(config: BalancerConfig, found: list, world_size: int) -> list
     return split_budget(budget, [(n, b) for n, b, _ in sizes], config.replica_cache)
 
 
-def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=None, *, recorder=None) -> nn.Module:
+def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=None, *, recorder=None,
+         device=None) -> nn.Module:
     """Balance every MoE layer of ``model`` across the ranks of ``group`` (default: WORLD).
 
     Args:
-        model: the same model on every rank (same weights).
+        model: the same model on every rank (same weights), or the same model built on the meta device (see below).
         config: :class:`~ultraep.BalancerConfig` (or a dict validated into one).
         group: the EP process group.
         recorder: an ``ultraep.telemetry`` recorder for this rank (optional).
+        device: where the masters will live when the experts are on the meta device (default: the current CUDA
+            device if there is one, else the CPU); it seeds the cost model and sizes ``replica_memory_budget``.
+
+    A model on the meta device (too large to build whole on one rank) is wrapped without allocating anything: each
+    layer keeps ``[M, ...]`` meta masters. Then ``model.to_empty(device=...)`` allocates every parameter (the
+    masters at ``M`` of ``E`` rows), the user fills the non-expert ones (their own init or checkpoint), and
+    :func:`load_masters` reads this rank's expert rows from a checkpoint (or runs an init); a forward before that
+    is refused. docs/guide/large-models.md.
 
     Returns the model (modified in place); ``runtime_of(model).report`` lists the balanced layers.
     """
@@ -299,7 +315,7 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
             + "; ".join(supported()))
     config.validate_layers(len(found))  # a `layers` override for a layer that does not exist is refused
     __import__("ultraep.planning").planning.warm_up()  # compile the planners now, not inside step 0's timing
-    runtime = EPRuntime(config, group, recorder)
+    runtime = EPRuntime(config, group, recorder, _masters_device(found, device))
     R = runtime.world_size
     for layer, (name, mod) in enumerate(found):
         E = adapter_for(mod).num_experts(mod)
@@ -307,7 +323,7 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
             raise UltraEPError(f"{name}.num_experts", f"{E} experts cannot be split over {R} ranks "
                                f"(experts must be divisible by the EP group size)", E)
         config.validate_for(R, E // R)
-    memory = replica_memory(config, found, R)  # every layer's share of the replica budget, before any is built
+    memory = replica_memory(config, found, R, runtime.device)  # every layer's share, before any is built
     for layer, (name, mod) in enumerate(found):
         adapter = adapter_for(mod)
         parent_name, _, attr = name.rpartition(".")
@@ -323,6 +339,32 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
     data_parallel.ignore_masters_in_ddp(model, runtime.layers)
     if runtime.rank == 0:
         log.info("%s", runtime.report)
+    return model
+
+
+def _masters_device(found: list, device) -> "torch.device":
+    """Where the masters live: their container's device, or for a container on the meta device ``device`` (default:
+    the current CUDA device if there is one, else the CPU)."""
+    name, mod = found[0]
+    where = getattr(mod, adapter_for(mod).param_names[0]).device
+    if where.type != "meta":
+        if device is not None and torch.device(device) != where:
+            raise UltraEPError("device", f"{device} is not where the experts are ({name}: {where}); device= is for "
+                               "a model on the meta device (move the model instead)", str(device))
+        return where
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_masters(model: nn.Module, source: MasterSource) -> nn.Module:
+    """Fill this rank's masters of every balanced layer from ``source``: rows ``rank * M .. (rank + 1) * M - 1`` of
+    each ``[E, ...]`` expert tensor, read from a checkpoint of the unwrapped model (:class:`SafetensorsMasters`,
+    :class:`DCPMasters`; keys: the unwrapped model's ``state_dict`` names) or written by an init
+    (:class:`InitMasters`). Call after ``model.to_empty(device=...)`` for a model built on the meta device; on any
+    wrapped model it replaces the masters' weights. Not collective: each rank reads only its own rows."""
+    master_source.load(runtime_of(model).layers, source)
+    runtime_of(model).invalidate_replicas()  # (the masters were written through .data: the cache must not trust them)
     return model
 
 
