@@ -1,7 +1,7 @@
 """The critical path of a balanced layer call on one rank (issue 55), next to UltraEP's budget.
 
 UltraEP's authors report at most 300 µs of exposed overhead per layer at EP64, with the quota solve under 100 µs
-on the GPU (docs: /shared/references/papers.md §1). This benchmark times the same path of one rank, from the
+on the GPU (``../shared/references/papers.md`` §1.3-1.4). This benchmark times the same path of one rank, from the
 gate's output to the first expert GEMM, with the functions the runtime calls (``runtime/layer.py``,
 ``runtime/token_path.py``), stage by stage:
 
