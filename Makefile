@@ -36,8 +36,9 @@ bench: setup
 	$(PY) benchmarks/bench_kernels.py
 	$(PY) benchmarks/bench_dashboard.py
 
-# Everything that needs a GPU (CUDA-only tests, Triton kernels compiled vs their references, NCCL runs, kernel
-# timings), appended as a dated section to docs/benchmarks.md. Without CUDA: one line, exit 0.
+# Everything that needs a GPU (CUDA-only tests, Triton kernels compiled vs their references, the sync check, kernel
+# timings, the critical path, NCCL runs with two GPUs) within 570 s; its rows go to benchmarks/results_committed/
+# and the kernel times to kernels/kernel_times.csv, for committing. Without CUDA: one line, exit 0.
 gpu-check: setup
 	$(PY) benchmarks/gpu_check.py
 

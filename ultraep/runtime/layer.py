@@ -44,7 +44,7 @@ from ultraep.runtime.recompute import Replay, Replays
 from ultraep.runtime.recording import Recording
 from ultraep.runtime.comm import check_same_plan, gather_load
 from ultraep.errors import PendingGradientsError, UltraEPError
-from ultraep.runtime.load_header import GatheredLoad, LoadHeader, pack_load
+from ultraep.runtime.load_header import GatheredLoad, LoadHeader, expert_counts, pack_load
 from ultraep.runtime.masters import layer_topology, take_masters
 from ultraep.runtime.replica_cache import MasterEpoch
 from ultraep.runtime.replica_store import ReplicaMemory, ReplicaStore
@@ -166,17 +166,12 @@ class BalancedExperts(nn.Module):
 
         A slot whose id is ``num_experts`` is dropped (the experts interface's sentinel: transformers' own
         expert parallelism, capacity dropping, zero-computation experts rewritten to it): it contributes
-        nothing and gets no gradient. Such calls run the kept (token, slot) pairs as one-slot rows and add
-        them back per token — exact, and the dropped slots are neither load nor compute anywhere."""
+        nothing and gets no gradient. The token path drops it where it stands, without asking the host
+        whether there is one: it is no load (the counts leave it out), reroute maps it to no instance, it gets
+        no send row, and the combine adds nothing for it (a zero weight gradient) — exact, and neither load
+        nor compute anywhere."""
         self._check_loaded()
-        E = self.topology.num_experts
-        dropped = top_k_index == E
-        if not bool(dropped.any()):
-            return self._balanced(hidden_states, top_k_index, top_k_weights)
-        tok, slot = (~dropped).nonzero(as_tuple=True)
-        y = self._balanced(hidden_states.index_select(0, tok), top_k_index[tok, slot].unsqueeze(1),
-                           top_k_weights[tok, slot].unsqueeze(1))
-        return torch.zeros_like(hidden_states).index_add(0, tok, y)
+        return self._balanced(hidden_states, top_k_index, top_k_weights)
 
     def _balanced(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         # The collectives of one call, in the order every rank issues them (Steps 1-7 of the module docstring):
@@ -227,7 +222,7 @@ class BalancedExperts(nn.Module):
         """Step 1: this rank's per-expert counts and :class:`~ultraep.runtime.load_header.LoadHeader` → every rank's
         load ``[R, E]`` and header on every rank; returns them and the observation this rank sent."""
         rt, E = self.runtime, self.topology.num_experts
-        counts = torch.bincount(top_k_index.reshape(-1).to(torch.int64), minlength=E)
+        counts = expert_counts(top_k_index, E)
         obs = self.calls.take_observation()
         header = LoadHeader(phases_s=None if obs is None else obs[2],
                             master_epoch=self.epoch.current(self.master_params()),  # the replica cache's epoch
@@ -240,7 +235,7 @@ class BalancedExperts(nn.Module):
 
             raise UnsupportedModelError(
                 f"{self.name}.top_k_index", f"rank(s) {gathered.bad_ranks} routed {gathered.bad_ids} slot(s) to expert "
-                f"ids above {E}: ids must be < num_experts = {E}, or {E} for a dropped slot", E)
+                f"ids above {E} or below 0: ids must be in 0..{E - 1} (num_experts = {E}), or {E} for a dropped slot", E)
         return gathered, obs
 
     def _calibrate(self, gathered: GatheredLoad, obs) -> None:

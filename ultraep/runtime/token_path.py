@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ultraep.kernels import upload
 from ultraep.runtime.comm import AllToAll
 from ultraep.runtime.recompute import RecomputeAnchor
 from ultraep.runtime.replicas import GradSink, ReplicaExperts
@@ -81,7 +82,10 @@ def run_slots(layer, recv: torch.Tensor, C: np.ndarray, plan, job, unbound: list
     counts_S = C.sum(axis=0)
     # rows arrive source-major, slot-minor: sort them by slot (stable) to run each slot on one chunk
     slot_of_row = np.repeat(np.tile(np.arange(S), C.shape[0]), C.ravel())
-    order = torch.as_tensor(np.argsort(slot_of_row, kind="stable"), device=recv.device)
+    order_np = np.argsort(slot_of_row, kind="stable")
+    inv_np = np.empty_like(order_np)
+    inv_np[order_np] = np.arange(order_np.size)
+    order, inv = upload([order_np, inv_np], recv.device)  # one copy that does not block the host
     x = recv.index_select(0, order)
     t0 = clk.now()
     outs, at = [], 0
@@ -105,6 +109,4 @@ def run_slots(layer, recv: torch.Tensor, C: np.ndarray, plan, job, unbound: list
         # (zero) gradient, as the unbalanced model's full parameters do, and optimizers treat them alike.
         y_sorted = y_sorted + sum((p.reshape(-1)[:1] * 0).sum()
                                   for p in params + layer.shared_params()).to(y_sorted.dtype)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
     return y_sorted.index_select(0, inv), master_s
