@@ -8,10 +8,15 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt Makefile
 
 .PHONY: setup test demo dashboard bench gpu-check clean
 
+# setuptools' notice on every editable install of a package mapped from several folders ("Editable installation
+# ... folders with the same name as your package") is information, not a problem: it is filtered; every
+# other build warning shows (tests/test_packaging.py builds with this filter and expects none).
+QUIET_BUILD := ignore:Editable installation
+
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
+	PYTHONWARNINGS='$(QUIET_BUILD)' $(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

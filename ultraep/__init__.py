@@ -7,9 +7,15 @@
 from __future__ import annotations
 
 from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+# pyproject.toml's `version` is the one source: the installed distribution's metadata carries it (an
+# editable install too); a source tree that was never installed has no version to report.
+try:
+    __version__ = version("ultraep")
+except PackageNotFoundError:  # pragma: no cover - only in a checkout without `pip install`
+    __version__ = "0+unknown"
 
 _LAZY = {
     "Topology": "ultraep.topology",
