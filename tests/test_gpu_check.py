@@ -52,10 +52,10 @@ def test_outcomes_become_a_dated_section_appended_under_one_heading(tmp_path):
     gpu_check.append_section(text, doc)
     got = doc.read_text()
     assert got.startswith("# Benchmarks\n") and got.count(gpu_check.HEADING) == 1 and got.count("### 2026") == 2
-    doc.write_text(got + "\n## Session of later\n\nnotes\n")  # a later section: new runs still go under the heading
+    doc.write_text(got + "\n## Later notes\n\nnotes\n")  # a later section: new runs still go under the heading
     gpu_check.append_section(text.replace("2026-11-25 17:00", "2026-11-26 04:01"), doc)
     got = doc.read_text()
-    assert got.index("### 2026-11-26 04:01") < got.index("## Session of later") and got.endswith("notes\n")
+    assert got.index("### 2026-11-26 04:01") < got.index("## Later notes") and got.endswith("notes\n")
 
 
 def test_a_gpu_machine_with_the_cpu_wheel_is_not_a_pass(monkeypatch, capsys):
