@@ -37,7 +37,7 @@ bench: setup
 	$(PY) benchmarks/bench_dashboard.py
 
 # Everything that needs a GPU (CUDA-only tests, Triton kernels compiled vs their references, NCCL runs, kernel
-# timings), appended as a dated section to docs/benchmarks.md. Without CUDA: one line, exit 0.
+# timings), appended as a dated section to benchmarks/results/gpu_check.md. Without CUDA: one line, exit 0.
 gpu-check: setup
 	$(PY) benchmarks/gpu_check.py
 

@@ -12,12 +12,13 @@ time limit so the whole fits in 10 minutes on one H100:
 2. the kernel timings (``benchmarks/bench_kernels.py --quick``);
 3. with two GPUs, ``benchmarks/bench_runtime.py --backend nccl`` (none vs quota at the default shape).
 
-It appends a dated section to ``docs/benchmarks.md`` (the device, the commit, each step's result and
-seconds, the benchmarks' tables) and ends with one line naming what it could not run. Exit status 1 when a
+It appends a dated section to ``benchmarks/results/gpu_check.md`` (the device, the commit, each step's result
+and seconds, the benchmarks' tables; ignored by git, like the benchmarks' rows: the figures of record are committed
+as rows in ``benchmarks/results_committed/``, docs/benchmarks.md shows them) and ends with one line naming what it could not run. Exit status 1 when a
 step failed.
 
     make gpu-check
-    .venv/bin/python benchmarks/gpu_check.py --no-append     # do not touch docs/benchmarks.md
+    .venv/bin/python benchmarks/gpu_check.py --no-append     # write no report
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "benchmarks.md"
+DOC = ROOT / "benchmarks" / "results" / "gpu_check.md"
 HEADING = "## GPU check (issue 34)"
 
 
@@ -79,7 +80,7 @@ def run_step(step: Step, env: dict) -> Outcome:
 
 
 def section(outcomes: list[Outcome], not_run: list[str], device: str, commit: str, when: str) -> str:
-    """The dated Markdown section appended to docs/benchmarks.md."""
+    """The dated Markdown section appended to the report (:data:`DOC`)."""
     out = [f"\n### {when} UTC: {device}, commit {commit}\n", "| step | result | seconds | last line |",
            "|---|---|---|---|"]
     out += [f"| {o.step.name} | {'passed' if o.ok else 'FAILED'} | {o.seconds:.0f} | {o.summary.replace('|', '/')} |"
@@ -98,6 +99,7 @@ def append_section(text: str, path: Path = DOC) -> None:
     if HEADING not in doc:
         doc = doc.rstrip("\n") + f"\n\n{HEADING}\n\n`make gpu-check` appends one section per run (benchmarks/gpu_check.py).\n"
     at = doc.find("\n## ", doc.index(HEADING) + len(HEADING))
+    path.parent.mkdir(parents=True, exist_ok=True)
     if at < 0:
         path.write_text(doc.rstrip("\n") + "\n" + text)
     else:
