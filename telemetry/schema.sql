@@ -45,7 +45,7 @@ CREATE TABLE runs_log (
     dropped_rows    BIGINT,     -- rows lost to them
     first_error     VARCHAR,    -- the first failure, for the report
     extra_json      VARCHAR,    -- Recorder.open(extra=...)
-    written_at      TIMESTAMP   -- when this row was written (the newest row per session wins)
+    written_at      TIMESTAMP   -- when this row was written (the newest row per recorder session wins)
 );
 
 -- One row per Recorder.record_step call.
