@@ -148,6 +148,11 @@ class BalancedExperts(nn.Module):
         """This layer's policy instance (owned by the runtime's engine)."""
         return self.runtime.engine.policy_for(self.layer)
 
+    @property
+    def num_experts(self) -> int:
+        """E, as the container reports it (torchtitan's FSDP application reads ``inner_experts.num_experts``)."""
+        return self.topology.num_experts
+
     def master_params(self) -> list[torch.Tensor]:
         return [getattr(self, n) for n in self.adapter.param_names]
 

@@ -81,7 +81,8 @@ class EPRuntime:
         #: what the masters' gradients are multiplied by in backward: 1 / R where the data-parallel wrapper
         #: averages (``config.master_grads``), set at every forward
         self.master_grad_scale = 1.0
-        self._fsdp: tuple[int, bool] = (-1, False)  # (step it was looked up at, whether FSDP manages the model)
+        #: (step it was looked up at, whether FSDP manages the model, whether it averages the gradients it reduces)
+        self._fsdp: tuple[int, bool, bool] = (-1, False, False)
 
     @contextmanager
     def no_sync(self):
@@ -153,11 +154,11 @@ class EPRuntime:
 
     def _master_grads_mean(self) -> bool:
         """Whether the masters' gradients are averaged over the group (``config.master_grads``; 'auto': inside a
-        DDP forward, or on a model FSDP manages — looked up once per step)."""
+        DDP forward, or on a model FSDP manages and averages — looked up once per step; torchtitan's FSDP sums)."""
         mode = self.config.master_grads
         if mode != "auto":
             return mode == "mean"
-        return data_parallel.in_ddp_forward() or self._fsdp[1]
+        return data_parallel.in_ddp_forward() or (self._fsdp[1] and self._fsdp[2])
 
     def check_fsdp(self) -> None:
         """Look up once per step whether FSDP manages the model, and refuse FSDP2 managing a master."""
@@ -167,7 +168,7 @@ class EPRuntime:
         found = model is not None and data_parallel.has_fsdp(model)
         if found:
             data_parallel.refuse_sharded_masters(model, self.layers)
-        self._fsdp = (self.step, found)
+        self._fsdp = (self.step, found, found and data_parallel.fsdp_averages(model))
 
     def check_replicated(self) -> None:
         """Raise :class:`~ultraep.runtime.data_parallel.ParameterDivergenceError` (on every rank) when a parameter
@@ -401,7 +402,7 @@ def unwrap(model: nn.Module) -> nn.Module:
             model._ddp_params_and_buffers_to_ignore = have.user
         else:
             del model._ddp_params_and_buffers_to_ignore
-    from ultraep.models.rewrite import restore
+    from ultraep.models.adapters import restore
 
     restore(model)  # blocks prepare() rewrote get their original classes back (same storage)
     return model
