@@ -21,6 +21,7 @@ def test_wheel_has_only_the_ultraep_namespace(tmp_path):
     for pkg in ("policies", "kernels", "telemetry", "dashboard"):
         assert f"ultraep/{pkg}/__init__.py" in names
     assert "ultraep/policies/quota.py" in names
+    assert "ultraep/kernels/kernel_times.csv" in names  # the measured times backend="auto" chooses from
     assert not any("/tests/" in n or n.startswith("benchmarks") for n in names)
 
 
