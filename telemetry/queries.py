@@ -349,7 +349,8 @@ again AS (  -- replicas of a call already on their rank in the layer's previous 
     SELECT a.run_id, a.layer, count(*) AS replicas,
            count(b.e) FILTER (WHERE k.kind <> 'train' OR b.step = a.step) AS repeated
     FROM rep a JOIN k USING (run_id)
-         LEFT JOIN rep b ON b.run_id = a.run_id AND b.layer = a.layer AND b.call = a.call - 1 AND b.r = a.r AND b.e = a.e
+         LEFT JOIN rep b ON b.run_id = a.run_id AND b.layer = a.layer AND b.call = a.call - 1
+                        AND b.r = a.r AND b.e = a.e
     WHERE a.call > 1
     GROUP BY a.run_id, a.layer
 )

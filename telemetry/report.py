@@ -18,8 +18,9 @@ Sections, in order (each a :class:`Section` of :data:`SECTIONS`; add one by appe
 Numbers are rounded and in human units (ms, MiB); runs are labelled by what tells them apart (the full id
 is printed once above the tables). Width: ``COLUMNS``, else the terminal's (stdout's, or stderr's when stdout
 is piped), else :data:`WIDTH`. A cell is never broken across lines: a table wider than that is printed in
-parts, each repeating the key columns (:class:`FitTable`); headers break between words only. The figures come from the canned queries (:data:`queries.REPORT`) and
-:mod:`.answer`; nothing is computed here that those do not hold.
+parts, each repeating the key columns (:class:`FitTable`); headers break between words only. The figures come
+from the canned queries (:data:`queries.REPORT`) and :mod:`.answer`; nothing is computed here that those do not
+hold.
 """
 
 from __future__ import annotations
