@@ -184,9 +184,9 @@ def _scenario(rank, world, family, config, how, steps=STEPS):
         opt.step()
         _take_parameters(ref, model, rt, world)
         rt.next_step(loss=float(loss_sum))
-    replicas = sum(h[5] for h in rt.history)  # (step, layer, policy, before, after, replicas, ...) per call
+    replicas = sum(h[5] for h in rt.recording.history)  # (step, layer, policy, before, after, replicas, ...) per call
     return {"problems": problems[:8], "replicas": replicas, "restorations": rt.shared_slots.restorations,
-            "policies": sorted({h[2] for h in rt.history})}
+            "policies": sorted({h[2] for h in rt.recording.history})}
 
 
 def _check(results):

@@ -35,6 +35,10 @@ _LAZY = {
     "runtime_of": "ultraep.runtime",
     "expert_params": "ultraep.runtime",
     "no_sync": "ultraep.runtime",
+    "load_masters": "ultraep.runtime",
+    "SafetensorsMasters": "ultraep.runtime",
+    "DCPMasters": "ultraep.runtime",
+    "InitMasters": "ultraep.runtime",
     "register_experts": "ultraep.models.adapters",
     "telemetry": "ultraep.telemetry",  # the README's `ultraep.telemetry.Recorder.open(...)` works after `import ultraep`
 }
@@ -49,7 +53,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ultraep.plan import Plan, Transfers
     from ultraep.planning import plan_layer
     from ultraep.topology import LinkSpec, Topology
-    from ultraep.runtime import expert_params, no_sync, runtime_of, unwrap, wrap
+    from ultraep.runtime import (DCPMasters, InitMasters, SafetensorsMasters, expert_params, load_masters, no_sync,
+                                 runtime_of, unwrap, wrap)
     from ultraep.models.adapters import register_experts
 
 
