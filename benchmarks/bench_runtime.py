@@ -187,7 +187,7 @@ def _body(rank, world, shape: Shape, args, policies, runs_dir=None):
                 o = out[name]
                 o["times"].append(t)
                 o["phases"].append(dict(layer.last_timings))
-                o["chosen"].append(rt.history[-1][2])
+                o["chosen"].append(rt.recording.history[-1][2])
     for name, layer, *_ in runs:
         plan = layer.last_plan
         out[name].update(imb_before=plan.imbalance_before, imb_after=plan.imbalance_after,
@@ -198,8 +198,7 @@ def _body(rank, world, shape: Shape, args, policies, runs_dir=None):
 
 
 #: layer calls of one shape's ranks (warm-up and timed, every run) the launcher's default limit of 600 s is kept for:
-#: the fourteenth session's validation runs (20 + 20 calls of 5 runs, bench_validate) took up to ~500 s at the
-#: costliest shape, tok4096
+#: bench_validate's runs with 20 + 20 calls of 5 runs took up to ~500 s at the costliest shape, tok4096 (2 cores)
 LAUNCH_CALLS = 200
 
 

@@ -368,7 +368,7 @@ _RESULTS = None
 
 
 def conformance_results():
-    """Run the conformance check once per session (both ranks' results, families)."""
+    """Run the conformance check once per pytest session (both ranks' results, families)."""
     global _RESULTS
     if _RESULTS is None:
         import transformers  # noqa: F401 - imported before fork
