@@ -98,13 +98,14 @@ def _override(rank, world, family, policy, how):
     from torchtitan.config.override import OverrideConfig, apply_overrides
 
     import ultraep
+    from ultraep.runtime.masters import held_bytes
 
     spec = tm._registry(tm.FAMILIES[family][0])
     spec.model = tm.decoder_config(family)
     lines = apply_overrides(OverrideConfig(imports=[("ultraep.integrations.torchtitan.balanced",
                                                      {"policy": policy, "slots": 2})]), spec)
     assert len(lines) == 1 and "ultraep.integrations.torchtitan.balanced" in lines[0], lines
-    with torch.device("meta"):
+    with torch.device("cpu" if how == "cpu-build" else "meta"):  # the trainer builds on meta
         model = spec.model.build()
     tm.swap_attention(model)
     kwargs = _parallelize_kwargs(world, how)
@@ -115,16 +116,18 @@ def _override(rank, world, family, policy, how):
     model = spec.parallelize_fn(model, **kwargs)
     model.to_empty(device="cpu")
     torch.manual_seed(0)  # the trainer seeds every data-parallel rank alike
-    with torch.no_grad():
-        try:
+    try:
+        with torch.no_grad():
             model.init_weights(buffer_device=torch.device("cpu"))
-        except ultraep.UltraEPError as exc:
-            return {"refused": str(exc)}
-    rt = ultraep.runtime_of(model)  # wrapped by init_weights
-    assert rt.config.policy == policy and rt.layers, rt.report
-    ref = tm.decoder(family)
-    _take_parameters(ref, model, rt, world)
-    return _loop(rank, world, model, ref, kwargs["parallel_dims"])
+        rt = ultraep.runtime_of(model)  # wrapped when built on the meta device
+        assert rt.config.policy == policy and rt.layers, rt.report
+        held = held_bytes(rt.layers)  # each rank holds E / R of every expert tensor, and no full tensor
+        assert held["containers"] == 0 and held["masters"] * world == held["full"], held
+        ref = tm.decoder(family)
+        _take_parameters(ref, model, rt, world)
+        return {**_loop(rank, world, model, ref, kwargs["parallel_dims"]), "held": held}
+    except ultraep.UltraEPError as exc:
+        return {"refused": str(exc)}
 
 
 def _take_parameters(ref, model, rt, world):
@@ -240,13 +243,23 @@ def test_a_perturbed_master_fails_the_training_comparison():
 @pytest.mark.numerics
 @pytest.mark.parametrize("policy", ["quota", "adaptive"])
 def test_the_override_turns_a_stock_config_into_a_balanced_model_that_trains_exactly(policy):
-    """issue 54 item 3: `--override.imports ultraep.integrations.torchtitan.balanced` through torchtitan's own
-    apply_overrides on the model spec, then the trainer's build order."""
-    _check(run_ranks(_override, 2, "qwen3", policy, "fsdp-ac"))
+    """issue 54 items 3 and 6: `--override.imports ultraep.integrations.torchtitan.balanced` through torchtitan's own
+    apply_overrides on the model spec, then the trainer's build order (meta device: each rank allocates E / R)."""
+    results = run_ranks(_override, 2, "qwen3", policy, "fsdp-ac")
+    assert all("refused" not in r for r in results), results
+    _check(results)
+
+
+def test_the_override_on_a_model_built_with_real_tensors_splits_the_experts_after_init():
+    # built on the CPU, not the meta device: FSDP leaves the whole expert tensors out, init_weights initialises them,
+    # and wrap splits them there
+    results = run_ranks(_override, 2, "deepseek_v3", "quota", "cpu-build")
+    assert all("refused" not in r for r in results), results
+    _check(results)
 
 
 def test_without_the_exclusion_torchtitan_fsdp_takes_the_experts_and_wrap_refuses():
     # negative control of the override's FSDP exclusion: the experts sharded by fully_shard are refused in one line
     for res in run_ranks(_override, 2, "qwen3", "quota", "fsdp-takes-experts"):
         msg = res.get("refused")
-        assert msg and "already sharded" in msg and "\n" not in msg, res
+        assert msg and "sharded by fully_shard" in msg and "\n" not in msg, res

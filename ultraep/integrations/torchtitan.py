@@ -12,9 +12,10 @@ device → ``parallelize_fn`` → ``to_empty`` → ``init_weights`` → optimize
 1. **build**: the model is built as before; every ``RoutedExperts`` is prepared (``ultraep.models.torchtitan``);
 2. **parallelize**: torchtitan's FSDP application (``apply_fsdp_to_decoder``) leaves the prepared experts' tensors
    out of every ``fully_shard`` (:func:`install`: they belong to ultraep; FSDP shards everything else as before);
-3. **init_weights**: after torchtitan initialised the weights, ``ultraep.wrap`` splits every layer's experts
-   over the ranks (each rank keeps its masters) with the override's policy and slots; the optimizer, built next,
-   holds the masters.
+3. **init_weights**: built on the meta device (the trainer's way), the model was wrapped at build — each rank's
+   masters are ``[M, ...]``, ``to_empty`` allocates ``M`` of ``E`` rows — and its masters are initialised by rows
+   with the experts class's own ``param_init`` (:func:`_expert_init`); built with real tensors, ``ultraep.wrap``
+   splits the initialised experts here. The optimizer, built next, holds the masters.
 
 In a loop of your own: ``ultraep.wrap(model, config)`` first, then :func:`parallelize` with the model spec's
 ``parallelize_fn`` (the same FSDP exclusion).
@@ -26,8 +27,6 @@ divided by the global token count): the runtime reads that and sums the masters'
 in torchtitan's ``MoE``. Refused in one line: EP degree > 1, expert TP, a non-local dispatcher, a converted experts
 class (``ultraep.models.torchtitan``).
 
-Step 3 builds every expert on every rank before splitting them (until ``wrap`` materialises only a rank's masters
-from the meta device): the whole model must fit on each rank once, at start.
 """
 
 from __future__ import annotations
@@ -97,14 +96,20 @@ def _balanced_class(owner: type, config_json: str) -> type:
     def __init__(self, config, **kwargs):
         owner.__init__(self, config, **kwargs)
         prepare(self)
+        if _on_meta(self):  # the trainer's build: wrap now, so that each rank allocates only its masters
+            import ultraep
+
+            ultraep.wrap(self, type(self)._ultraep_config)
 
     def init_states(self, *, buffer_device=None, **kwargs):
         owner.init_states(self, buffer_device=buffer_device, **kwargs)
         import ultraep
         from ultraep.runtime.wrap import _ATTR
 
-        if getattr(self, _ATTR, None) is None:  # a second initialisation re-inits; the split happens once
+        if getattr(self, _ATTR, None) is None:  # built with real tensors: split the initialised experts now
             ultraep.wrap(self, type(self)._ultraep_config)
+        else:  # wrapped on the meta device: this rank's masters, initialised by rows
+            ultraep.load_masters(self, _expert_init(self))
 
     # torchtitan wires a Config class to the model class that defines it (Configurable.__init_subclass__): the
     # balanced class defines its own Config, a subclass of the original's with the same fields
@@ -116,6 +121,37 @@ def _balanced_class(owner: type, config_json: str) -> type:
         "__doc__": f"{owner.__name__} balanced by ultraep (ultraep.integrations.torchtitan.balanced)."})
     _CLASSES[key] = cls
     return cls
+
+
+def _on_meta(model: nn.Module) -> bool:
+    from ultraep.models.torchtitan import _MARK
+
+    return any(p.device.type == "meta" for m in model.modules() if getattr(m, _MARK, None) is not None
+               for p in m.parameters(recurse=False))
+
+
+def _expert_init(model: nn.Module):
+    """Each master row initialised by its experts class's own ``param_init`` (torchtitan's, e.g. ``normal_(std)``),
+    one expert at a time from a generator state seeded by (the process's seed, the tensor's key, the expert): every
+    expert gets the same weights whatever the number of ranks, and different experts different weights."""
+    import zlib
+
+    import torch
+
+    from ultraep.runtime.master_source import InitMasters
+    from ultraep.runtime.wrap import runtime_of
+
+    inits = {f"{layer.name}.{n}": layer.container._param_init[n] for layer in runtime_of(model).layers
+             for n in layer.adapter.param_names}
+    base = torch.initial_seed()
+
+    def fn(out, key, experts):
+        for i, e in enumerate(experts):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed((base * 1_000_003 + zlib.crc32(key.encode()) * 4099 + e) % (2 ** 63))
+                inits[key](out[i:i + 1])
+
+    return InitMasters(fn)
 
 
 def _parse(config_json: str):
