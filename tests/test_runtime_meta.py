@@ -76,7 +76,7 @@ class _ShiftedRows:
     """The negative control's source: reads another rank's rows (``first + M`` modulo E) through a real source."""
 
     def __new__(cls, inner):
-        from ultraep.runtime.master_source import MasterRead, MasterSource
+        from ultraep.runtime.master_rows import MasterRead, MasterSource
 
         class Shifted(MasterSource):
             def fill(self, reads):
@@ -232,7 +232,7 @@ def test_sources_read_only_the_rows_asked_for(tmp_path):
     from safetensors.torch import save_file
 
     from ultraep.errors import UltraEPError
-    from ultraep.runtime.master_source import DCPMasters, MasterRead, SafetensorsMasters
+    from ultraep.runtime.master_rows import DCPMasters, MasterRead, SafetensorsMasters
 
     full = torch.randn(8, 3, 5)
     save_file({"a.w": full, "b": torch.zeros(2)}, str(tmp_path / "m.safetensors"))
@@ -246,3 +246,59 @@ def test_sources_read_only_the_rows_asked_for(tmp_path):
         assert torch.equal(out, full[6:8].double()), type(source).__name__
         with pytest.raises(UltraEPError, match=r"^a\.w: .*\[4, 3, 5\]"):
             source.fill([MasterRead("a.w", 0, 4, torch.zeros(2, 3, 5), "x.w")])  # a layer of 4 experts
+
+
+def _save_wrapped(rank, world, path, with_planner):
+    """A wrapped full model saved with DCP, each rank writing its masters (with the planner: as its rows of the
+    [E, ...] tensors)."""
+    import torch.distributed.checkpoint as dcp
+
+    import ultraep
+
+    model = build_model("qwen3-moe", num_experts=E)
+    ultraep.wrap(model, CONFIG)
+    dcp.save(model.state_dict(), checkpoint_id=str(path),
+             planner=ultraep.MastersSavePlanner(model) if with_planner else None)
+
+
+def _meta_from_dcp(rank, world, path):
+    """A meta model on another number of ranks, everything loaded from the DCP checkpoint of the wrapped model: the
+    non-expert weights by the user (dcp.load of those keys), the masters by rows (load_masters)."""
+    import torch.distributed.checkpoint as dcp
+
+    import ultraep
+
+    ref = build_model("qwen3-moe", num_experts=E)
+    with torch.device("meta"):
+        model = build_model("qwen3-moe", num_experts=E)
+    ultraep.wrap(model, CONFIG, device="cpu")
+    rt = ultraep.runtime_of(model)
+    model.to_empty(device="cpu")
+    masters = {f"{la.name}.{n}" for la in rt.layers for n in la.adapter.param_names}
+    rest = {k: v for k, v in model.state_dict().items() if k not in masters}
+    dcp.load(rest, checkpoint_id=str(path))
+    for m in model.modules():
+        if "RotaryEmbedding" in type(m).__name__:
+            model._init_weights(m)
+    try:
+        ultraep.load_masters(model, ultraep.DCPMasters(path))
+    except ultraep.UltraEPError as exc:
+        return {"refused": str(exc)}
+    ids = _batch(rank)
+    out, ref_out = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    out.float().pow(2).mean().backward()
+    ref_out.float().pow(2).mean().backward()
+    return {"logits": rel_error(out, ref_out), **master_grad_errors(rt, ref, rank)}
+
+
+def test_a_wrapped_model_saved_with_dcp_loads_by_rows_on_other_ranks(tmp_path):
+    """Saved from 4 ranks with MastersSavePlanner, the checkpoint is the unwrapped model's ([E, ...] expert tensors
+    from four chunks); a meta model on 2 ranks loads it (rest and masters) and computes the full model exactly.
+    Negative control: saved without the planner, DCP keeps one rank's [M, ...] rows, and the load is refused."""
+    run_ranks(_save_wrapped, 4, tmp_path / "ok", True)
+    for r in run_ranks(_meta_from_dcp, 2, tmp_path / "ok"):
+        assert "refused" not in r, r
+        assert_within(r, what="saved on 4 ranks, loaded on 2")
+    run_ranks(_save_wrapped, 4, tmp_path / "bad", False)
+    for r in run_ranks(_meta_from_dcp, 2, tmp_path / "bad"):
+        assert "refused" in r and "holds shape [2, 32, 32]" in r["refused"], r

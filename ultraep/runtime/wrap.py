@@ -20,9 +20,9 @@ from torch import nn
 from ultraep.models.adapters import UnsupportedModelError, adapter_for, prepare, supported
 from ultraep.config import BalancerConfig
 from ultraep.runtime import data_parallel
-from ultraep.runtime import master_source
+from ultraep.runtime import master_rows
 from ultraep.runtime.layer import BalancedExperts
-from ultraep.runtime.master_source import MasterSource
+from ultraep.runtime.master_rows import MasterSource
 from ultraep.runtime.recording import Recording
 from ultraep.errors import UltraEPError
 from ultraep.runtime.replica_store import SharedSlots, split_budget
@@ -363,7 +363,7 @@ def load_masters(model: nn.Module, source: MasterSource) -> nn.Module:
     :class:`DCPMasters`; keys: the unwrapped model's ``state_dict`` names) or written by an init
     (:class:`InitMasters`). Call after ``model.to_empty(device=...)`` for a model built on the meta device; on any
     wrapped model it replaces the masters' weights. Not collective: each rank reads only its own rows."""
-    master_source.load(runtime_of(model).layers, source)
+    master_rows.load(runtime_of(model).layers, source)
     runtime_of(model).invalidate_replicas()  # (the masters were written through .data: the cache must not trust them)
     return model
 

@@ -1,4 +1,5 @@
-"""Where a rank's masters come from when the model is too large to build whole: checkpoint rows or an init.
+"""A rank's masters as rows of the ``[E, ...]`` checkpoint tensors: read from a checkpoint (or an init) when the
+model is too large to build whole, and written to a DCP checkpoint as rows of the whole tensors.
 
 A model built on the meta device and wrapped holds, per balanced layer, ``[M, ...]`` masters (this rank's experts
 ``first .. first + M - 1`` of each ``[E, ...]`` expert parameter); ``model.to_empty(device=...)`` allocates them
@@ -12,6 +13,11 @@ A model built on the meta device and wrapped holds, per balanced layer, ``[M, ..
                                                as torchtitan's is under EP or FSDP, holds them in their own chunks;
                                                one saved whole is read one stored tensor at a time, then narrowed)
     init          :class:`InitMasters`         ``fn(out [M, ...], key, experts)``: training from scratch
+
+Written: ``dcp.save(model.state_dict(), planner=MastersSavePlanner(model))`` saves each rank's ``[M, ...]`` masters
+as its chunk (rows ``first .. first + M - 1``) of one ``[E, ...]`` tensor under the unwrapped model's key, so the
+checkpoint is the unwrapped model's, loadable by rows on any number of ranks (or whole). Without the planner DCP
+takes the ``[M, ...]`` masters for replicated tensors and keeps one rank's.
 
 A read's ``key`` is the parameter's name in the unwrapped model's ``state_dict`` (``<container path>.<name>``),
 which is what a checkpoint of the unwrapped model holds; a source's ``key`` function maps it to another
@@ -222,3 +228,51 @@ def load(layers, source: MasterSource) -> None:
     source.fill(reads_of(layers))
     for layer in layers:
         layer.masters_loaded()
+
+
+def MastersSavePlanner(model, **kwargs):
+    """A ``torch.distributed.checkpoint`` save planner (a ``DefaultSavePlanner``; ``kwargs`` go to it) that writes
+    each balanced layer's ``[M, ...]`` masters of the wrapped ``model`` as this rank's rows of the ``[E, ...]``
+    tensor (a ``SHARD`` write item at offset ``[first, 0, ...]``, global size ``[E, ...]``); every other entry is
+    written as the default planner writes it. Pass it to ``dcp.save`` (collective) with ``model.state_dict()``."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    from ultraep.runtime.wrap import runtime_of
+
+    rows = {f"{la.name}.{n}": (la.first_expert, la.topology.num_experts)
+            for la in runtime_of(model).layers for n in la.adapter.param_names}
+
+    class SavePlanner(DefaultSavePlanner):
+        def create_local_plan(self) -> SavePlan:
+            plan = super().create_local_plan()
+            items, found = [], set()
+            for item in plan.items:
+                fqn = item.index.fqn
+                if fqn not in rows:
+                    items.append(item)
+                    continue
+                t = self.state_dict[fqn]
+                first, E = rows[fqn]
+                offsets = torch.Size([first] + [0] * (t.dim() - 1))
+                items.append(WriteItem(
+                    index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
+                                                properties=TensorProperties.create_from_tensor(t),
+                                                size=torch.Size([E, *t.shape[1:]]))))
+                found.add(fqn)
+            missing = sorted(set(rows) - found)
+            if missing:
+                raise UltraEPError(missing[0], "is a master of the wrapped model but not in the state dict given to "
+                                   "dcp.save (save model.state_dict() of the wrapped model itself)")
+            plan = SavePlan(items, storage_data=plan.storage_data, planner_data=plan.planner_data, usable=plan.usable)
+            self.plan = plan
+            return plan
+
+        def lookup_object(self, index: MetadataIndex):
+            if index.fqn in rows:
+                return self.state_dict[index.fqn]  # this rank's rows: the whole local tensor
+            return super().lookup_object(index)
+
+    return SavePlanner(**kwargs)
