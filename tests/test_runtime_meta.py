@@ -45,7 +45,7 @@ def checkpoints(tmp_path_factory):
     from safetensors.torch import save_file
 
     out = {}
-    for family in ("qwen3-moe", "mixtral"):
+    for family in ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3"):
         d = tmp_path_factory.mktemp(family)
         sd = {k: v.contiguous() for k, v in build_model(family, num_experts=E).state_dict().items()}
         save_file(sd, str(d / "model.safetensors"))
@@ -127,7 +127,8 @@ def _report_memory(results, world, what):
 
 
 @pytest.mark.parametrize("world,family,kind", [(2, "qwen3-moe", "safetensors"), (4, "qwen3-moe", "safetensors"),
-                                               (2, "mixtral", "dcp"), (4, "qwen3-moe", "dcp")])
+                                               (2, "mixtral", "dcp"), (4, "qwen3-moe", "dcp"),
+                                               (2, "gpt-oss", "safetensors"), (4, "deepseek-v3", "dcp")])
 def test_meta_model_loaded_by_rows_equals_the_full_model(checkpoints, world, family, kind):
     results = run_ranks(_meta_equivalence, world, family, checkpoints[family], kind, False)
     _report_memory(results, world, f"{family}/{kind}")
@@ -200,6 +201,16 @@ def _refusals(rank, world, ckpt_dir):
     y = model(input_ids=ids).logits
     out["init"] = (bool(torch.isfinite(y).all()), sorted({(e.start, e.stop) for _, e in seen}))
     refused("device", lambda: ultraep.wrap(build_model("qwen3-moe", num_experts=E), CONFIG, device="meta"))
+    # a block ultraep rewrote into a container (JetMoE) keeps its checkpoint under other keys: refused, not guessed
+    import transformers as tf
+
+    cfg = tf.JetMoeConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_key_value_heads=2, kv_channels=4,
+                          intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
+    with torch.device("meta"):
+        jet = tf.JetMoeForCausalLM(cfg)
+    ultraep.wrap(jet, CONFIG, device="cpu")
+    jet.to_empty(device="cpu")
+    refused("rewritten", lambda: ultraep.load_masters(jet, ultraep.SafetensorsMasters(ckpt_dir / "model.safetensors")))
     return out
 
 
@@ -219,6 +230,7 @@ def test_what_cannot_work_is_refused_in_one_line(checkpoints):
         assert "masters" in out["not a source"] and "str" in out["not a source"]
         assert ".metadata" in out["no dcp folder"]
         assert out["device"].startswith("device"), out["device"]
+        assert out["rewritten"].startswith("model.layers.0.mlp.experts: is a rewrite:"), out["rewritten"]
         finite, ranges = out["init"]
         assert finite and ranges == [(4 * rank, 4 * rank + 4)], out["init"]
 

@@ -31,9 +31,9 @@ Modules, each with one job (dependencies point down the list):
 """
 
 from ultraep.runtime.data_parallel import ParameterDivergenceError
-from ultraep.runtime.master_rows import DCPMasters, InitMasters, MastersSavePlanner, SafetensorsMasters
-from ultraep.runtime.wrap import (EPRuntime, WrapReport, expert_params, load_masters, no_sync, replica_budget_bytes,
-                                  runtime_of, unwrap, wrap)
+from ultraep.runtime.master_rows import DCPMasters, InitMasters, SafetensorsMasters
+from ultraep.runtime.wrap import (EPRuntime, MastersSavePlanner, WrapReport, expert_params, load_masters, no_sync,
+                                  replica_budget_bytes, runtime_of, unwrap, wrap)
 
 __all__ = ["DCPMasters", "EPRuntime", "InitMasters", "MastersSavePlanner", "ParameterDivergenceError", "SafetensorsMasters", "WrapReport",
            "expert_params", "load_masters", "no_sync", "replica_budget_bytes", "runtime_of", "unwrap", "wrap"]

@@ -14,7 +14,7 @@ A model built on the meta device and wrapped holds, per balanced layer, ``[M, ..
                                                one saved whole is read one stored tensor at a time, then narrowed)
     init          :class:`InitMasters`         ``fn(out [M, ...], key, experts)``: training from scratch
 
-Written: ``dcp.save(model.state_dict(), planner=MastersSavePlanner(model))`` saves each rank's ``[M, ...]`` masters
+Written: ``dcp.save(model.state_dict(), planner=ultraep.MastersSavePlanner(model))`` (:func:`save_planner`) saves each rank's ``[M, ...]`` masters
 as its chunk (rows ``first .. first + M - 1``) of one ``[E, ...]`` tensor under the unwrapped model's key, so the
 checkpoint is the unwrapped model's, loadable by rows on any number of ranks (or whole). Without the planner DCP
 takes the ``[M, ...]`` masters for replicated tensors and keeps one rank's.
@@ -208,8 +208,14 @@ class InitMasters(MasterSource):
 def reads_of(layers) -> list[MasterRead]:
     """Every master of ``layers`` (balanced layers) as a :class:`MasterRead`; refuses one still on the meta device
     (``model.to_empty(device=...)`` allocates them first)."""
+    from ultraep.models.rewrite import StackedExperts
+
     out = []
     for layer in layers:
+        if isinstance(layer.container, StackedExperts):
+            raise UltraEPError(f"{layer.name}", f"is a {layer.adapter.name} container ultraep built from its block: its "
+                               "checkpoint holds the experts under other keys and shapes, which load_masters does not "
+                               "read by rows; build this model whole (load its checkpoint, then wrap)")
         E, first = layer.topology.num_experts, layer.first_expert
         for n in layer.adapter.param_names:
             p = getattr(layer, n)
@@ -230,19 +236,16 @@ def load(layers, source: MasterSource) -> None:
         layer.masters_loaded()
 
 
-def MastersSavePlanner(model, **kwargs):
+def save_planner(layers, **kwargs):
     """A ``torch.distributed.checkpoint`` save planner (a ``DefaultSavePlanner``; ``kwargs`` go to it) that writes
-    each balanced layer's ``[M, ...]`` masters of the wrapped ``model`` as this rank's rows of the ``[E, ...]``
-    tensor (a ``SHARD`` write item at offset ``[first, 0, ...]``, global size ``[E, ...]``); every other entry is
-    written as the default planner writes it. Pass it to ``dcp.save`` (collective) with ``model.state_dict()``."""
+    each of ``layers``' (balanced layers) ``[M, ...]`` masters as this rank's rows of the ``[E, ...]`` tensor (a
+    ``SHARD`` write item at offset ``[first, 0, ...]``, global size ``[E, ...]``); every other entry is written as
+    the default planner writes it."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    from ultraep.runtime.wrap import runtime_of
-
-    rows = {f"{la.name}.{n}": (la.first_expert, la.topology.num_experts)
-            for la in runtime_of(model).layers for n in la.adapter.param_names}
+    rows = {f"{la.name}.{n}": (la.first_expert, la.topology.num_experts) for la in layers for n in la.adapter.param_names}
 
     class SavePlanner(DefaultSavePlanner):
         def create_local_plan(self) -> SavePlan:

@@ -368,6 +368,15 @@ def load_masters(model: nn.Module, source: MasterSource) -> nn.Module:
     return model
 
 
+def MastersSavePlanner(model: nn.Module, **kwargs):  # noqa: N802 - named as the planner class it returns
+    """A ``torch.distributed.checkpoint`` save planner for a wrapped ``model``: ``dcp.save(model.state_dict(),
+    checkpoint_id=..., planner=ultraep.MastersSavePlanner(model))`` (collective) writes each rank's masters as its
+    rows of the ``[E, ...]`` expert tensors, under the unwrapped model's keys, so the checkpoint is the unwrapped
+    model's and loads by rows on any number of ranks (:class:`DCPMasters`) or whole. Without it DCP takes the
+    ``[M, ...]`` masters for replicated tensors and keeps one rank's. ``kwargs`` go to ``DefaultSavePlanner``."""
+    return master_rows.save_planner(runtime_of(model).layers, **kwargs)
+
+
 def runtime_of(model: nn.Module) -> EPRuntime:
     """The :class:`EPRuntime` of a wrapped model (or of its ``DistributedDataParallel`` wrapper)."""
     rt = getattr(data_parallel.model_of(model), _ATTR, None)
