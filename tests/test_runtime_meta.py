@@ -123,7 +123,8 @@ def _report_memory(results, world, what):
     for rank, r in enumerate(results):
         h = r["held"]
         print(f"{what} R={world} rank {rank}: masters {h['masters']} B + replicas {h['replicas']} B "
-              f"(budget {r['budget']} B) vs full {h['full']} B; masters x R / full = {h['masters'] * world / h['full']}")
+              f"(budget {r['budget']} B) vs full {h['full']} B; "
+              f"masters x R / full = {h['masters'] * world / h['full']}")
 
 
 @pytest.mark.parametrize("world,family,kind", [(2, "qwen3-moe", "safetensors"), (4, "qwen3-moe", "safetensors"),
@@ -221,7 +222,8 @@ def test_what_cannot_work_is_refused_in_one_line(checkpoints):
             if name != "init":
                 assert text != "no error" and "\n" not in text, (name, text)
         assert "model.layers.0.mlp.experts.masters" in out["forward on meta"] and "meta" in out["forward on meta"]
-        assert "to_empty" in out["load before to_empty"] and "model.layers.0.mlp.experts." in out["load before to_empty"]
+        before = out["load before to_empty"]
+        assert "to_empty" in before and before.startswith("model.layers.0.mlp.experts."), before
         assert "never loaded" in out["forward unloaded"] and "load_masters" in out["forward unloaded"]
         assert "gate_up_proj.nope" in out["missing key"] and "not in the safetensors" in out["missing key"]
         assert "gate_up_proj.nope" in out["missing key dcp"] and "not in the DCP" in out["missing key dcp"]
@@ -238,6 +240,7 @@ def test_what_cannot_work_is_refused_in_one_line(checkpoints):
 def test_sources_read_only_the_rows_asked_for(tmp_path):
     """Without ranks: both checkpoint readers return rows ``first .. first + M - 1`` of the stored tensor (and the
     dtype of the target), and refuse a stored tensor of another shape."""
+    import json
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -251,13 +254,24 @@ def test_sources_read_only_the_rows_asked_for(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"a.w": full, "b": torch.zeros(2)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    # a folder of shards with its index (as transformers saves large models): the index says which file holds a key
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    save_file({"a.w": full}, str(shards / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.zeros(2)}, str(shards / "model-00002-of-00002.safetensors"))
+    (shards / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a.w": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     for source in (SafetensorsMasters(tmp_path / "m.safetensors"), SafetensorsMasters(tmp_path),
-                   DCPMasters(tmp_path / "dcp")):
+                   SafetensorsMasters(shards), DCPMasters(tmp_path / "dcp")):
         out = torch.zeros(2, 3, 5, dtype=torch.float64)
         source.fill([MasterRead("a.w", 6, 8, out, "x.w")])
         assert torch.equal(out, full[6:8].double()), type(source).__name__
         with pytest.raises(UltraEPError, match=r"^a\.w: .*\[4, 3, 5\]"):
             source.fill([MasterRead("a.w", 0, 4, torch.zeros(2, 3, 5), "x.w")])  # a layer of 4 experts
+    with pytest.raises(UltraEPError, match=r"^masters\.path: .*does not exist"):
+        SafetensorsMasters(tmp_path / "nowhere")
+    with pytest.raises(UltraEPError, match=r"^masters\.path: .*no \.safetensors file"):
+        SafetensorsMasters(tmp_path / "dcp").fill([MasterRead("a.w", 0, 8, torch.zeros(2, 3, 5), "x.w")])
 
 
 def _save_wrapped(rank, world, path, with_planner):

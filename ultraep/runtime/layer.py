@@ -94,7 +94,8 @@ class BalancedExperts(nn.Module):
         self.replica_context = ReplicaContext(
             rank=runtime.rank, transfer_group=runtime.transfer_group, guard=self.collective,
             expert_forward=partial(adapter.forward, container), master_params=self.master_params,
-            first_expert=self.first_expert, event=partial(self.recording.event, layer=layer), transport=cfg.replica_transport)
+            first_expert=self.first_expert, event=partial(self.recording.event, layer=layer),
+            transport=cfg.replica_transport)
         self.epoch = MasterEpoch()
         #: replica gradients of calls under ``runtime.no_sync()``, reduced by the next backward outside it
         self.deferred = DeferredGrads()

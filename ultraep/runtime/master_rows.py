@@ -9,14 +9,16 @@ A model built on the meta device and wrapped holds, per balanced layer, ``[M, ..
                                                are read from the file (memory-mapped)
     DCP           :class:`DCPMasters`          ``torch.distributed.checkpoint.load`` with a planner that asks for
                                                rows ``first .. first + M - 1`` of ``key``: only the saved chunks
-                                               that overlap them are read (a checkpoint saved sharded by experts,
-                                               as torchtitan's is under EP or FSDP, holds them in their own chunks;
-                                               one saved whole is read one stored tensor at a time, then narrowed)
+                                               that overlap them are read (a checkpoint saved sharded along the
+                                               experts, as MastersSavePlanner saves it, holds them in chunks of
+                                               their own; one saved whole is read one stored tensor at a time,
+                                               then narrowed)
     init          :class:`InitMasters`         ``fn(out [M, ...], key, experts)``: training from scratch
 
-Written: ``dcp.save(model.state_dict(), planner=ultraep.MastersSavePlanner(model))`` (:func:`save_planner`) saves each rank's ``[M, ...]`` masters
-as its chunk (rows ``first .. first + M - 1``) of one ``[E, ...]`` tensor under the unwrapped model's key, so the
-checkpoint is the unwrapped model's, loadable by rows on any number of ranks (or whole). Without the planner DCP
+Written: ``dcp.save(model.state_dict(), planner=ultraep.MastersSavePlanner(model))`` (:func:`save_planner`) saves
+each rank's ``[M, ...]`` masters as its chunk (rows ``first .. first + M - 1``) of one ``[E, ...]`` tensor under the
+unwrapped model's key, so the checkpoint is the unwrapped model's, loadable by rows on any number of ranks (or
+whole). Without the planner DCP
 takes the ``[M, ...]`` masters for replicated tensors and keeps one rank's.
 
 A read's ``key`` is the parameter's name in the unwrapped model's ``state_dict`` (``<container path>.<name>``),
@@ -213,9 +215,9 @@ def reads_of(layers) -> list[MasterRead]:
     out = []
     for layer in layers:
         if isinstance(layer.container, StackedExperts):
-            raise UltraEPError(f"{layer.name}", f"is a {layer.adapter.name} container ultraep built from its block: its "
-                               "checkpoint holds the experts under other keys and shapes, which load_masters does not "
-                               "read by rows; build this model whole (load its checkpoint, then wrap)")
+            raise UltraEPError(layer.name, f"is a {layer.adapter.name} container ultraep built from its block: its "
+                               "checkpoint holds the experts under other keys and shapes, which load_masters does "
+                               "not read by rows; build this model whole (load its checkpoint, then wrap)")
         E, first = layer.topology.num_experts, layer.first_expert
         for n in layer.adapter.param_names:
             p = getattr(layer, n)
@@ -245,7 +247,8 @@ def save_planner(layers, **kwargs):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    rows = {f"{la.name}.{n}": (la.first_expert, la.topology.num_experts) for la in layers for n in la.adapter.param_names}
+    rows = {f"{la.name}.{n}": (la.first_expert, la.topology.num_experts)
+            for la in layers for n in la.adapter.param_names}
 
     class SavePlanner(DefaultSavePlanner):
         def create_local_plan(self) -> SavePlan:

@@ -178,7 +178,6 @@ class EPRuntime:
         masters = {id(p) for layer in self.layers for p in layer.master_params()}
         data_parallel.check_replicated(model, masters, self.group, self.step)
 
-
     def build_engine(self) -> None:
         """The one decision loop of this model's layers: their policies, a cost model seeded with this
         machine's figures (:func:`~ultraep.presets.local_seed`) and calibrated from every rank's measured phases."""
