@@ -378,3 +378,68 @@ def test_a_plain_pytorch_model_on_meta(tmp_path):
         assert_within({"logits": logits, "w_in.grad": grad})
         assert max(replicas) > 0
         assert held["masters"] * 2 == held["full"] and held["containers"] == 0, held
+
+
+def _fsdp2_from_meta(rank, world, ckpt_dir, steps):
+    """The order a training engine (torchtitan) runs: build on meta, wrap, fully_shard on meta with the masters
+    ignored, to_empty, the rest loaded by DCP into its shards, the masters by rows; then train ``steps`` optimizer
+    steps against the unwrapped model on the global batch (tests/test_train_as_users.py's comparison)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    import ultraep
+    from test_train_as_users import _batch as batch_of, _differs, _grads, _loss, _take_parameters
+
+    ref = build_model("qwen3-moe", num_experts=E)
+    with torch.device("meta"):
+        model = build_model("qwen3-moe", num_experts=E)
+    ultraep.wrap(model, CONFIG, device="cpu")
+    rt = ultraep.runtime_of(model)
+    ignored = ultraep.expert_params(model)
+    for layer in model.model.layers:
+        fully_shard(layer, ignored_params=ignored)
+    fully_shard(model, ignored_params=ignored)
+    model.to_empty(device="cpu")
+    masters = {f"{la.name}.{n}" for la in rt.layers for n in la.adapter.param_names}
+    dcp.load({k: v for k, v in model.state_dict().items() if k not in masters}, checkpoint_id=str(ckpt_dir / "dcp"))
+    for m in model.modules():
+        if "RotaryEmbedding" in type(m).__name__:
+            model._init_weights(m)
+    ultraep.load_masters(model, ultraep.DCPMasters(ckpt_dir / "dcp"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # after to_empty: its parameters are the new ones
+    problems = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        ids = batch_of(rank, step)
+        loss = _loss(model(input_ids=ids, use_cache=False).logits, ids)
+        loss.backward()
+        everyone = torch.cat([batch_of(r, step) for r in range(world)])
+        ref_loss = _loss(ref(input_ids=everyone, use_cache=False).logits, everyone)
+        ref_loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        if (d := _differs(total / world, ref_loss.detach(), rtol=1e-5)) is not None:
+            problems.append(f"step {step} loss: {d}")
+        ref_params = dict(ref.named_parameters())
+        for name, (g, is_master) in _grads(model, rt, rank).items():
+            want = ref_params[name].grad
+            if is_master:
+                want = want[rank * g.shape[0]:(rank + 1) * g.shape[0]]
+            if (d := _differs(g, want, rtol=2e-5)) is not None:
+                problems.append(f"step {step} {name}: {d}")
+        opt.step()
+        _take_parameters(ref, model, rt, world)
+        rt.next_step(loss=float(total))
+    return {"problems": problems[:8], "replicas": sum(h[5] for h in rt.recording.history)}
+
+
+def test_the_engine_order_fsdp2_on_meta_trains_like_the_full_model(checkpoints):
+    """wrap → fully_shard (masters ignored) → to_empty → dcp.load of the rest → load_masters, on 2 ranks, 2 steps:
+    every loss and gradient equals the unwrapped model's on the global batch (the masters' gradient hook, replaced
+    by to_empty with the parameters, is attached again: without it FSDP2's averaging would be off by R)."""
+    results = run_ranks(_fsdp2_from_meta, 2, checkpoints["qwen3-moe"], 2)
+    for rank, r in enumerate(results):
+        assert not r["problems"], f"rank {rank}: " + "\n".join(r["problems"])
+    assert sum(r["replicas"] for r in results) > 0
