@@ -380,7 +380,7 @@ def test_a_plain_pytorch_model_on_meta(tmp_path):
         assert held["masters"] * 2 == held["full"] and held["containers"] == 0, held
 
 
-def _fsdp2_from_meta(rank, world, ckpt_dir, steps):
+def _fsdp2_from_meta(rank, world, ckpt_dir, steps, break_hooks=False):
     """The order a training engine (torchtitan) runs: build on meta, wrap, fully_shard on meta with the masters
     ignored, to_empty, the rest loaded by DCP into its shards, the masters by rows; then train ``steps`` optimizer
     steps against the unwrapped model on the global batch (tests/test_train_as_users.py's comparison)."""
@@ -396,6 +396,10 @@ def _fsdp2_from_meta(rank, world, ckpt_dir, steps):
         model = build_model("qwen3-moe", num_experts=E)
     ultraep.wrap(model, CONFIG, device="cpu")
     rt = ultraep.runtime_of(model)
+    if break_hooks:  # the negative control: the hooks stay on the meta parameters to_empty replaces
+        from ultraep.runtime.layer import BalancedExperts
+
+        BalancedExperts._hooked_masters = lambda self: None
     ignored = ultraep.expert_params(model)
     for layer in model.model.layers:
         fully_shard(layer, ignored_params=ignored)
@@ -443,3 +447,12 @@ def test_the_engine_order_fsdp2_on_meta_trains_like_the_full_model(checkpoints):
     for rank, r in enumerate(results):
         assert not r["problems"], f"rank {rank}: " + "\n".join(r["problems"])
     assert sum(r["replicas"] for r in results) > 0
+
+
+def test_without_the_hook_on_the_allocated_masters_fsdp2_training_is_off(checkpoints):
+    """Negative control of the test above: with the gradient hook left on the meta parameters that to_empty
+    replaced, FSDP2's averaging misses the masters and the master gradients are R times the full model's."""
+    results = run_ranks(_fsdp2_from_meta, 2, checkpoints["qwen3-moe"], 1, True)
+    for r in results:
+        masters_off = [p for p in r["problems"] if ".experts." in p]
+        assert masters_off and len(masters_off) == len(r["problems"]), r["problems"]
