@@ -397,9 +397,9 @@ def _fsdp2_from_meta(rank, world, ckpt_dir, steps, break_hooks=False):
     ultraep.wrap(model, CONFIG, device="cpu")
     rt = ultraep.runtime_of(model)
     if break_hooks:  # the negative control: the hooks stay on the meta parameters to_empty replaces
-        from ultraep.runtime.layer import BalancedExperts
+        from ultraep.runtime.masters import MasterState
 
-        BalancedExperts._hooked_masters = lambda self: None
+        MasterState.hook = lambda self, params: None
     ignored = ultraep.expert_params(model)
     for layer in model.model.layers:
         fully_shard(layer, ignored_params=ignored)

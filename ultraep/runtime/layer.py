@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ultraep.runtime import phases
 from ultraep.runtime.call_record import CallLog, LayerCall
@@ -43,9 +42,9 @@ from ultraep.runtime.checkpoint_replay import recompute_forward
 from ultraep.runtime.recompute import Replay, Replays
 from ultraep.runtime.recording import Recording
 from ultraep.runtime.comm import check_same_plan, gather_load
-from ultraep.errors import PendingGradientsError, UltraEPError
+from ultraep.errors import PendingGradientsError
 from ultraep.runtime.load_header import GatheredLoad, LoadHeader, pack_load
-from ultraep.runtime.masters import layer_topology, take_masters
+from ultraep.runtime.masters import MasterState, layer_topology, take_masters
 from ultraep.runtime.replica_cache import MasterEpoch
 from ultraep.runtime.replica_store import ReplicaMemory, ReplicaStore
 from ultraep.runtime.replicas import DeferredGrads, ReplicaContext, ReplicaJob
@@ -104,11 +103,8 @@ class BalancedExperts(nn.Module):
         #: the call waiting for its backward before it is recorded, and the phases sent with the next load
         self.calls = CallLog(lambda call, t, row: self.recording.record_layer(self.layer, call, t, row),
                              lambda call: self.replays.drop(call.replay))
-        #: False while the masters hold no weights yet: taken from a container on the meta device, they are
-        #: ``[M, ...]`` meta tensors until ``model.to_empty`` allocates them and ``ultraep.load_masters`` fills them
-        self.loaded = not any(p.device.type == "meta" for p in self.master_params())
-        self._hooked = WeakIdKeyDictionary()  # the master parameters that carry the hook (by identity)
-        self._hooked_masters()
+        #: whether the masters hold weights (not while a meta model's are unloaded) and their gradient hook
+        self.master_state = MasterState(name, self.master_params(), self._scale_master_grad)
 
     @property
     def last_timings(self) -> dict[str, float]:
@@ -119,26 +115,6 @@ class BalancedExperts(nn.Module):
     def flush_record(self) -> None:
         """Record the call still waiting for its backward (at a step's end, or on a failure)."""
         self.calls.flush()
-
-    def masters_loaded(self) -> None:
-        """The masters hold their weights (``ultraep.load_masters`` filled them)."""
-        self.loaded = True
-
-    def _hooked_masters(self) -> None:
-        """Masters follow the data-parallel wrapper's averaging (``master_grads``) through a gradient hook on each.
-        ``to_empty`` replaces a meta parameter by a new one, so the hook is checked at every call, not only here."""
-        for p in self.master_params():
-            if p.requires_grad and p not in self._hooked:
-                p.register_hook(self._scale_master_grad)
-                self._hooked[p] = True
-
-    def _check_loaded(self) -> None:
-        if not self.loaded:
-            meta = any(p.device.type == "meta" for p in self.master_params())
-            raise UltraEPError(
-                f"{self.name}.masters", "are on the meta device: allocate the model (model.to_empty(device=...)) and "
-                "load them (ultraep.load_masters(model, source))" if meta else "were allocated but never loaded: "
-                "ultraep.load_masters(model, SafetensorsMasters(...) | DCPMasters(...) | InitMasters(fn)) fills them")
 
     def _scale_master_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
         s = self.runtime.master_grad_scale
@@ -169,7 +145,7 @@ class BalancedExperts(nn.Module):
         expert parallelism, capacity dropping, zero-computation experts rewritten to it): it contributes
         nothing and gets no gradient. Such calls run the kept (token, slot) pairs as one-slot rows and add
         them back per token — exact, and the dropped slots are neither load nor compute anywhere."""
-        self._check_loaded()
+        self.master_state.check_loaded(self.master_params())
         E = self.topology.num_experts
         dropped = top_k_index == E
         if not bool(dropped.any()):
@@ -188,7 +164,7 @@ class BalancedExperts(nn.Module):
         # travel while the tokens do, and waited for only right before the replicas compute.
         if torch._C._current_graph_task_id() != -1:  # a forward inside a backward: an activation recompute
             return recompute_forward(self, hidden_states, top_k_index, top_k_weights)
-        self._hooked_masters()
+        self.master_state.hook(self.master_params())
         rt = self.runtime
         if self.calls.ready():
             self.calls.flush()  # the previous call's record, if its backward never came

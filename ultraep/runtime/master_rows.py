@@ -235,7 +235,7 @@ def load(layers, source: MasterSource) -> None:
                            f"{type(source).__name__}")
     source.fill(reads_of(layers))
     for layer in layers:
-        layer.masters_loaded()
+        layer.master_state.mark_loaded()
 
 
 def save_planner(layers, **kwargs):
