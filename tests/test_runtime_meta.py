@@ -268,6 +268,10 @@ def test_sources_read_only_the_rows_asked_for(tmp_path):
         assert torch.equal(out, full[6:8].double()), type(source).__name__
         with pytest.raises(UltraEPError, match=r"^a\.w: .*\[4, 3, 5\]"):
             source.fill([MasterRead("a.w", 0, 4, torch.zeros(2, 3, 5), "x.w")])  # a layer of 4 experts
+        folded = type(source)(getattr(source, "path", getattr(source, "checkpoint_id", None)), key=lambda k: "a.w")
+        with pytest.raises(UltraEPError, match=r"^a\.w: is the checkpoint key of both x\.w and y\.w"):
+            folded.fill([MasterRead("a.w", 0, 8, torch.zeros(2, 3, 5), "x.w"),
+                         MasterRead("b.w", 0, 8, torch.zeros(2, 3, 5), "y.w")])
     with pytest.raises(UltraEPError, match=r"^masters\.path: .*does not exist"):
         SafetensorsMasters(tmp_path / "nowhere")
     with pytest.raises(UltraEPError, match=r"^masters\.path: .*no \.safetensors file"):

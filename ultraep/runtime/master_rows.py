@@ -72,6 +72,17 @@ class MasterSource:
     def stored_key(self, read: MasterRead) -> str:
         return self._key(read.key)
 
+    def stored_keys(self, reads: list[MasterRead]) -> list[str]:
+        """Each read's checkpoint key; two masters mapped to one key are refused (a ``key`` function that folds
+        names would leave one of them unfilled, or fill both with the same rows)."""
+        keys, seen = [self.stored_key(r) for r in reads], {}
+        for k, r in zip(keys, reads):
+            if k in seen:
+                raise UltraEPError(k, f"is the checkpoint key of both {seen[k]} and {r.field}: the key function "
+                                   "must map each master to its own tensor")
+            seen[k] = r.field
+        return keys
+
     def fill(self, reads: list[MasterRead]) -> None:  # pragma: no cover - every source defines it
         raise NotImplementedError
 
@@ -114,8 +125,7 @@ class SafetensorsMasters(MasterSource):
                                "(pip install safetensors, or ultraep[hf])") from None
         where = self._files()
         by_file: dict[Path, list[MasterRead]] = {}
-        for read in reads:
-            k = self.stored_key(read)
+        for read, k in zip(reads, self.stored_keys(reads)):
             if k not in where:
                 raise UltraEPError(k, f"not in the safetensors checkpoint {self.path} ({read.field} reads it)")
             by_file.setdefault(where[k], []).append(read)
@@ -147,8 +157,7 @@ class DCPMasters(MasterSource):
 
         # checked here, before DCP runs the planner (which would wrap a refusal into its CheckpointException)
         stored = dcp.FileSystemReader(str(self.checkpoint_id)).read_metadata().state_dict_metadata
-        for read in reads:
-            key = self.stored_key(read)
+        for read, key in zip(reads, self.stored_keys(reads)):
             md = stored.get(key)
             if md is None:
                 raise UltraEPError(key, f"not in the DCP checkpoint {self.checkpoint_id} ({read.field} reads it)")
