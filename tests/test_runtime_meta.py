@@ -183,11 +183,13 @@ def _refusals(rank, world, ckpt_dir):
         model, ultraep.SafetensorsMasters(ckpt_dir / "model.safetensors", key=lambda k: k + ".nope")))
     refused("missing key dcp", lambda: ultraep.load_masters(
         model, ultraep.DCPMasters(ckpt_dir / "dcp", key=lambda k: k + ".nope")))
-    # every expert key read from a non-expert tensor of another shape
+    # one expert tensor read from a non-expert tensor of another shape
+    def to_embed(k):
+        return "model.embed_tokens.weight" if k == "model.layers.0.mlp.experts.gate_up_proj" else k
+
     refused("shape", lambda: ultraep.load_masters(
-        model, ultraep.SafetensorsMasters(ckpt_dir / "model.safetensors", key=lambda k: "model.embed_tokens.weight")))
-    refused("shape dcp", lambda: ultraep.load_masters(
-        model, ultraep.DCPMasters(ckpt_dir / "dcp", key=lambda k: "model.embed_tokens.weight")))
+        model, ultraep.SafetensorsMasters(ckpt_dir / "model.safetensors", key=to_embed)))
+    refused("shape dcp", lambda: ultraep.load_masters(model, ultraep.DCPMasters(ckpt_dir / "dcp", key=to_embed)))
     refused("not a source", lambda: ultraep.load_masters(model, str(ckpt_dir)))
     refused("no dcp folder", lambda: ultraep.DCPMasters(ckpt_dir))
     # an init: each expert's rows from its own seed; the forward runs (loaded) and the rows are this rank's
