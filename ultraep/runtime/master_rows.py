@@ -42,25 +42,53 @@ from ultraep.errors import UltraEPError
 
 @dataclass(frozen=True)
 class MasterRead:
-    """One master tensor to fill: rows ``first .. first + M - 1`` of the ``[E, ...]`` tensor ``key`` into ``out``
-    (``[M, ...]``, already allocated where the master lives). ``field``: the layer's parameter, for errors."""
+    """One master tensor to fill: experts ``first .. first + M - 1`` of the tensor ``key`` into ``out`` (``[M, ...]``,
+    already allocated where the master lives). ``field``: the layer's parameter, for errors.
+
+    ``stored_shape``: the checkpoint tensor's shape when it is not ``[E, *out.shape[1:]]`` — a block ultraep
+    rewrote keeps its original layout, expert-major either way: DBRX's ``[E·I, H]`` (``unit`` = I stored rows per
+    expert), Longcat-Flash's ``[E + Z, 2I, H]`` (its Z zero-computation rows after the E experts, never read)."""
 
     key: str
     first: int
     num_experts: int
     out: torch.Tensor
     field: str
+    stored_shape: tuple[int, ...] | None = None
 
     @property
     def rows(self) -> range:
+        """The logical experts of ``out``'s rows."""
         return range(self.first, self.first + int(self.out.shape[0]))
 
+    @property
+    def want(self) -> tuple[int, ...]:
+        """The shape the checkpoint tensor must have."""
+        return self.stored_shape or (self.num_experts, *self.out.shape[1:])
+
+    @property
+    def unit(self) -> int:
+        """Stored rows per expert."""
+        row = 1
+        for d in self.want[1:]:
+            row *= int(d)
+        return self.out[0].numel() // row
+
+    @property
+    def stored_rows(self) -> tuple[int, int]:
+        """``(start, stop)``: the stored rows of this rank's experts."""
+        return self.first * self.unit, (self.first + int(self.out.shape[0])) * self.unit
+
+    def target(self) -> torch.Tensor:
+        """``out`` seen in the stored layout (``[M·unit, *stored_shape[1:]]``; a view: the masters are contiguous)."""
+        start, stop = self.stored_rows
+        return self.out.view(stop - start, *self.want[1:])
+
     def check_shape(self, stored: Sequence[int], key: str, where: str) -> None:
-        """Refuse a stored tensor (checkpoint key ``key``) that is not ``[E, *out.shape[1:]]``."""
-        want = (self.num_experts, *self.out.shape[1:])
-        if tuple(int(s) for s in stored) != want:
-            raise UltraEPError(key, f"{where} holds shape {list(stored)}; {self.field} needs {list(want)} "
-                               f"(E = {self.num_experts} experts, rows {self.first}..{self.rows[-1]} on this rank)")
+        """Refuse a stored tensor (checkpoint key ``key``) of another shape than :attr:`want`."""
+        if tuple(int(s) for s in stored) != tuple(self.want):
+            raise UltraEPError(key, f"{where} holds shape {list(stored)}; {self.field} needs {list(self.want)} "
+                               f"(E = {self.num_experts} experts, experts {self.first}..{self.rows[-1]} on this rank)")
 
 
 class MasterSource:
@@ -134,8 +162,9 @@ class SafetensorsMasters(MasterSource):
                 for read in group:
                     sl = fh.get_slice(self.stored_key(read))
                     read.check_shape(sl.get_shape(), self.stored_key(read), f"the safetensors checkpoint {f.name}")
+                    start, stop = read.stored_rows
                     with torch.no_grad():
-                        read.out.copy_(sl[read.first:read.first + int(read.out.shape[0])])
+                        read.target().copy_(sl[start:stop])
 
 
 class DCPMasters(MasterSource):
@@ -167,13 +196,13 @@ class DCPMasters(MasterSource):
         planner = _rows_planner({self.stored_key(r): r for r in reads})
         with warnings.catch_warnings():  # no_dist is the point here, not a fallback worth a warning
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load({self.stored_key(r): r.out for r in reads}, checkpoint_id=str(self.checkpoint_id),
+            dcp.load({self.stored_key(r): r.target() for r in reads}, checkpoint_id=str(self.checkpoint_id),
                      planner=planner, no_dist=True)
 
 
 def _rows_planner(reads: dict[str, MasterRead]):
-    """A ``DefaultLoadPlanner`` whose local plan reads, for each checkpoint key, the chunk of rows ``read.rows``
-    (offsets ``[first, 0, ...]``, sizes ``out.shape``) and resolves every read item into ``read.out``."""
+    """A ``DefaultLoadPlanner`` whose local plan reads, for each checkpoint key, the chunk of this rank's stored rows
+    (offsets ``[start, 0, ...]``, sizes of ``read.target()``) and resolves every read item into ``read.target()``."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
@@ -184,14 +213,15 @@ def _rows_planner(reads: dict[str, MasterRead]):
             items = []
             for key, read in reads.items():  # (keys and shapes checked by DCPMasters.fill)
                 md = self.metadata.state_dict_metadata[key]
-                chunk = ChunkStorageMetadata(offsets=torch.Size([read.first] + [0] * (read.out.dim() - 1)),
-                                             sizes=read.out.shape)
+                target = read.target()
+                chunk = ChunkStorageMetadata(offsets=torch.Size([read.stored_rows[0]] + [0] * (target.dim() - 1)),
+                                             sizes=target.shape)
                 items += create_read_items_for_chunk_list(key, md, [chunk])
             return LoadPlan(items)
 
         def resolve_tensor(self, read_item) -> torch.Tensor:
-            # dest_offsets are relative to the chunk asked for, i.e. to this rank's [M, ...] tensor
-            t = reads[read_item.dest_index.fqn].out
+            # dest_offsets are relative to the chunk asked for, i.e. to this rank's rows
+            t = reads[read_item.dest_index.fqn].target()
             for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
                 t = t.narrow(dim, offset, length)
             return t
@@ -223,17 +253,21 @@ def reads_of(layers) -> list[MasterRead]:
 
     out = []
     for layer in layers:
-        if isinstance(layer.container, StackedExperts):
-            raise UltraEPError(layer.name, f"is a {layer.adapter.name} container ultraep built from its block: its "
-                               "checkpoint holds the experts under other keys and shapes, which load_masters does "
-                               "not read by rows; build this model whole (load its checkpoint, then wrap)")
+        # a container ultraep built from its block: the unwrapped model's checkpoint keeps the block's original keys
+        # and layouts (rewrite.py's key map, relative to the block)
+        block, _, attr = layer.name.rpartition(".")
+        keymap = layer.container.origin["keys"] if isinstance(layer.container, StackedExperts) else {}
         E, first = layer.topology.num_experts, layer.first_expert
         for n in layer.adapter.param_names:
             p = getattr(layer, n)
             if p.device.type == "meta":
                 raise UltraEPError(f"{layer.name}.{n}", "is still on the meta device: allocate the model first "
                                    "(model.to_empty(device=...)), then load the masters into it")
-            out.append(MasterRead(f"{layer.name}.{n}", first, E, p.data, f"{layer.name}.{n}"))
+            key, shape = f"{layer.name}.{n}", None
+            if f"{attr}.{n}" in keymap:
+                old, shape = keymap[f"{attr}.{n}"]
+                key = f"{block}.{old}" if block else old
+            out.append(MasterRead(key, first, E, p.data, f"{layer.name}.{n}", tuple(shape) if shape else None))
     return out
 
 
@@ -256,6 +290,13 @@ def save_planner(layers, **kwargs):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+    from ultraep.models.rewrite import StackedExperts
+
+    for la in layers:
+        if isinstance(la.container, StackedExperts):
+            raise UltraEPError(la.name, f"is a {la.adapter.name} container ultraep built from its block, whose "
+                               "checkpoint layout differs from its masters'; save this model unwrapped "
+                               "(ultraep.unwrap, then dcp.save)")
     rows = {f"{la.name}.{n}": (la.first_expert, la.topology.num_experts)
             for la in layers for n in la.adapter.param_names}
 
