@@ -1,7 +1,8 @@
 """Runtime benchmark: one balanced MoE layer, forward + backward, on 2 local gloo ranks (one thread each).
 
 The layer is a transformers v5 experts container (``Qwen3MoeExperts``, or ``MixtralExperts``) big enough that
-expert compute dominates. Routing is skewed so that the rank-level imbalance without balancing is about 1.6
+expert compute dominates; shape ``torchtitan`` is torchtitan's ``RoutedExperts`` (``GroupedExperts``: bf16 grouped
+mm, the local dispatcher) at the default shape, balanced through ``ultraep.models.torchtitan``. Routing is skewed so that the rank-level imbalance without balancing is about 1.6
 (hot experts on rank 0); the same tokens are then run
 
   * ``none``            no balancing,
@@ -74,6 +75,7 @@ SHAPES = {
     "tok4096": Shape("tok4096", tokens=4096),
     "h512": Shape("h512", hidden=512),
     "mixtral": Shape("mixtral", family="mixtral"),
+    "torchtitan": Shape("torchtitan", family="torchtitan"),
     # 16 experts = 8 masters per rank: 4 redundant slots keep the default's share (2 per 4 masters)
     "e16": Shape("e16", experts=16, slots=4),
 }
@@ -100,6 +102,13 @@ def _routing(rank: int, T: int, K: int, E: int, skew: bool, seed: int) -> torch.
 
 
 def _experts(shape: Shape):
+    if shape.family == "torchtitan":  # RoutedExperts: the module ultraep.wrap prepares (the experts live inside)
+        from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+        return RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=shape.hidden, hidden_dim=shape.ffn, num_experts=shape.experts),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=shape.experts, top_k=shape.top_k)).build()
     import transformers as tf
 
     if shape.family == "mixtral":
@@ -121,6 +130,9 @@ def wrapped_layer(shape, config: dict, device: torch.device | None = None, recor
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(0, 0.02)
+    if shape.family == "torchtitan":  # the balanced layer takes RoutedExperts' inner_experts
+        ultraep.wrap(experts, config, recorder=recorder)
+        return experts.inner_experts, ultraep.runtime_of(experts)
     holder = torch.nn.Module()
     holder.experts = experts
     ultraep.wrap(holder, config, recorder=recorder)
@@ -224,7 +236,7 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=1024, help="expert intermediate size (custom shape)")
     ap.add_argument("--experts", type=int, default=8, help="(custom shape)")
     ap.add_argument("--top-k", type=int, default=2, help="(custom shape)")
-    ap.add_argument("--family", default="qwen3-moe", choices=["qwen3-moe", "mixtral"], help="(custom shape)")
+    ap.add_argument("--family", default="qwen3-moe", choices=["qwen3-moe", "mixtral", "torchtitan"], help="(custom shape)")
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)

@@ -40,6 +40,7 @@ def test_wheel_has_only_the_ultraep_namespace(wheel):
     assert "ultraep/policies/quota.py" in names and "ultraep/telemetry/schema.sql" in names
     assert "ultraep/dashboard/pages/overview.py" in names  # Streamlit reads its pages from the installed folder
     assert "ultraep/kernels/kernel_times.csv" in names  # the measured times backend="auto" chooses from
+    assert "ultraep/integrations/torchtitan.py" in names and "ultraep/models/torchtitan.py" in names
     assert not any("/tests/" in n or n.startswith("benchmarks") for n in names)
 
 
@@ -178,7 +179,7 @@ def test_version_is_the_projects_and_the_cli_prints_it():
 def test_import_ultraep_is_light():
     code = (
         "import sys, ultraep; ultraep.Topology; "
-        "heavy = [m for m in ('torch', 'triton', 'streamlit', 'duckdb', 'transformers', 'numba') if m in sys.modules];"
+        "heavy = [m for m in ('torch', 'triton', 'streamlit', 'duckdb', 'transformers', 'numba', 'torchtitan') if m in sys.modules];"
         "print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

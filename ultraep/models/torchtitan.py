@@ -93,6 +93,11 @@ def _is(mod: object, name: str) -> bool:
     return type(mod).__name__ == name and type(mod).__module__ == module
 
 
+def _subclasses(mod: object, name: str) -> bool:
+    """Whether ``mod``'s class is a proper subclass of torchtitan's class ``name``."""
+    return any(c.__name__ == name and c.__module__ == SEAM[name][0] for c in type(mod).__mro__[1:])
+
+
 def is_torchtitan(mod: object) -> bool:
     return type(mod).__module__.startswith("torchtitan.")
 
@@ -273,11 +278,18 @@ def prepare(model: nn.Module) -> list[str]:
     Idempotent; refuses (one line) what cannot be balanced exactly."""
     done = []
     for name, block in list(model.named_modules()):
-        if not is_torchtitan(block) or getattr(type(block), "_ultraep_titan_base", None) is not None:
+        if getattr(type(block), "_ultraep_titan_base", None) is not None:
+            if not getattr(block, "_ultraep_probed", False):  # prepared on the meta device: probe once materialised
+                _probe_prepared(block)
+            continue
+        if not is_torchtitan(block) and not _subclasses(block, "RoutedExperts"):
             continue
         if type(block).__name__ == "MoE" or _is(block, "RoutedExperts"):
             check_seam(type(block).__name__)
         if not _is(block, "RoutedExperts"):
+            if _subclasses(block, "RoutedExperts"):
+                raise _refuse(name or "model", f"{type(block).__module__}.{type(block).__name__} subclasses torchtitan's "
+                              "RoutedExperts (an override's own routing path): ultraep balances RoutedExperts itself")
             continue
         _check_dispatcher(block)
         check_seam(type(block.token_dispatcher).__name__)
@@ -292,14 +304,28 @@ def prepare(model: nn.Module) -> list[str]:
         adapter = ExpertsAdapter(f"torchtitan:{type(inner).__name__}", kind.params, kind.forward)
         block._ultraep_inner_cls = type(inner)
         block.__class__ = _prepared_class(type(block))
-        try:
-            _probe(block, adapter)
-        except UnsupportedModelError:
-            block.__class__ = type(block)._ultraep_titan_base
-            raise
         object.__setattr__(inner, _MARK, adapter)
+        _probe_prepared(block)
         done.append(name)
     return done
+
+
+def _probe_prepared(block: nn.Module) -> None:
+    """Probe a prepared block (:func:`_probe`) unless its experts are still on the meta device; a block that fails
+    gets its original class back and the refusal is raised."""
+    inner = block.inner_experts
+    adapter = getattr(inner, _MARK, None)
+    if adapter is None or next(inner.parameters()).device.type == "meta":
+        return
+    try:
+        _check_tensors(inner, adapter.param_names)  # (sharded since it was prepared on the meta device)
+        _probe(block, adapter)
+    except UnsupportedModelError:
+        object.__delattr__(inner, _MARK)
+        del block._ultraep_inner_cls
+        block.__class__ = type(block)._ultraep_titan_base
+        raise
+    block._ultraep_probed = True
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -312,5 +338,6 @@ def restore(model: nn.Module) -> nn.Module:
             raise UnsupportedModelError(name, "is still balanced: call ultraep.unwrap first")
         object.__delattr__(block.inner_experts, _MARK)
         del block._ultraep_inner_cls
+        block.__dict__.pop("_ultraep_probed", None)
         block.__class__ = base
     return model

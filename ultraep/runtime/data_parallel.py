@@ -69,6 +69,8 @@ def refuse_wrapped(model: nn.Module) -> None:
         raise UltraEPError("model", "is already inside DistributedDataParallel: wrap the model with ultraep first, "
                            "then DDP — DistributedDataParallel(ultraep.wrap(model))")
     fsdp = _fsdp_module_classes()
+    if getattr(model, "_ultraep_fsdp_ignores_experts", False):
+        return  # built by ultraep.integrations.torchtitan: its FSDP application left the expert tensors out
     for name, mod in model.named_modules():
         if fsdp and isinstance(mod, fsdp):
             raise UltraEPError(name or "model", "is already sharded by FSDP: wrap the model with ultraep first, then "
