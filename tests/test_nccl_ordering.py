@@ -229,6 +229,64 @@ def _ddp_broadcast(rank, world):
     return float(x[1])
 
 
+def _partial_opening(rank, world, opened: bool):
+    """Ranks 0 and 1 exchange one batch on a three-rank group; rank 2 takes no part. Gloo runs it either way."""
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1, 2])
+    if opened:
+        dist.all_reduce(torch.zeros(1), group=group)
+    buf = torch.zeros(2)
+    if rank < 2:
+        op = dist.isend if rank == 0 else dist.irecv
+        for w in dist.batch_isend_irecv([dist.P2POp(op, buf if rank else torch.ones(2), 1 - rank, group)]):
+            w.wait()
+    dist.barrier()
+    return float(buf[0])
+
+
+def test_real_gloo_batch_opening_a_group_without_every_rank():
+    with pytest.raises(NcclOrderingError, match="rank 2 never opens it"):
+        run_ranks_nccl(_partial_opening, 3, False, timeout=60)
+    assert run_ranks_nccl(_partial_opening, 3, True, timeout=60) == [0.0, 1.0, 0.0]
+
+
+def _equivalence_unopened(rank, world, family, config, steps):
+    """:func:`test_runtime._equivalence` with the transfer group left unopened (the runtime before issue 53
+    on gloo: its opening all-reduce ran on NCCL only)."""
+    import sys
+
+    import torch.distributed as dist
+
+    import ultraep.runtime.wrap  # noqa: F401 - (the package's `wrap` attribute is the function: patch the module)
+
+    sys.modules["ultraep.runtime.wrap"].open_transfer_group = lambda ranks, backend, timeout=None: dist.new_group(
+        ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
+    return _equivalence_relays(rank, world, family, config, steps, one_token=True)
+
+
+def test_the_runtime_opens_its_transfer_group_for_every_rank():
+    """Negative control on the runtime: without the opening all-reduce, the first replica batch opens the
+    transfer group, and a rank with no replica transfer in that call is not in it (one hot expert, replicas
+    kept inside its scale-up domain of 2 ranks: the other domain's ranks move nothing)."""
+    cfg = {"policy": "quota", "num_redundant_slots": 1, "domain_size": 2}
+    with pytest.raises(NcclOrderingError, match="opened by a batch that does not include every rank"):
+        run_ranks_nccl(_equivalence_unopened, 4, "qwen3-moe", cfg, 1)
+    for r in run_ranks_nccl(_equivalence_relays, 4, "qwen3-moe", cfg, 1, True):  # opened: runs, and exact
+        assert_within({"logits": r["logits"], **r["grad"], **r["other"]}, what=str(r["replicas"]))
+
+
+def test_the_both_ways_check_fails_without_replicas_in_both_directions():
+    """Negative controls of :func:`_both_ways` (the 4-rank tests' proof that replicas ran both ways): no tokens
+    served, tokens one way only, and tokens both ways without the bytes that should have carried them."""
+    both = P2PRecord([[_op(0, "send", 1, 64)], [_op(0, "send", 0, 64)]])
+    _both_ways([{"served": {(0, 1): 5}}, {"served": {(1, 0): 3}}], both)
+    for served, record in (({}, both), ({(0, 1): 5}, both),
+                           ({(0, 1): 5, (1, 0): 3}, P2PRecord([[_op(0, "send", 1, 64)], []]))):
+        with pytest.raises(AssertionError):
+            _both_ways([{"served": served}], record)
+
+
 def test_ddps_parameter_broadcast_is_recorded():
     seen = []
     assert run_ranks_nccl(_ddp_broadcast, 2, timeout=60, p2p=seen.append) == [1.0, 1.0]

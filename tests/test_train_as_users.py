@@ -215,6 +215,14 @@ def test_four_ranks_train_like_the_unwrapped_model_on_the_global_batch(how, memo
         assert results[0]["restorations"] >= 1
 
 
+def test_the_check_fails_when_no_replica_computed_a_token():
+    # negative control: plans may name replicas that compute nothing; only rows the replicas ran count
+    _check([{"problems": [], "served": {(0, 1): 4}}])
+    for served in ({}, {(0, 1): 0}):
+        with pytest.raises(AssertionError, match="no replica computed a token"):
+            _check([{"problems": [], "served": served}])
+
+
 def test_the_comparison_fails_when_master_gradients_are_not_averaged_like_ddp():
     # negative control: summed master gradients under DDP (what wrap gave before master_grads) are caught
     results = run_ranks(_scenario, 2, "qwen3-moe", {**POLICIES["quota"], "master_grads": "sum"}, "ddp", 1)
@@ -297,7 +305,7 @@ def _wrong_order(rank, world, how):
     ("fsdp2-masters", "pass ignored_params=ultraep.expert_params(model) to every fully_shard call"),
 ])
 def test_a_data_parallel_wrapper_in_the_wrong_order_is_refused_in_one_line(how, says):
-    for m in run_ranks(_wrong_order, 2, how):
+    for m in run_ranks(_wrong_order, 2, how, p2p=False):  # refused before anything moves
         assert m is not None and says in m and "\n" not in m, m
 
 
