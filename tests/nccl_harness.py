@@ -42,7 +42,7 @@ calls the process group in C++), functional collectives (``torch.ops._c10d_funct
 ``full_tensor()``) and anything a C++ extension issues. Those run on the group they were given — DDP on the
 default group and FSDP2 on its mesh, never on the runtime's token or transfer groups — so they cannot queue
 behind the runtime's batches in this model; a test that adds such a collective on a group that carries the
-runtime's batches is outside what the harness checks (docs/design.md, "What the NCCL harness sees").
+runtime's batches is outside what the harness checks (docs/design.md, "Guards that can fail").
 """
 
 from __future__ import annotations
