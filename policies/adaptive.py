@@ -79,8 +79,8 @@ class AdaptivePolicy:
         screen: skip planning stateless candidates that cannot pay for their own planner (Step 1).
         probe_every, probe_max_loss: a candidate not run for ``probe_every`` decisions runs once if predicted at
             most ``probe_max_loss`` (relative) slower than the best (Step 5b).
-        probe_share: probes may run on at most this share of the decisions over the run, beside one per rival of the
-            fallback (:data:`.probes.PROBE_SHARE`; None: no bound).
+        probe_share: probes may run on at most this share of the decisions over the run, beside PROBE_BURST per
+            candidate (:data:`.probes.PROBE_SHARE`; None: no bound).
         outcome_window: measured outcomes per candidate whose median corrects its predictions.
         explore_share, explore_of_gain: weighing may cost ``explore_share`` of the run's layer time plus
             ``explore_of_gain`` of what it found, over the run (:mod:`.exploration`; ``explore_share=None``: no bound).
@@ -116,7 +116,7 @@ class AdaptivePolicy:
         # candidate's correction does not drift when calibration (learned from other candidates' runs) moves
         self.outcomes = OutcomeTracker(cost_model, outcome_window, self.switch_now, probe_every)
         self.schedule = ProbeSchedule(probe_every, probe_max_loss, self.switch_now, self.outcomes, probe_share,
-                                      PROBE_BURST * (len(self.policies) - 1))
+                                      PROBE_BURST * len(self.policies))
         self.budget = ExplorationBudget(None if explore_share is None else float(explore_share),
                                         float(explore_of_gain))
         self.screening = Screen(self.candidates, self.schedule, self.outcomes, self.budget, screen)

@@ -26,11 +26,12 @@ from .outcomes import FEW_RUNS, OutcomeTracker
 
 #: the share of decisions that may run a probe (Step 5b), over the run: a probe runs a candidate predicted up to
 #: ``probe_max_loss`` (25 %) slower than the best, so at this share probing costs at most 0.25 x 0.05 = 1.25 % of the
-#: run's layer time, within the 3 % the engine may lose to the best fixed policy (issue 56). Beside it each rival may
-#: be probed once at once (PROBE_BURST per rival): a fresh wrap measures every candidate once early
+#: run's layer time, within the 3 % the engine may lose to the best fixed policy (issue 56; a reasoned bound, to be
+#: confirmed by benchmarks/bench_long.py's ``--probe-share``). Beside it each candidate may be probed PROBE_BURST times
 PROBE_SHARE = 0.05
-#: probes each rival of the policy in force may run beyond the share (its first measurement)
-PROBE_BURST = 1
+#: probes per candidate (the fallback too) allowed beyond the share: FEW_RUNS, the measurements until its outcome is certain
+#: (a fresh wrap measures every candidate as it did before the share; the share bounds the run after them)
+PROBE_BURST = FEW_RUNS
 
 #: a candidate that lost clearly this many planned decisions in a row rests — not planned, not predicted — until
 #: it is due for re-evaluation: its planning and prediction are then paid once per ``probe_every`` decisions
@@ -48,7 +49,7 @@ class ProbeSchedule:
         outcomes: the chooser's measured outcomes (how often each candidate was measured).
         probe_share: the share of decisions that may run a probe, over the run, beside ``burst`` probes (None: no
             bound: every due candidate within ``probe_max_loss`` is probed).
-        burst: probes allowed beyond the share (the chooser passes PROBE_BURST per rival of the fallback).
+        burst: probes allowed beyond the share (the chooser passes PROBE_BURST per candidate).
     """
 
     def __init__(self, probe_every: int, probe_max_loss: float, switch_now: float, outcomes: OutcomeTracker,
@@ -94,7 +95,7 @@ class ProbeSchedule:
     def probe_range(self, names) -> dict[str, float]:
         """Where outcomes are measured, the candidates of ``names`` due for a probe, each with the range it is
         probed within (``probe_max_loss``): the exploration budget weighs them (``ExplorationBudget.in_contention``)."""
-        if not self.outcomes.observed or not self.affordable():  # no probe could run: none is due
+        if not self.outcomes.observed or not self.affordable():  # no probe could run now: none is due
             return {}
         return {n: self.probe_max_loss for n in names if self.due(n)}
 

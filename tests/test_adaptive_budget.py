@@ -194,7 +194,7 @@ def _probes(probe_share, decisions=320):
 @pytest.mark.parametrize("share", [0.02, 0.05, 0.1])
 def test_probes_stay_within_their_share_of_the_decisions(share):
     probes, n, spent, out = _probes(share)
-    burst = 4  # one per rival of none
+    burst = 3 * 5  # FEW_RUNS per candidate
     assert probes <= share * n + burst, probes
     assert spent["probes"] == probes and spent["decisions"] == n
     assert spent["probe_share"] == pytest.approx(probes / n)
@@ -209,4 +209,4 @@ def test_without_a_share_the_schedule_probes_far_more():
     decisions against 6 %)."""
     unbounded, n, _, _ = _probes(None)
     bounded, _, _, _ = _probes(0.05)
-    assert unbounded > 0.05 * n + 4 and unbounded > 2 * bounded, (unbounded, bounded)
+    assert unbounded > 0.05 * n + 15 and unbounded > 2 * bounded, (unbounded, bounded)
