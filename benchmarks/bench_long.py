@@ -21,7 +21,7 @@ Two parts, one table each, rows in ``benchmarks/results/bench_long.csv``:
 2. **Engine state** (offline, no ranks): the same :class:`~ultraep.engine.Engine` decides, commits and observes
    ``--decisions`` calls of an 8-rank layer on the same kind of stream, with synthetic measured timings (the cost
    model's prediction times a per-policy factor and noise, every rank's compute for the compute fit). Its state
-   (:func:`ultraep.footprint.footprint`: items and bytes held) at a tenth of the decisions and at the end, and the
+   (:func:`ultraep.engine.footprint`: items and bytes held) at a tenth of the decisions and at the end, and the
    median time per decision in the first and the last tenth: both must stay flat.
 
     .venv/bin/python benchmarks/bench_long.py                    # the run of record (about 15 min on 2 quiet cores)
@@ -202,7 +202,7 @@ def run_engine(decisions: int, seed: int, options: dict | None = None, at=None, 
     from ultraep.config import AdaptiveOptions, BalancerConfig
     from ultraep.cost import CostModel
     from ultraep.engine import Engine
-    from ultraep.footprint import footprint
+    from ultraep.engine import footprint
     from ultraep.presets import get_preset
 
     R, E, top_k, tokens = 8, 32, 4, 2048

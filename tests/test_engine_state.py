@@ -41,7 +41,7 @@ def test_negative_control_an_unbounded_history_is_seen():
 def test_footprint_counts_what_containers_hold():
     import numpy as np
 
-    from ultraep.footprint import footprint
+    from ultraep.engine import footprint
 
     class Holder:
         def __init__(self):
