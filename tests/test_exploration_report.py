@@ -2,9 +2,13 @@
 report's section and the dashboard's Policies figures all give the probes' share of the chosen calls and what they
 cost as measured against the policy in force's calls beside them."""
 
+import numpy as np
 import pytest
 
+import ultraep
 from ultraep.telemetry import Recorder, open_run
+
+TOPO = ultraep.Topology(num_ranks=2, num_experts=8, num_redundant_slots=1, expert_bytes=1 << 20)
 
 # one layer, 12 steps (step 0 warm-up): quota in force at 10 ms, probes of eplb at steps 3 (14 ms) and 7 (a
 # confirmation, 12 ms); the warm-up step is a probe too (left out)
@@ -20,6 +24,9 @@ CALLS = [("probe: eplb has not run yet (kept none)", "eplb", 0.5)] + [
 def _record(root, name="adaptive-1", calls=CALLS, configured=None):
     with Recorder.open(root, name, model="toy", world_size=2, flush_interval_s=None) as rec:
         for step, (reason, policy, t) in enumerate(calls):
+            load = np.full((2, 8), 10, dtype=np.int64)
+            load[:, 0] = 70
+            rec.record_plan(step, 0, 0, ultraep.plan_layer(load, "none", topology=TOPO))
             why = reason if configured is None else f"configured policy {configured}"
             rec.record_decision(step, 0, 0, policy=policy, reason=why, predictions={policy: 0.01},
                                 chosen_predicted_s=0.01)
@@ -75,3 +82,19 @@ def test_the_dashboard_gives_the_same_figures(runs):
     x = data.exploration(m)
     assert int(x["probe_calls"].iloc[0]) == 2 and int(x["chosen_calls"].iloc[0]) == 11
     assert float(x["probe_cost_s"].iloc[0]) == pytest.approx(0.006)
+
+
+def test_the_policies_page_shows_the_probes(runs):
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py"), default_timeout=60)
+    at.session_state["ultraep_root"] = str(runs)
+    at.run()
+    at.switch_page("pages/policies.py")
+    at.run()
+    at.sidebar.selectbox(key="ultraep_run").set_value("adaptive-1").run()
+    assert not at.exception
+    captions = [c.value for c in at.caption]
+    assert any("probes: 2 of 11 chosen layer calls (18.2%)" in c and "6.00 ms" in c for c in captions), captions
