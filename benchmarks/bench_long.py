@@ -165,7 +165,8 @@ def run_runtime(shape: Shape, args) -> dict:
     res = {}
     for name in policies:
         per = [o[name] for o in outs]
-        res[name] = {"t": np.max([p["t"] for p in per], axis=0), "measured": np.max([p["measured"] for p in per], axis=0),
+        res[name] = {"t": np.max([p["t"] for p in per], axis=0),
+                     "measured": np.max([p["measured"] for p in per], axis=0),
                      "predicted": np.asarray(per[0]["predicted"]), "chosen": per[0]["chosen"], "probe": per[0]["probe"]}
     return res
 

@@ -29,8 +29,8 @@ from .outcomes import FEW_RUNS, OutcomeTracker
 #: run's layer time, within the 3 % the engine may lose to the best fixed policy (issue 56; a reasoned bound, to be
 #: confirmed by benchmarks/bench_long.py's ``--probe-share``). Beside it each candidate may be probed PROBE_BURST times
 PROBE_SHARE = 0.05
-#: probes per candidate (the fallback too) allowed beyond the share: FEW_RUNS, the measurements until its outcome is certain
-#: (a fresh wrap measures every candidate as it did before the share; the share bounds the run after them)
+#: probes per candidate (the fallback too) allowed beyond the share: FEW_RUNS, the measurements until its outcome is
+#: trusted (a fresh wrap measures every candidate as it did before the share; the share bounds the run after them)
 PROBE_BURST = FEW_RUNS
 
 #: a candidate that lost clearly this many planned decisions in a row rests — not planned, not predicted — until
