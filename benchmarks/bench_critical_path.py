@@ -324,6 +324,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         console.print("[bold]bench_critical_path: no CUDA GPU here[/bold]: timing the CPU path (the kernels run their "
                       "torch references; no device to synchronise).")
     rows: list[dict] = []
+    written = 0
+
+    def flush() -> None:
+        """Write the rows made since the last flush: a later part that fails keeps the earlier parts' rows."""
+        nonlocal written
+        for r in rows[written:]:
+            r["machine"] = where
+        if rows[written:]:
+            out = write_rows("bench_critical_path", rows[written:])
+            print(f"rows appended to {out}")
+        written = len(rows)
 
     def add(what, provider, metric, unit, x, values, p99=True):
         rows.append(row(what, provider, metric, unit, x, values))
@@ -363,6 +374,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"<= {us(ULTRAEP_LAYER_S)} per layer")
         console.print(table)
         del path
+        flush()
     if not args.no_ws1:
         shape = SMOKE_WS1 if args.smoke else WS1
         x = f"E{shape['E']}/K{shape['K']}/T{shape['T']}/H{shape['H']}/I{shape['I']}"
@@ -379,10 +391,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             table.add_row(mode, f"{np.percentile(a, 50) * 1e3:.2f}", f"{np.percentile(b, 50) * 1e3:.2f}",
                           f"{ratio:.3f}", f"<= {WS1_GOAL:.2f}")
         console.print(table)
-    for r in rows:
-        r["machine"] = where
-    path = write_rows("bench_critical_path", rows)
-    print(f"rows appended to {path}")
+        flush()
     return rows
 
 

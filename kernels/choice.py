@@ -9,8 +9,9 @@ Triton kernel and of the pure-torch reference, with where they came from. ``make
 (``bench_kernels.py --table``). The rule, for a call of ``kernel`` on a CUDA device at ``size`` bytes:
 
 1. rows of this GPU model (``torch.cuda.get_device_name``) and kernel: take the measured size nearest to ``size``
-   (by ratio: ``|log size - log measured|``); at that size, the median p50 over the runs of each implementation;
-   Triton only when its median is strictly lower (a tie runs the reference, the truth both are tested against);
+   (by ratio: ``|log size - log measured|``); at that size, the latest run's p50 of each implementation (the
+   rows further up are history: they may have timed older code); Triton only when its p50 is strictly lower (a
+   tie runs the reference, the truth both are tested against);
 2. no row of this GPU model: Triton only when rule 1 picks Triton on *every* GPU model the table measured for
    this kernel (the kernel is known faster), else the reference;
 3. no row of the kernel at all: the reference.
@@ -27,7 +28,6 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from statistics import median
 
 #: the table shipped with the package (its twin is ``benchmarks/results_committed/kernel_times.csv``)
 TABLE = Path(__file__).resolve().parent / "kernel_times.csv"
@@ -50,7 +50,8 @@ SIZE_OF = {
 
 @dataclass(frozen=True)
 class Measured:
-    """One kernel on one GPU model at one size: the median p50 of each implementation over the table's runs."""
+    """One kernel on one GPU model at one size: the p50 of each implementation in the latest run that timed it, and
+    how many runs did."""
 
     size_bytes: int
     triton_s: float
@@ -66,6 +67,7 @@ class KernelTimes:
     """The table, grouped: ``(kernel, device) -> [Measured]`` by ascending size."""
 
     def __init__(self, rows: list[dict]) -> None:
+        """``rows`` in the table's order (oldest first: a run appends its rows at the end)."""
         groups: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
         for i, r in enumerate(rows):
             try:
@@ -78,7 +80,7 @@ class KernelTimes:
             groups.setdefault(key, []).append(times)
         self.by: dict[tuple[str, str], list[Measured]] = {}
         for (kernel, device, size), ts in sorted(groups.items()):
-            m = Measured(size, median(t for t, _ in ts), median(t for _, t in ts), len(ts))
+            m = Measured(size, ts[-1][0], ts[-1][1], len(ts))
             self.by.setdefault((kernel, device), []).append(m)
 
     @classmethod

@@ -1,4 +1,5 @@
-"""Issue 15, item 6: the torchrun example runs, through the real ``torchrun`` binary, and records a run.
+"""The examples run, through the real ``torchrun`` binary, and record a run (issue 15, item 6; issue 57: the
+README's example is ``examples/train_ddp.py``, run whole here, with triton unimportable).
 
 ``examples/train_torchrun.py`` trains a tiny Qwen3-MoE (built from its config) on 2 CPU ranks over gloo
 under ``torchrun --standalone --nproc-per-node 2``, with recording on. Checked: exit 0, rank 0's summary,

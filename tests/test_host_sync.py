@@ -37,9 +37,10 @@ CPU_ONLY = {
 INJECTED = ("ultraep/runtime/token_path.py", "route_tokens")
 
 
-def _calls(rank, world, device, inject, grad):
-    """One warm-up call, then one probed forward of a balanced layer (quota; replicas with 2 ranks; some slots
-    dropped to the sentinel id); returns (sites read, unexpected sites) as plain dicts."""
+def _calls(rank, world, device, inject, modes):
+    """Per mode (``True``: training, the forward under grad and its backward; ``False``: evaluating), one warm-up
+    call, then one probed forward of a balanced layer (quota; replicas with 2 ranks; a slot dropped to the sentinel
+    id). Returns per mode (sites read, unexpected sites, replicas in the plan) as plain values."""
     import ultraep
     import ultraep.kernels
     from sync_probe import HostSyncs
@@ -52,8 +53,17 @@ def _calls(rank, world, device, inject, grad):
     ultraep.wrap(holder, {"policy": "quota", "num_redundant_slots": 2 if world > 1 else 0})
     g = torch.Generator().manual_seed(rank)
     T, K, H = 24, 2, model.config.hidden_size
+    allowed = set(NEEDED) | (set(CPU_ONLY) if device == "cpu" else set())
+    if inject:  # the negative control: a host read of a device value on the token path
+        real = ultraep.kernels.permute
 
-    def call():
+        def permute_and_read(x_TH, layout, **kw):
+            layout.slot_counts_G.sum().item()
+            return real(x_TH, layout, **kw)
+
+        ultraep.kernels.permute = permute_and_read
+
+    def inputs(grad):
         x = torch.randn(T, H, generator=g).to(dev).requires_grad_(grad)
         idx = torch.randint(0, E, (T, K), generator=g)
         idx[: T // 2, 0] = 0  # a hot expert: the quota plan replicates it
@@ -61,32 +71,27 @@ def _calls(rank, world, device, inject, grad):
         w = torch.rand(T, K, generator=g)
         return x, idx.to(dev), w.to(dev)
 
-    with torch.set_grad_enabled(grad):
-        x, idx, w = call()
-        holder.experts(x, idx, w).float().pow(2).sum().backward() if grad else holder.experts(x, idx, w)
-        x, idx, w = call()
-        if inject:  # the negative control: a host read of a device value on the token path
-            real = ultraep.kernels.permute
-
-            def permute_and_read(x_TH, layout, **kw):
-                layout.slot_counts_G.sum().item()
-                return real(x_TH, layout, **kw)
-
-            ultraep.kernels.permute = permute_and_read
-        if device == "cuda":
-            torch.cuda.synchronize()
-        with HostSyncs(cuda=device == "cuda") as probe:
-            out = holder.experts(x, idx, w)
-        if grad:
-            out.float().pow(2).sum().backward()
-    replicas = holder.experts.last_plan.num_replicas
-    allowed = set(NEEDED) | (set(CPU_ONLY) if device == "cpu" else set())
-    return dict(probe.sites()), probe.unexpected(allowed), replicas
+    results = []
+    for grad in modes:
+        with torch.set_grad_enabled(grad):
+            out = holder.experts(*inputs(grad))
+            if grad:
+                out.float().pow(2).sum().backward()
+            x, idx, w = inputs(grad)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            with HostSyncs(cuda=device == "cuda") as probe:
+                out = holder.experts(x, idx, w)
+            if grad:
+                out.float().pow(2).sum().backward()
+        results.append((dict(probe.sites()), probe.unexpected(allowed), holder.experts.last_plan.num_replicas))
+    return results
 
 
-def _run(world, device, inject=False, grad=True):
+def _run(world, device, inject=False, modes=(True, False)):
     backend = "nccl" if device == "cuda" else "gloo"
-    return launch(_calls, world, device, inject, grad, backend=backend, timeout_s=300)
+    ranks = launch(_calls, world, device, inject, modes, backend=backend, timeout_s=300)
+    return [r for by_rank in ranks for r in by_rank]
 
 
 def _check(results, world):
@@ -101,11 +106,10 @@ def _check(results, world):
 def test_forward_reads_the_device_only_for_the_load_on_cpu_ranks():
     """Two gloo ranks with replicas and a dropped slot, training (forward under grad) and evaluating."""
     _check(_run(2, "cpu"), 2)
-    _check(_run(2, "cpu", grad=False), 2)
 
 
 def test_an_injected_item_on_the_token_path_is_caught():
-    for sites, unexpected, _ in _run(1, "cpu", inject=True):
+    for sites, unexpected, _ in _run(1, "cpu", inject=True, modes=(True,)):
         assert unexpected == {INJECTED: ["item"]}, unexpected
 
 
@@ -114,11 +118,10 @@ def test_an_injected_item_on_the_token_path_is_caught():
 def test_forward_syncs_only_for_the_load_on_a_gpu():
     """Under torch.cuda.set_sync_debug_mode: the layer call at world size 1 on NCCL, training and evaluating."""
     _check(_run(1, "cuda"), 1)
-    _check(_run(1, "cuda", grad=False), 1)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
 def test_an_injected_item_is_caught_on_a_gpu():
-    for sites, unexpected, _ in _run(1, "cuda", inject=True):
+    for sites, unexpected, _ in _run(1, "cuda", inject=True, modes=(True,)):
         assert INJECTED in unexpected and "item" in unexpected[INJECTED], unexpected

@@ -5,9 +5,7 @@ name and the call's size, and the CUDA device's name is the one thing stood in f
 from __future__ import annotations
 
 import csv
-from collections import defaultdict
 from pathlib import Path
-from statistics import median
 
 import pytest
 import torch
@@ -26,18 +24,16 @@ def _rows(path: Path) -> list[dict]:
 
 
 def slower_picks(rows: list[dict], choose) -> list[tuple]:
-    """Every (kernel, device, size) of ``rows`` where ``choose`` names the implementation whose median p50 over the
-    runs is the higher one (computed here from the rows, not by the module under test)."""
-    by = defaultdict(lambda: ([], []))
-    for r in rows:
-        t = by[(r["kernel"], r["device"], int(r["size_bytes"]))]
-        t[0].append(float(r["triton_s"]))
-        t[1].append(float(r["torch_s"]))
+    """Every (kernel, device, size) of ``rows`` where ``choose`` names the implementation whose p50 in the latest run
+    that timed it is the higher one (computed here from the rows, not by the module under test)."""
+    latest = {}
+    for r in rows:  # oldest first: the last row of a key is its latest run
+        latest[(r["kernel"], r["device"], int(r["size_bytes"]))] = (float(r["triton_s"]), float(r["torch_s"]))
     bad = []
-    for (k, d, s), (tri, ref) in by.items():
-        slower = "triton" if median(tri) > median(ref) else "torch" if median(ref) > median(tri) else None
+    for (k, d, s), (tri, ref) in latest.items():
+        slower = "triton" if tri > ref else "torch" if ref > tri else None
         if slower is not None and choose(k, d, s) == slower:
-            bad.append((k, d, s, median(tri), median(ref)))
+            bad.append((k, d, s, tri, ref))
     return bad
 
 
@@ -84,11 +80,14 @@ def test_unmeasured_sizes_take_the_nearest_measured_size_by_ratio():
     assert t.choose("permute", "G", 1) == "triton" and t.choose("permute", "G", 10**12) == "torch"
 
 
-def test_runs_are_combined_by_their_median_and_a_tie_runs_the_reference():
-    runs = [_row("reroute", "G", 8, 1.0, 2.0, "a"), _row("reroute", "G", 8, 3.0, 2.5, "b"),
-            _row("reroute", "G", 8, 3.5, 2.6, "c")]
-    assert KernelTimes(runs).choose("reroute", "G", 8) == "torch"  # medians 3.0 against 2.5
-    assert KernelTimes(runs[:1]).choose("reroute", "G", 8) == "triton"
+def test_the_latest_run_decides_and_a_tie_runs_the_reference():
+    """A run appended later timed the code as it is now (a kernel made faster, a sync removed); the older rows stay
+    as history."""
+    runs = [_row("reroute", "G", 8, 3.0, 2.0, "a"), _row("reroute", "G", 8, 3.5, 2.6, "b"),
+            _row("reroute", "G", 8, 1.0, 2.0, "c")]
+    t = KernelTimes(runs)
+    assert t.choose("reroute", "G", 8) == "triton" and t.nearest("reroute", "G", 8).runs == 3
+    assert KernelTimes(runs[:2]).choose("reroute", "G", 8) == "torch"
     assert KernelTimes([_row("reroute", "G", 8, 2.0, 2.0)]).choose("reroute", "G", 8) == "torch"
 
 
@@ -120,7 +119,7 @@ def test_resolve_reads_the_table_for_a_cuda_device(monkeypatch, tmp_path):
     assert resolve("auto", cuda, "pack_tiles", 100) == "torch"
     assert resolve("auto", cpu, "permute", 100) == "torch"
     assert resolve("triton", cuda, "pack_tiles", 100) == "triton" and resolve("torch", cuda, "permute", 100) == "torch"
-    choice.append_times(path, [_row("permute", "Fake GPU", 100, 9.0, 2.0, "later")] * 2)  # two slower runs
+    choice.append_times(path, [_row("permute", "Fake GPU", 100, 9.0, 2.0, "later")])  # a later run: slower now
     choice._load.cache_clear()
     assert resolve("auto", cuda, "permute", 100) == "torch"
 

@@ -39,6 +39,7 @@ def test_wheel_has_only_the_ultraep_namespace(wheel):
         assert f"ultraep/{pkg}/__init__.py" in names
     assert "ultraep/policies/quota.py" in names and "ultraep/telemetry/schema.sql" in names
     assert "ultraep/dashboard/pages/overview.py" in names  # Streamlit reads its pages from the installed folder
+    assert "ultraep/kernels/kernel_times.csv" in names  # the measured times backend="auto" chooses from
     assert not any("/tests/" in n or n.startswith("benchmarks") for n in names)
 
 
