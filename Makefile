@@ -3,10 +3,10 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-EXTRAS := dev,kernels,hf,dashboard
+EXTRAS := dev,kernels,hf,dashboard,docs
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt Makefile | sha1sum | cut -c1-12)
 
-.PHONY: setup test demo dashboard bench gpu-check clean
+.PHONY: setup test docs demo dashboard bench gpu-check clean
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ setup: $(STAMP)
 
 test: setup
 	$(PY) -m pytest -q
+
+# The documentation site into site/ (mkdocs.yml): warnings are errors, every link and anchor is checked; the
+# reference pages are generated (tools/gen_reference.py; a test fails when they are stale).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The main job: a real MoE model balanced across local ranks, measured against no balancing, with the host memory
 # settings of the runs of record (benchmarks/host_memory.py says why).
@@ -42,4 +47,4 @@ gpu-check: setup
 	$(PY) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist site *.egg-info

@@ -21,7 +21,7 @@ from docs_text import ROOT, broken_links, markdown_files, tracked_text_files
 SESSION_ALLOWED = [
     r"(?:duckdb|streamlit|browser|http|recorder|pytest|requests\.?)\s+sessions?",
     r"session[_ ]state", r"start_new_session", r"SESSION_STRIDE", r"by_session",
-    r"[._\"'(<{\[-]sessions?\b", r"(?:=|for|in)\s+sessions?\b",
+    r"[._\"'`(<{\[-]sessions?\b", r"(?:=|for|in)\s+sessions?\b",
     r"\bsessions?\b(?=\s*(?:$|[=:,)>}\]*%\-]|VARCHAR|ORDER|in range))",
     r"crashed session", r"per rank and session", r"(?:every|each|any) (?:recorder |browser )?session",
     r"count\(DISTINCT session\)",
