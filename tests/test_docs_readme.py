@@ -6,7 +6,8 @@
   for the policy the row names (in backticks) and the configuration its text names (the first part of ``x``). The machine cell names
   those rows' CPU or GPU.
 * The Python example trains on 2 gloo ranks under the real ``torchrun``, recording a run, and every line of the
-  shell block after it (report, SQL, simulate) runs on that recording with exit status 0.
+  shell block after it (report, SQL, simulate) runs on that recording with exit status 0, as do the queries and the
+  Python block of the SQL guide (docs/guide/sql.md).
 
 Negative controls: a figure changed by one unit in its last digit is reported as unbacked; a row whose anchor
 names no committed figure is reported; a command the rows were not made by is reported; a SQL line naming a view that does not exist exits non-zero.
@@ -139,3 +140,13 @@ def test_readme_example_trains_on_two_ranks_and_its_commands_run(tmp_path):
     broken = subprocess.run(shlex.split(sql.replace("FROM layer_balance", "FROM layer_balanse")), cwd=tmp_path,
                             env=_env(), capture_output=True, text=True)
     assert broken.returncode != 0
+    # the SQL guide's queries and its Python block run on the same recording
+    guide = (ROOT / "docs" / "guide" / "sql.md").read_text()
+    for query in fenced_blocks(guide, "sql"):
+        out = subprocess.run(["ultraep", "sql", "runs/example", query.strip(), "--csv"], cwd=tmp_path, env=_env(),
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and len(out.stdout.splitlines()) >= 2, f"{query}\n{out.stdout}{out.stderr}"
+    (py,) = fenced_blocks(guide, "python")
+    (tmp_path / "sql_guide.py").write_text(py)
+    out = subprocess.run([sys.executable, "sql_guide.py"], cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("[(0, "), out.stdout + out.stderr
