@@ -175,7 +175,7 @@ def _body(rank, world, shape: Shape, args, policies, runs_dir=None):
                 o = out[name]
                 o["times"].append(t)
                 o["phases"].append(dict(layer.last_timings))
-                o["chosen"].append(rt.history[-1][2])
+                o["chosen"].append(rt.recording.history[-1][2])
     for name, layer, *_ in runs:
         plan = layer.last_plan
         out[name].update(imb_before=plan.imbalance_before, imb_after=plan.imbalance_after,

@@ -16,10 +16,10 @@ Scenarios (synthetic traces, ``ultraep.traces.synthetic``):
 * ``h100-8x-ib``: the same model on 8-GPU H100 nodes over InfiniBand, where replicas cannot leave a node and
   HybridEP's expert transmission wins; with the previous two it gives layer mixes whose best single policy
   differs (quota, none, hybridep).
-* ``real routing``: OLMoE's per-domain popularity (``../shared/data`` beside the repository) resampled at one 120-token sequence per
-  rank per step, EP8: no balancing pays; adaptive vs the best single policy (issue 35's goal: >= 0.99, met by the
-  exploration budget that can only idle ``none``, policies/exploration.py; docs/benchmarks.md has the first
-  budget, reverted because it kept adaptive off quota on the runtime).
+* ``real routing``: OLMoE's per-domain popularity (``shared/data`` beside the repository) resampled at one
+  120-token sequence per rank per step, EP8: no balancing pays; adaptive vs the best single policy (issue 35's
+  goal: >= 0.99, met by the exploration budget that can only idle ``none``, policies/exploration.py;
+  docs/benchmarks.md has the first budget, reverted because it kept adaptive off quota on the runtime).
 * ``stationarity``: historical EPLB (interval 50, window 50) on the same layers with drift 0, 0.05 and
   0.2 ranks per step: EPLB loses ground as the load moves; quota does not.
 
@@ -174,7 +174,6 @@ def main() -> None:
     console.print("goal (issue 13): best / adaptive >= 0.99 in both regimes")
 
     # ------------------------------------------------------------------ real routing where nothing pays (issue 35)
-    # the shared data folder beside the repository (skipped where it is absent)
     olmoe = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "OLMoE" / "expert_counts.json"
     if olmoe.exists():
         from ultraep.traces import load_trace

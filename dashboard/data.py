@@ -427,22 +427,15 @@ def transfer_step_range(mirror: RunMirror) -> Bins | None:
 
 # --------------------------------------------------------------------------- the measured answer
 def measured_answer(run_dir, run_id: str, runs: dict | None = None):
-    """:func:`ultraep.telemetry.answer.answer` of one run (measured step time p50, the speed-up over its
-    recorded baseline, else a labelled estimate), read from the store. ``runs``: ``{run_id: run directory}``
-    of the runs on show, where the recorded baseline is looked up."""
+    """:func:`ultraep.telemetry.answer.answer_at` of one run (measured step time p50, the speed-up over its
+    recorded baseline, else a labelled estimate), read from the store: the baseline is looked up as
+    ``ultraep report`` does — in the run's store, among ``runs`` (``{run_id: run directory}`` of the runs on
+    show), else in its own run directory beside ``run_dir``."""
     from ultraep.telemetry import answer as A
 
     cur = store(run_dir)
     try:
-        base_id = A.run_facts(cur, run_id)["baseline"]
-        base = None
-        if base_id and runs and base_id in runs and runs[base_id] != run_dir:
-            bcur = store(runs[base_id])
-            try:
-                base = A.step_times(bcur, base_id).get(base_id)
-            finally:
-                bcur.close()
-        return A.answer(cur, run_id, baseline=base)
+        return A.answer_at(cur, run_dir, run_id, runs)
     finally:
         cur.close()
 

@@ -220,6 +220,16 @@ def cached_answer(info: RunInfo, runs: list[RunInfo]):
     return a
 
 
+def answer_basis(a) -> str:
+    """What the answer's figures are, for a heading: "measured" only where the speed-up was measured against a
+    baseline run (or the run is the baseline); an estimate or a simulation says so."""
+    if a.simulated:
+        return "(simulated: the cost model over a replayed trace, not measured)"
+    return {"measured": "(measured)", "baseline": "(measured; this run is the baseline)",
+            "estimate": "(step time measured; speed-up ESTIMATED: no baseline run found)",
+            "untimed": "(no step was timed)"}.get(a.basis, "(step time measured; no baseline run found)")
+
+
 def speedup_text(a) -> str:
     """The speed-up as a metric value: measured, or marked as an estimate."""
     if a.speedup is None:

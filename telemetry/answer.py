@@ -8,6 +8,8 @@ compute it here, from the store, the same way:
   a one-time cost, reported apart as ``warmup_time_s``.
 * **baseline**: a run of the same token stream without balancing. The demo and ``--compare`` record it and
   name it in every other run's ``extra`` (``{"baseline": RUN_ID}``); a user names one with ``--baseline``.
+  Where the recorded baseline is not in the run's own store (a run opened by its directory, ``runs/<run id>``),
+  :func:`answer_at` finds it beside the run, in ``runs/<baseline id>`` — one lookup for every surface.
 * **speed-up** = baseline p50 / run p50 (measured; > 1 means balancing paid).
 * Without a baseline: an **estimate** of what no balancing would have taken (``queries.NONE_ESTIMATE``:
   the cost model's prediction of ``none`` where a decision recorded it, else scaled from the measured
@@ -158,6 +160,38 @@ def answer(con, run_id: str, *, baseline: StepTimes | None = None, baseline_con=
         return Answer(run_id, policy, st, "estimate", estimated_none_s=st.p50_s + delta, estimate_source=source,
                       simulated=sim)
     return Answer(run_id, policy, st, "unknown", simulated=sim)
+
+
+def baseline_beside(con, path, run_id: str, runs: dict | None = None) -> StepTimes | None:
+    """The step times of ``run_id``'s recorded baseline when it is not in ``con`` (the store at ``path``): in
+    ``runs`` (``{run id: run directory}``, the runs a caller has on show) if it is there, else in the run
+    directory named after it beside ``path`` when ``path`` is one run's directory (the demo writes
+    ``runs/<run id>/`` for each run). ``None`` when the run recorded no baseline, ``con`` holds it (:func:`answer`
+    reads it there), or it is found nowhere."""
+    from pathlib import Path
+
+    from ultraep.telemetry.store import open_run, run_layout
+
+    rec = run_facts(con, run_id)["baseline"]
+    if not rec or con.execute("SELECT count(*) FROM runs_log WHERE run_id = $r", {"r": rec}).fetchone()[0]:
+        return None
+    here = Path(path).resolve()
+    where = (runs or {}).get(rec)
+    if where is None and here.is_dir() and run_layout(here) == "run" and (here.parent / rec).is_dir():
+        where = here.parent / rec
+    if where is None or Path(where).resolve() == here:
+        return None
+    bcon = open_run(Path(where))
+    try:
+        return step_times(bcon, rec).get(rec)
+    finally:
+        bcon.close()
+
+
+def answer_at(con, path, run_id: str, runs: dict | None = None) -> Answer:
+    """:func:`answer` of ``run_id`` in the store ``con`` opened at ``path``, its recorded baseline found in the
+    store or beside it (:func:`baseline_beside`): what ``ultraep report`` and the dashboard both show."""
+    return answer(con, run_id, baseline=baseline_beside(con, path, run_id, runs))
 
 
 def headline(a: Answer, name=None) -> str:

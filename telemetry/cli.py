@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "sql",
         help="run a SQL query over a recorded run",
         description="Run one SQL statement over a recorded run. Tables: runs_log, steps, layer_loads, plans, "
-        "transfers, transfer_times, decisions, timings, spans, metric_points; views: run_summary (one row per run), "
+        "transfers, transfer_times, decisions, timings, spans, metric_points; views: run_summary (one row per run: "
+        "its step time p50 and, where the store holds its baseline, the measured speed-up), step_times, "
         "runs (one row per recording rank: filter on rank or join on run_summary), layer_balance and "
         "transfer_detail (with a warmup column: WHERE NOT warmup gives ultraep report's figures), warmup_steps "
         "(see telemetry/schema.sql).",
@@ -199,23 +200,6 @@ def _baseline_times(con, args):
         bcon.close()
 
 
-def _sibling_baseline(path: Path, run_id: str):
-    """The step times of a recorded baseline that lives beside ``path`` (a run directory of its own)."""
-    from ultraep.telemetry import answer as A
-    from ultraep.telemetry.store import run_layout
-
-    if not path.is_dir() or run_layout(path) != "run":
-        return None
-    sib = path.parent / run_id
-    if not sib.is_dir():
-        return None
-    bcon = _connect(sib)
-    try:
-        return A.step_times(bcon, run_id).get(run_id)
-    finally:
-        bcon.close()
-
-
 def run_report(args: argparse.Namespace) -> int:
     from ultraep.telemetry import answer as A
     from ultraep.telemetry import queries as Q
@@ -237,17 +221,14 @@ def run_report(args: argparse.Namespace) -> int:
         order = [r["run_id"] for r in (dict(zip(cols, row)) for q, cols, rows in sections[:1] for row in rows)]
         answers = {}
         for rid in order:
-            b = base
             if base is not None:
                 why = A.same_stream_problem(A.run_facts(con, rid), base_facts)
                 if why is not None:
                     raise TelemetryError("--baseline", f"{args.baseline} cannot be the baseline of {rid}: {why}",
                                          args.baseline)
-            else:
-                rec = A.run_facts(con, rid)["baseline"]
-                if rec and rec not in known:
-                    b = _sibling_baseline(Path(args.run), rec)
-            answers[rid] = A.answer(con, rid, baseline=b)
+                answers[rid] = A.answer(con, rid, baseline=base)
+            else:  # the recorded baseline, in this store or beside it (the dashboard's lookup too)
+                answers[rid] = A.answer_at(con, args.run, rid)
     finally:
         con.close()
     if args.json:

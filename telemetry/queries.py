@@ -386,20 +386,12 @@ FROM per_rank GROUP BY run_id, step ORDER BY run_id, step
 STEP_TIMES = Query(
     "step_times", "Measured step time" + _EXCLUDED,
     f"""
-WITH per_step AS (
-    SELECT run_id, step, max(step_time_s) AS step_time_s, coalesce(bool_or(warmup), false) AS warmup
-    FROM steps WHERE {_RUN} GROUP BY run_id, step
-)
-SELECT run_id, count(step_time_s) FILTER (WHERE NOT warmup) AS timed_steps,
-       count(*) FILTER (WHERE warmup) AS warmup_steps,
-       median(step_time_s) FILTER (WHERE NOT warmup) AS step_time_p50_s,
-       quantile_cont(step_time_s, 0.2) FILTER (WHERE NOT warmup) AS step_time_p20_s,
-       quantile_cont(step_time_s, 0.8) FILTER (WHERE NOT warmup) AS step_time_p80_s,
-       sum(step_time_s) FILTER (WHERE warmup) AS warmup_time_s
-FROM per_step GROUP BY run_id ORDER BY run_id
+SELECT run_id, timed_steps, warmup_steps, step_time_p50_s, step_time_p20_s, step_time_p80_s, warmup_time_s
+FROM step_times WHERE {_RUN} ORDER BY run_id
 """,
     doc="Per run: the measured step time (slowest rank of each step) over the steps not marked warm-up: "
-        "median (p50), p20, p80; and the seconds the warm-up steps took (one-time cost, reported apart).",
+        "median (p50), p20, p80; and the seconds the warm-up steps took (one-time cost, reported apart). "
+        "The view step_times of telemetry/schema.sql (run_summary reads it too).",
 )
 
 NONE_ESTIMATE = Query(

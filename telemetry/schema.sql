@@ -214,9 +214,29 @@ FROM steps
 WHERE warmup
 GROUP BY run_id, step;
 
+-- One row per run: its measured step time (per step the slowest rank's steps.step_time_s) over the steps not
+-- marked warm-up: median (p50), p20, p80; and the seconds the warm-up steps took (one-time cost, reported apart).
+-- The one definition of the step time: ultraep.telemetry.queries.STEP_TIMES, `ultraep report`, the dashboard
+-- and run_summary all read it here.
+CREATE VIEW step_times AS
+WITH per_step AS (
+    SELECT run_id, step, max(step_time_s) AS step_time_s, coalesce(bool_or(warmup), false) AS warmup
+    FROM steps GROUP BY run_id, step
+)
+SELECT run_id, count(step_time_s) FILTER (WHERE NOT warmup) AS timed_steps,
+       count(*) FILTER (WHERE warmup) AS warmup_steps,
+       median(step_time_s) FILTER (WHERE NOT warmup) AS step_time_p50_s,
+       quantile_cont(step_time_s, 0.2) FILTER (WHERE NOT warmup) AS step_time_p20_s,
+       quantile_cont(step_time_s, 0.8) FILTER (WHERE NOT warmup) AS step_time_p80_s,
+       sum(step_time_s) FILTER (WHERE warmup) AS warmup_time_s
+FROM per_step GROUP BY run_id;
+
 -- One row per run: what its ranks' runs_log rows say together (status 'closed' once every rank closed), its
 -- configured policy and recorded baseline (Recorder.open(extra={"baseline": RUN_ID}), the run of the same
--- stream without balancing), and its steps. The measured step time is in ultraep.telemetry.queries.STEP_TIMES.
+-- stream without balancing), its steps, its measured step time p50 (step_times) and, where this store also holds
+-- the baseline run, the baseline's p50 and the measured speed-up = baseline p50 / this run's p50 (what
+-- `ultraep report` and the dashboard show; NULL where the baseline is in another directory: open the parent
+-- directory of both runs, or run `ultraep report`, which looks beside the run).
 CREATE VIEW run_summary AS
 WITH r AS (
     SELECT run_id, any_value(kind) AS kind, any_value(model) AS model, max(world_size) AS world_size,
@@ -233,8 +253,13 @@ s AS (
     SELECT run_id, count(DISTINCT step) AS steps, count(DISTINCT step) FILTER (WHERE warmup) AS warmup_steps
     FROM steps GROUP BY run_id
 )
-SELECT r.*, coalesce(s.steps, 0) AS steps, coalesce(s.warmup_steps, 0) AS warmup_steps
-FROM r LEFT JOIN s USING (run_id);
+SELECT r.*, coalesce(s.steps, 0) AS steps, coalesce(s.warmup_steps, 0) AS warmup_steps,
+       t.step_time_p50_s, b.step_time_p50_s AS baseline_step_time_p50_s,
+       CASE WHEN r.policy IS DISTINCT FROM 'none' AND b.step_time_p50_s > 0 AND t.step_time_p50_s > 0
+            THEN b.step_time_p50_s / t.step_time_p50_s END AS speedup
+FROM r LEFT JOIN s USING (run_id)
+     LEFT JOIN step_times t ON t.run_id = r.run_id
+     LEFT JOIN step_times b ON b.run_id = r.baseline;
 
 -- One row per layer-microbatch (lowest recording rank), with imbalance = max / mean rank load (1.0 when
 -- the layer has no tokens) and straggler = max - mean, before and after balancing. `warmup`: the step is a

@@ -46,12 +46,16 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def worst(errors: Iterable[float]) -> float:
-    """The largest of ``errors``, NaN if any is NaN (never ``max(0.0, nan) == 0.0``); 0.0 for none."""
-    out = 0.0
+    """The largest of ``errors``, NaN if any is NaN (never ``max(0.0, nan) == 0.0``).
+
+    Raises ``ValueError`` for none: a caller that compared nothing must not read 0.0 as a pass."""
+    out = None
     for e in errors:
         if math.isnan(e):
             return math.nan
-        out = max(out, e)
+        out = e if out is None else max(out, e)
+    if out is None:
+        raise ValueError("worst() of no errors: nothing was compared")
     return out
 
 

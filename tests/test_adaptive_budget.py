@@ -6,11 +6,11 @@ synthetic measured outcomes as the runtime's engine feeds them (the reverted fir
 eplb/feplb while quota measured faster: whatever the budget, the engine must end on the candidate that measures
 fastest)."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from shared_data import shared_path
 from ultraep.cost import CostModel, CostParams
 from ultraep.policies import AdaptivePolicy
 from ultraep.presets import get_preset
@@ -19,8 +19,7 @@ from ultraep.sim.workload import power_law_popularity
 from ultraep.traces import load_trace
 from ultraep.traces.synthetic import SyntheticSpec, resampled_trace, synthetic_trace
 
-# the shared data folder beside the repository; the tests that need it skip where it is absent
-OLMOE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "OLMoE" / "expert_counts.json"
+OLMOE = shared_path("data", "OLMoE", "expert_counts.json")
 SINGLE = ("none", "eplb", "quota", "feplb", "hybridep")
 BUDGETS = (None, 0.0, 0.003, 0.05)  # explore_share: unbounded, nothing, the default, generous
 

@@ -108,8 +108,10 @@ def test_grad_reduce_kernel_matches_reference_with_an_expert_without_replicas(de
 
 # ---------------------------------------------------------------------------------------------- runtime
 def _layer_and_model(rank, world, device):
-    """The balanced layer on a bare experts container, and a wrapped tiny model, against the unwrapped ones."""
-    from numerics import master_grad_errors, worst
+    """The balanced layer on a bare experts container, and a wrapped tiny model, against the unwrapped ones:
+    ``(errors, master gradient errors, every phase a float, backward seconds)``, every error a
+    :func:`numerics.rel_error` (relative to the reference's largest magnitude; ``inf`` on NaN or inf)."""
+    from numerics import master_grad_errors, rel_error
 
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     cfg = {"policy": "quota", "num_redundant_slots": 2 if world > 1 else 0}  # one rank: no other rank to replicate on
@@ -124,7 +126,7 @@ def _layer_and_model(rank, world, device):
     x = torch.randn(11, ref.config.hidden_size, generator=g).to(dev)
     idx = torch.randint(0, ref.config.num_experts, (11, 2), generator=g).to(dev)
     w = torch.rand(11, 2, generator=g).to(dev)
-    errs = [float((holder.experts(x, idx, w) - bare(x, idx, w)).abs().max())]
+    errs = {"bare layer": rel_error(holder.experts(x, idx, w), bare(x, idx, w))}
     ultraep.wrap(model, cfg)
     rt = ultraep.runtime_of(model)
     for step in range(2):
@@ -135,15 +137,21 @@ def _layer_and_model(rank, world, device):
         out.float().pow(2).mean().backward()
         want.float().pow(2).mean().backward()
         rt.next_step()
-        errs.append(float((out - want).abs().max()))
+        errs[f"logits step {step}"] = rel_error(out, want)
     timings = rt.layers[0].last_timings
-    return max(errs), worst(master_grad_errors(rt, ref, rank).values()), all(isinstance(v, float) for v in timings.values()), \
+    return errs, master_grad_errors(rt, ref, rank), all(isinstance(v, float) for v in timings.values()), \
         timings.get("backward_s", -1.0)
 
 
 def _check_runtime(results):
-    for logits, grad, floats, backward_s in results:
-        assert logits < 1e-4 and grad < 1e-4, (logits, grad)  # (grad: relative to the reference's magnitude; NaN fails)
+    """Every rank's outputs and master gradients within the fp32 tolerance (tests/numerics.py: relative, and a NaN,
+    an inf or nothing compared fails), and every phase read back as seconds."""
+    from numerics import assert_within
+
+    assert results, "no rank returned"
+    for rank, (errs, grads, floats, backward_s) in enumerate(results):
+        assert errs and grads, f"rank {rank}: nothing was compared ({errs}, {grads})"
+        assert_within({**errs, **{f"grad {k}": v for k, v in grads.items()}}, what=f"rank {rank}")
         assert floats and backward_s >= 0.0  # every phase read back as seconds
 
 
@@ -151,6 +159,25 @@ def _check_runtime(results):
 def test_balanced_model_at_world_size_one(device):
     _check_runtime(launch(_layer_and_model, 1, device, backend="nccl" if device == "cuda" else "gloo",
                           timeout_s=300))
+
+
+def test_the_runtime_check_fails_on_nan_on_a_relative_error_and_on_nothing_compared():
+    """Negative controls of :func:`_check_runtime` (it guards the CUDA runs, so it is tested here on figures): a NaN
+    after a good figure (Python's ``max([0.1, nan])`` is 0.1), logits of magnitude 1e-3 off by 1e-5 (within an
+    absolute 1e-4, a 1 % error relative to them), and a rank that compared no gradient."""
+    good = ({"bare layer": 1e-7, "logits step 0": 2e-7}, {"layer.w": 3e-7}, True, 0.01)
+    _check_runtime([good])
+    small_logits_off = torch.full((4,), 1e-3), torch.full((4,), 1e-3) + torch.tensor([1e-5, 0, 0, 0])
+    assert float((small_logits_off[1] - small_logits_off[0]).abs().max()) < 1e-4  # the old absolute check passed it
+    from numerics import rel_error
+
+    bad = [({"bare layer": 0.1, "logits step 0": float("nan")}, good[1], True, 0.01),
+           ({**good[0], "logits step 1": rel_error(*small_logits_off)}, good[1], True, 0.01),
+           (good[0], {}, True, 0.01),
+           (good[0], {"layer.w": float("inf")}, True, 0.01)]
+    for case in bad:
+        with pytest.raises(AssertionError):
+            _check_runtime([good, case])
 
 
 @pytest.mark.cuda

@@ -74,10 +74,17 @@ def test_cpu_triton_without_interpreter_is_refused():
     assert "set TRITON_INTERPRET=1 before triton is imported" in res.stdout
 
 
-def test_resolve_rules():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+def test_resolve_rules(monkeypatch):
+    from ultraep.kernels import choice
+
+    monkeypatch.setattr(choice, "device_name", lambda index: "NVIDIA H200")  # (no GPU here to ask)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert resolve("auto", cpu, "k") == "torch"
-    assert resolve("auto", cuda, "k") == "triton"
+    # on CUDA, auto runs the faster of the two from the measured table (tests/test_kernels_choice.py); a kernel
+    # never measured runs the reference
+    assert resolve("auto", cuda, "unpermute", 1 << 30) == "triton"
+    assert resolve("auto", cuda, "pack_tiles", 1 << 30) == "torch"
+    assert resolve("auto", cuda, "k") == "torch"
     assert resolve("torch", cuda, "k") == "torch"
     assert resolve("triton", cpu, "k") == "triton"  # the tests run under TRITON_INTERPRET=1
     with pytest.raises(KernelInputError, match="backend: unknown backend 'gpu'; choose one of auto, triton, torch"):

@@ -63,6 +63,16 @@ def test_nan_and_inf_fail_every_helper(poison, side):
     assert math.isnan(worst([0.0, math.nan, 1.0])) and math.isnan(worst([math.nan, 0.0]))  # never max(0.0, nan)
 
 
+def test_worst_of_nothing_is_not_a_pass():
+    """A caller whose loop compared nothing (an empty parameter list, a filter that matched no name) gets an
+    error, not 0.0 (which every tolerance accepts)."""
+    assert worst([3e-7, 1e-6]) == 1e-6 and worst(iter([2e-7])) == 2e-7
+    with pytest.raises(ValueError, match="nothing was compared"):
+        worst([])
+    with pytest.raises(ValueError, match="nothing was compared"):
+        worst(v for v in {}.values())
+
+
 def test_a_gradient_on_the_wrong_expert_row_fails():
     a, b = _reordered_sum(1.0)
     moved = a.clone()
@@ -78,7 +88,20 @@ def test_shapes_zero_and_dtypes():
     assert rel_error(z, z) == 0.0  # an expert that got no token, on both sides
     assert rel_error(z + 1e-30, z) == math.inf  # only the reference is zero: any difference is too much
     assert rel_error(torch.zeros(3), torch.zeros(4)) == math.inf
-    assert tolerance(torch.float32) == REL_TOL  # the tests and the demo's verdict judge alike
+    # the tests and the demo's verdict judge alike: an error on either side of the fp32 tolerance gets the same
+    # verdict from both (a different tolerance on either side flips one of them)
+    a, b = _reordered_sum(1.0)
+    scale = float(b.abs().max())
+    for factor, ok in ((0.5, True), (2.0, False)):
+        bumped = b.clone()
+        bumped[0, 0] += factor * REL_TOL * scale
+        err = rel_error(bumped, b)
+        assert is_match(err) is ok
+        if ok:
+            assert_within(err)
+        else:
+            with pytest.raises(AssertionError):
+                assert_within(err)
     with pytest.raises(ValueError, match="int64"):
         tolerance(torch.int64)
     with pytest.raises(AssertionError, match="nothing was compared"):

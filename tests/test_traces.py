@@ -2,19 +2,18 @@
 
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from shared_data import shared_path
 from ultraep.errors import TraceError
 from ultraep.plan.metrics import imbalance
 from ultraep.traces import Trace, TraceMeta, load_trace, remap_sources, spread_even
 from ultraep.traces.importers import read_safetensors, write_safetensors
 from ultraep.traces.synthetic import SyntheticSpec, synthetic_trace
 
-# the shared data folder beside the repository; the tests that need it skip where it is absent
-OLMOE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "OLMoE" / "expert_counts.json"
+OLMOE = shared_path("data", "OLMoE", "expert_counts.json")
 
 
 def _loads(trace, layer, R):

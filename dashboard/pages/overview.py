@@ -50,7 +50,7 @@ def body(ctx: ui.Context) -> None:
         st.metric("layer-microbatch rows", ui.fmt_int(0))
         return
     a = ui.cached_answer(run, ctx.runs)
-    st.markdown("**Did balancing pay?** (measured)")
+    st.markdown("**Did balancing pay?** " + ui.answer_basis(a))
     c = st.columns(3)
     c[0].metric("step time p50 (measured)", fmt_s(a.steps.p50_s),
                 help=f"slowest rank per step, median over {a.steps.timed_steps} steps not marked warm-up")

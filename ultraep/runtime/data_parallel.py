@@ -136,6 +136,18 @@ def has_fsdp(model: nn.Module) -> bool:
     return bool(fsdp) and any(isinstance(m, fsdp) for m in model.modules())
 
 
+def fsdp_averages(model: nn.Module) -> bool:
+    """Whether ``model``'s FSDP2 averages the gradients it reduces (its default), or sums them: every parameter
+    group's ``gradient_divide_factor`` set to 1 (``set_gradient_divide_factor(1.0)``, what torchtitan's FSDP
+    application does — its loss is already divided by the global token count)."""
+    factors = []
+    for mod in model.modules():
+        state = mod._get_fsdp_state() if hasattr(mod, "_get_fsdp_state") else None
+        for group in getattr(state, "_fsdp_param_groups", ()) or ():
+            factors.append(getattr(group, "gradient_divide_factor", None))
+    return not factors or any(f != 1.0 for f in factors)
+
+
 def refuse_sharded_masters(model: nn.Module, layers) -> None:
     """Refuse a model whose FSDP2 (``fully_shard``) manages a balanced layer's masters: each rank's masters are
     different experts, so sharding them across ranks mixes experts. Checked where FSDP is first seen (the first
