@@ -20,9 +20,9 @@ from docs_text import ROOT, broken_links, markdown_files, tracked_text_files
 #: the technical senses of "session": a phrase around the word, or the word as an identifier in code or SQL
 SESSION_ALLOWED = [
     r"(?:duckdb|streamlit|browser|http|recorder|pytest|requests\.?)\s+sessions?",
-    r"session[_ ]state", r"start_new_session", r"SESSION_STRIDE", r"by_session",
+    r"session[_ ]state", r"start_new_session", r"SESSION_STRIDE", r"by_session", r"pytest_session\w*",
     r"[._\"'`(<{\[-]sessions?\b", r"(?:=|for|in)\s+sessions?\b",
-    r"\bsessions?\b(?=\s*(?:$|[=:,)>}\]*%\-]|VARCHAR|ORDER|in range))",
+    r"\bsessions?\b(?=\s*(?:$|[=:,)>}\]*%\-]|VARCHAR|ORDER|in range)|\.\w)",
     r"crashed session", r"per rank and session", r"(?:every|each|any) (?:recorder |browser )?session",
     r"count\(DISTINCT session\)",
 ]
