@@ -3,13 +3,13 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-EXTRAS := dev,kernels,hf,dashboard
+EXTRAS := dev,kernels,hf,dashboard,docs
 # torchtitan's model code without its training stack (datasets, wandb, tensorboard, torchdata, ...): what its
 # models, configs and parallelize functions import (docs/design.md, "torchtitan, and what the tests install")
 TITAN_IMPORTS := spmd_types tyro einops
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt Makefile | sha1sum | cut -c1-12)
 
-.PHONY: setup test demo dashboard bench gpu-check clean
+.PHONY: setup test docs demo dashboard bench gpu-check clean
 
 # setuptools' notice on every editable install of a package mapped from several folders ("Editable installation
 # ... folders with the same name as your package") is information, not a problem: it is filtered; every
@@ -29,6 +29,11 @@ setup: $(STAMP)
 
 test: setup
 	$(PY) -m pytest -q
+
+# The documentation site into site/ (mkdocs.yml): warnings are errors, every link and anchor is checked; the
+# reference pages are generated (tools/gen_reference.py; a test fails when they are stale).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The main job: a real MoE model balanced across local ranks, measured against no balancing, with the host memory
 # settings of the runs of record (benchmarks/host_memory.py says why).
@@ -53,4 +58,4 @@ gpu-check: setup
 	$(PY) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist site *.egg-info

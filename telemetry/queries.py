@@ -225,6 +225,15 @@ FROM m LEFT JOIN d USING (run_id, step, microbatch, layer)
 WHERE m.measured_s IS NOT NULL
 """
 
+EXPLORATION = Query(
+    "exploration", "Exploration" + _EXCLUDED,
+    f"""
+SELECT * FROM exploration WHERE {_RUN} ORDER BY run_id
+""",
+    doc="Per run an engine chose for: the probes' share of the chosen layer calls and their measured cost against "
+        "the policy in force's calls beside them (the view exploration).",
+)
+
 PREDICTED_VS_MEASURED = Query(
     "predicted_vs_measured", "Predicted vs measured",
     _PVM + "ORDER BY m.run_id, m.step, m.microbatch, m.layer\n",
@@ -509,7 +518,7 @@ GROUP BY ALL ORDER BY run_id, layer, rank
 
 ALL: dict[str, Query] = {q.name: q for q in (
     OVERVIEW, LAYER_IMBALANCE, LAYER_SUMMARY, RANK_LOAD, RANK_LOAD_BY_EXPERT, EXPERT_LOAD, DECISION_TIMELINE,
-    POLICY_SHARES,
+    POLICY_SHARES, EXPLORATION,
     PREDICTED_VS_MEASURED, PREDICTION_SUMMARY, PHASE_PREDICTION_ERRORS, TRANSFER_BYTES_PER_STEP, TRANSFER_SUMMARY,
     REPLICA_CACHE,
     POLICY_COMPARISON,
@@ -518,7 +527,7 @@ ALL: dict[str, Query] = {q.name: q for q in (
 
 # What `ultraep report` prints, in order.
 REPORT = (OVERVIEW, LAYER_SUMMARY, POLICY_SHARES, TRANSFER_SUMMARY, REPLICA_CACHE, PREDICTION_SUMMARY,
-          PHASE_PREDICTION_ERRORS, ACTIVATION_MEMORY)
+          PHASE_PREDICTION_ERRORS, ACTIVATION_MEMORY, EXPLORATION)
 
 
 def run(con, query: Query | str, **params: Any) -> tuple[list[str], list[tuple]]:

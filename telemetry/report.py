@@ -12,8 +12,9 @@ Sections, in order (each a :class:`Section` of :data:`SECTIONS`; add one by appe
 4. **Prediction quality**: the cost model's predicted vs measured layer time, with a sentence when the
    error is large; per term, the predicted and measured times beside the error, terms too small to compare
    marked.
-5. **Transfers**: per layer, bytes moved, relay share, measured bandwidth.
-6. **Runs**: status, size, recording errors.
+5. **Exploration**: an adaptive engine's probes: their share of its calls and their measured cost.
+6. **Transfers**: per layer, bytes moved, relay share, measured bandwidth.
+7. **Runs**: status, size, recording errors.
 
 Numbers are rounded and in human units (ms, MiB); runs are labelled by what tells them apart (the full id
 is printed once above the tables). Width: ``COLUMNS``, else the terminal's (stdout's, or stderr's when stdout
@@ -326,6 +327,17 @@ def _term_row(d: ReportData, r: dict, terms: list[dict]) -> list[str]:
             f_ratio(r["measured_over_predicted"])]
 
 
+def _exploration(d: ReportData) -> list:
+    """What an adaptive engine's probes took (issue 56): share of its chosen calls, measured cost."""
+    rows = [[d.label(r["run_id"]), f_int(r["chosen_calls"]), f_int(r["probe_calls"]), f_pct(r["probe_share"]),
+             fmt_s(r["probe_cost_s"]), f_pct(r["probe_cost_share"])] for r in d.rows.get("exploration", [])]
+    if not rows:
+        return ["no engine chose a policy (every layer ran its configured one)"]
+    return ["Probes: calls that ran a candidate other than the policy in force to measure it; their cost is each "
+            "one's layer time less that of the policy in force's calls beside it.",
+            table(["run", "chosen calls", "probes", "share", "cost (measured)", "of the chosen calls' time"], rows)]
+
+
 def _transfers(d: ReportData) -> list:
     rows = []
     for r in d.rows.get("transfer_summary", []):
@@ -367,6 +379,7 @@ SECTIONS: list[Section] = [
     Section("Balance (plan quality, warm-up excluded)", _balance),
     Section("Overhead", _overhead),
     Section("Prediction quality (warm-up excluded)", _prediction),
+    Section("Exploration (warm-up excluded)", _exploration),
     Section("Transfers", _transfers),
     Section("Expert activation memory (peak per rank, warm-up excluded)", _memory),
     Section("Runs", _runs),

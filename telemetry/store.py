@@ -73,6 +73,16 @@ def _create_empty_tables(con) -> None:
         con.execute("USE memory.main")
 
 
+def _add_missing_views(con) -> None:
+    """An export made before a view existed (``step_times``) gets it as a temporary view over its own tables
+    (the file is opened read-only), so the queries that read it work on old exports too."""
+    have = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+    for stmt in schema_statements()[1]:
+        name = re.match(r"CREATE VIEW\s+(\w+)", stmt, flags=re.IGNORECASE).group(1)
+        if name not in have:
+            con.execute(re.sub(r"^CREATE VIEW", "CREATE TEMP VIEW", stmt, flags=re.IGNORECASE))
+
+
 def _create_derived_views(con) -> None:
     for stmt in schema_statements()[1]:
         con.execute(stmt)
@@ -134,6 +144,7 @@ def open_run(path, *, threads: int | None = None):
             con = duckdb.connect(str(p), read_only=True)
         except duckdb.Error as exc:
             raise TelemetryError(str(path), f"is not a readable DuckDB file ({_first_line(exc)})") from None
+        _add_missing_views(con)
         return con
     con = duckdb.connect(":memory:")
     if threads is not None:

@@ -42,5 +42,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     changed = getattr(config, "_tree_changed", None)
     if changed:
         terminalreporter.write_line(
-            "FAILED the suite left the working tree changed (tests write to temporary directories only): "
-            + "; ".join(changed), red=True)
+            "FAILED the suite left the working tree changed (tests write to temporary directories only; a file "
+            "you edited yourself while the suite ran shows here too): " + "; ".join(changed), red=True)

@@ -449,7 +449,7 @@ def render_doc(results, families) -> str:
             status = r["status"]
         lines.append(f"| {fam.label} | `{fam.cls.__name__}` | {status} | {detail} |")
     lines += ["", "A plain PyTorch container registers with `ultraep.register_experts(cls, param_names, forward)`; "
-              "see the README.", ""]
+              "see the [training guide](guide/training.md#plan-one-layer-or-register-your-own-experts).", ""]
     return "\n".join(lines)
 
 

@@ -20,9 +20,9 @@ from docs_text import ROOT, broken_links, markdown_files, tracked_text_files
 #: the technical senses of "session": a phrase around the word, or the word as an identifier in code or SQL
 SESSION_ALLOWED = [
     r"(?:duckdb|streamlit|browser|http|recorder|pytest|requests\.?)\s+sessions?",
-    r"session[_ ]state", r"start_new_session", r"SESSION_STRIDE", r"by_session",
-    r"[._\"'(<{\[-]sessions?\b", r"(?:=|for|in)\s+sessions?\b",
-    r"\bsessions?\b(?=\s*(?:$|[=:,)>}\]*%\-]|VARCHAR|ORDER|in range))",
+    r"session[_ ]state", r"start_new_session", r"SESSION_STRIDE", r"by_session", r"pytest_session\w*",
+    r"[._\"'`(<{\[-]sessions?\b", r"(?:=|for|in)\s+sessions?\b",
+    r"\bsessions?\b(?=\s*(?:$|[=:,)>}\]*%\-]|VARCHAR|ORDER|in range)|\.\w)",
     r"crashed session", r"per rank and session", r"(?:every|each|any) (?:recorder |browser )?session",
     r"count\(DISTINCT session\)",
 ]
@@ -83,3 +83,26 @@ def test_an_absolute_path_is_reported():
     assert absolute_paths(p, "ultraep trace info /work/shared/data/OLMoE/expert_counts.json\n") == [
         "docs/simulator.md:1: /work/shared/data/OLMoE/expert_counts.json"]
     assert absolute_paths(p, "see ../shared/data and /tmp/x and https://example.org/home/x\n") == []
+
+
+_DATED_HEADING = re.compile(r"^#{1,6} .*(?:\b20\d\d-\d\d-\d\d\b|\bsession\b)", re.I | re.M)
+
+
+def history_problems(name: str, text: str) -> list[str]:
+    """What makes a page of record a log: dated or per-session headings; docs/benchmarks.md over 300 lines."""
+    bad = [f"{name}: heading {m.group(0).strip()!r}" for m in _DATED_HEADING.finditer(text)]
+    if name == "docs/benchmarks.md" and len(text.splitlines()) > 300:
+        bad.append(f"{name}: {len(text.splitlines())} lines (at most 300)")
+    return bad
+
+
+def test_the_docs_state_what_holds_now_not_a_log():
+    bad = [b for p in markdown_files() for b in history_problems(str(p.relative_to(ROOT)), p.read_text())]
+    assert bad == [], "\n".join(bad)
+
+
+def test_a_dated_log_is_reported():
+    assert history_problems("docs/simulator.md", "## Validation on a quiet machine, 2026-11-27\n") != []
+    assert history_problems("docs/benchmarks.md", "## Session of the evening\n") != []
+    assert history_problems("docs/benchmarks.md", "x\n" * 301) == ["docs/benchmarks.md: 301 lines (at most 300)"]
+    assert history_problems("docs/benchmarks.md", "## Runtime\n\nMeasured on 2026-11-24.\n") == []

@@ -130,3 +130,21 @@ def test_the_dashboard_in_chromium_shows_the_reports_figure(runs, tmp_path, caps
         assert value == want and heading == "Did balancing pay? (measured)", (path, value, heading)
     value, heading = _overview(runs, SOLO, tmp_path)  # no baseline: the heading says estimate, not measured
     assert value.endswith("(estimate)") and "(measured)" not in heading and "ESTIMATED" in heading, (value, heading)
+
+
+def test_an_export_made_before_the_step_times_view_still_answers(runs, tmp_path, capsys):
+    """`run_summary` and the report read the ``step_times`` view; an export written before it existed gets it
+    when opened (read-only: a temporary view over the file's own tables)."""
+    import duckdb
+
+    from ultraep.telemetry.store import export_run
+
+    path = export_run(runs, tmp_path / "old.duckdb")
+    con = duckdb.connect(str(path))
+    con.execute("DROP VIEW run_summary")  # (it reads step_times now; the old one did not)
+    con.execute("DROP VIEW step_times")
+    con.close()
+    old = open_run(path)
+    assert A.step_times(old, RUN)[RUN].p50_s == pytest.approx(0.10)
+    old.close()
+    assert _report(path, capsys)[RUN]["speedup"] == pytest.approx(2.0)

@@ -80,7 +80,7 @@ def _wrap_with_override(rank, world):
 
 
 def test_wrap_refuses_override_of_a_missing_layer():
-    (msg,) = run_ranks(_wrap_with_override, 1)
+    (msg,) = run_ranks(_wrap_with_override, 1, p2p=False)
     assert msg == "layers.99: the model has 2 MoE layer(s) (indices 0..1); no layer 99 to override"
 
 

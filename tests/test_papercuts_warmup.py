@@ -78,7 +78,7 @@ def _wrap_warms_up(rank, world):
 
 
 def test_wrap_warms_up():
-    assert run_ranks(_wrap_warms_up, 1) == [True]
+    assert run_ranks(_wrap_warms_up, 1, p2p=False) == [True]
 
 
 def test_warm_up_is_idempotent():
@@ -204,7 +204,7 @@ def _two_recorded_steps(rank, world, runs):
 
 
 def test_runtime_marks_its_first_step_warmup(tmp_path):
-    assert run_ranks(_two_recorded_steps, 1, tmp_path) == [0]
+    assert run_ranks(_two_recorded_steps, 1, tmp_path, p2p=False) == [0]
     con = open_run(tmp_path)
     assert con.execute("SELECT step, warmup FROM steps ORDER BY step").fetchall() == [(0, True), (1, False)]
 

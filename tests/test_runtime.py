@@ -68,7 +68,8 @@ def _equivalence(rank, world, family, config, steps):
 @pytest.mark.parametrize("policy", list(CONFIGS))
 def test_wrapped_equals_unwrapped_two_ranks(family, policy):
     steps = 2 if policy == "eplb" else 1
-    results = run_ranks(_equivalence, 2, family, CONFIGS[policy], steps)
+    # no balancing moves nothing between ranks; every other policy streams replicas (the record must show it)
+    results = run_ranks(_equivalence, 2, family, CONFIGS[policy], steps, p2p=policy != "none")
     for r in results:
         assert_within({"logits": r["logits"], **r["grad"], **r["other"]}, what=f"{family}/{policy}")
     if policy != "none":
@@ -133,7 +134,7 @@ def test_training_loop_losses_match(policy):
     variants = {"quota-restore": {"replica_memory_budget": 0}, "quota-tiles": {"replica_transport": "tiles"}}
     cfg = CONFIGS[policy] if policy in CONFIGS else {**CONFIGS["quota"], **variants[policy]}
     wrapped = run_ranks(_training, 2, "qwen3-moe", cfg, 4)
-    plain = run_ranks(_training, 2, "qwen3-moe", None, 4)
+    plain = run_ranks(_training, 2, "qwen3-moe", None, 4, p2p=False)  # the unwrapped model: collectives only
     # step 0 is exact (fp32 summation order); each Adam step after it amplifies last-bit differences, which
     # 1e-4 of the loss covers over 3 steps. equal_nan=False: two NaN losses are not a match.
     np.testing.assert_allclose(np.array(wrapped)[:, 0], np.array(plain)[:, 0], rtol=1e-5, atol=0, equal_nan=False)
@@ -224,7 +225,7 @@ def _unwrap(rank, world):
 
 
 def test_unwrap_restores_full_model():
-    assert run_ranks(_unwrap, 2) == [True, True]
+    assert run_ranks(_unwrap, 2, p2p=False) == [True, True]  # no forward: nothing moves
 
 
 def _unsupported(rank, world):
@@ -239,7 +240,7 @@ def _unsupported(rank, world):
 
 
 def test_unsupported_model_lists_supported_ones():
-    msg = run_ranks(_unsupported, 2)[0]
+    msg = run_ranks(_unsupported, 2, p2p=False)[0]  # refused at wrap: nothing moves
     assert "has no experts container" in msg and "MixtralExperts" in msg and "Qwen3MoeExperts" in msg
 
 
@@ -266,7 +267,7 @@ def _ids_above_sentinel(rank, world):
 
 
 def test_ids_above_the_sentinel_are_refused_on_every_rank():
-    for msg in run_ranks(_ids_above_sentinel, 2):
+    for msg in run_ranks(_ids_above_sentinel, 2, p2p=False):  # refused before any transfer
         assert "rank(s) [0, 1] routed 3 slot(s) to expert ids above 8 or below 0" in msg, msg
 
 

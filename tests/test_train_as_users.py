@@ -3,17 +3,21 @@ refused in one line.
 
 The contract (README, "Training with DDP"): a wrapped model trained under a data-parallel wrapper, each rank
 on its own batch with its own mean loss, follows the *unwrapped* model trained on the global batch (every rank's
-batch, concatenated) with the global mean loss — the same loss at every step and the same gradient of every
-parameter (a master's gradient against its rows of the unwrapped expert tensor), through 4 Adam steps of the
-wrapped model. After each step the unwrapped model takes the wrapped model's parameters (masters gathered from
-every rank), so each step compares one forward and backward at the same parameters: fp32 rounding of one pass,
-not Adam's amplification of last-bit differences compounded over steps (an element whose gradient is rounding
-noise moves by the full learning rate), which made a fixed tolerance a matter of the CPU's kernels. A replica left
-stale after an optimizer step still shows at the next step (its rows are computed with old weights); the optimizer
-step itself is torch's, on the parameters and gradients compared here.
+batch, concatenated) with the global mean loss. Both train on their own, each with its own optimizer, through 4
+steps: at every step the losses agree, every parameter's gradient agrees (a master's against its rows of the
+unwrapped expert tensor), and after the optimizer step every parameter agrees — so a lost or wrong optimizer
+update on a master, or a replica left stale after a step, shows (the next forward computes with other weights).
+Every comparison is :func:`numerics.rel_error` within :func:`numerics.tolerance` (relative to the reference's
+largest magnitude; NaN and inf fail).
+
+The optimizer is SGD with momentum: its update is a linear function of the gradients, so fp32 rounding of the
+gradients stays rounding in the parameters. Adam divides each gradient by its own running magnitude: an element
+whose gradient is rounding noise on both sides moves by the full learning rate in directions that differ, which
+makes a fixed tolerance on independently trained parameters a matter of the CPU's kernels.
 
 Every rank computes that reference itself (the batches are a function of rank and step), so each scenario is
-one launch. The token batches use three ids, so routing is skewed and the planners make replicas (asserted).
+one launch. The token batches use three ids, so routing is skewed and the replicas compute tokens (counted from
+the rows the replicas ran, tests/replica_probe.py, not from the plans: asserted).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch
 import transformers  # noqa: F401 - imported before fork so ranks start fast
 
 from dist_utils import run_ranks
+from numerics import rel_error, tolerance
+from replica_probe import served_rows
 from ultraep.models import build_model, preload
 
 preload()
@@ -50,16 +56,14 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
                                              ids[:, 1:].reshape(-1))
 
 
-def _differs(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 2e-5) -> str | None:
-    """None when ``actual`` equals ``expected`` within fp32 rounding relative to the reference's magnitude; the
-    mismatch otherwise (NaN and inf fail)."""
-    scale = float(expected.abs().max()) if expected.numel() else 0.0
-    try:
-        torch.testing.assert_close(actual, expected, rtol=0.0, atol=rtol * max(scale, 1e-30), equal_nan=False)
-    except AssertionError as exc:
-        worst = float((actual.double() - expected.double()).abs().max()) if actual.shape == expected.shape else -1
-        return f"{str(exc).splitlines()[0]} max |difference| {worst:.3g}, max |reference| {scale:.3g}"
-    return None
+def _differs(actual: torch.Tensor, expected: torch.Tensor) -> str | None:
+    """None when ``actual`` equals ``expected`` within the fp32 tolerance (tests/numerics.py: relative to the
+    reference's largest magnitude, NaN and inf fail); the figure otherwise."""
+    err = rel_error(actual, expected)
+    if err <= tolerance():
+        return None
+    scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
+    return f"relative error {err:.3g} > {tolerance():g} (max |reference| {scale:.3g})"
 
 
 class _Checkpointed(torch.nn.Module):
@@ -92,29 +96,22 @@ def _grads(model, runtime, rank: int) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _take_parameters(ref, model, runtime, world: int) -> None:
-    """Set the unwrapped model's parameters to the wrapped model's: FSDP2 shards and every rank's masters
-    gathered (the same collectives in the same order on every rank)."""
-    import torch.distributed as dist
-
-    ref_params = dict(ref.named_parameters())
-    for name, p, is_master in _by_name(model, runtime):
-        full = _full(p.detach()).contiguous()
-        if is_master:
-            parts = [torch.empty_like(full) for _ in range(world)]
-            dist.all_gather(parts, full)
-            full = torch.cat(parts)
-        ref_params[name].copy_(full)
+def _params(model, runtime) -> dict[str, tuple[torch.Tensor, bool]]:
+    """Every parameter of the wrapped model by the unwrapped model's name (FSDP2 shards gathered: a collective,
+    in the same order on every rank), with whether it is a master."""
+    return {name: (_full(p.detach()).clone(), is_master) for name, p, is_master in _by_name(model, runtime)}
 
 
-def _scenario(rank, world, family, config, how, steps=STEPS):
-    """Train the wrapped model the way ``how`` says and the unwrapped one on the global batch; return the
-    mismatches (empty: exact) and how many replicas the plans made."""
+def _scenario(rank, world, family, config, how, steps=STEPS, lose_master_update: bool = False):
+    """Train the wrapped model the way ``how`` says and the unwrapped one on the global batch, each with its own
+    optimizer; return the mismatches (empty: exact) and the rows the replicas computed. ``lose_master_update``:
+    the negative control — the masters' first optimizer update is undone on rank 0."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ultraep
 
+    served = served_rows()
     micro = 4 if how == "ddp-accumulate" else 1
     model = build_model(family, vocab=VOCAB, num_experts=8)
     ref = copy.deepcopy(model)
@@ -149,10 +146,13 @@ def _scenario(rank, world, family, config, how, steps=STEPS):
         trained = model
     else:
         trained = DDP(model)
-    opt = torch.optim.Adam(trained.parameters(), lr=1e-2)
+    opt = torch.optim.SGD(trained.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    ref_params = dict(ref.named_parameters())
+    problems = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
         loss_sum = torch.zeros(())
         ref_loss = torch.zeros(())
         for mb in range(micro):
@@ -167,32 +167,44 @@ def _scenario(rank, world, family, config, how, steps=STEPS):
             rl.backward()
             ref_loss += rl.detach()
         dist.all_reduce(loss_sum)
-        if (d := _differs(loss_sum / world, ref_loss, rtol=1e-5)) is not None:
+        if (d := _differs(loss_sum / world, ref_loss)) is not None:
             problems.append(f"step {step} loss: {d}")
-        ref_params = dict(ref.named_parameters())
         got = _grads(model, rt, rank)  # once per step: under FSDP2 every gradient's gather is a collective
         for name, (g, is_master) in got.items():
             want = ref_params[name].grad
             if is_master:
                 M = g.shape[0]
                 want = want[rank * M:(rank + 1) * M]
-            # fp32 rounding of one forward and backward (both models at the same parameters)
-            if (d := _differs(g, want, rtol=2e-5)) is not None:
-                problems.append(f"step {step} {name}: {d}")
+            if (d := _differs(g, want)) is not None:
+                problems.append(f"step {step} {name} gradient: {d}")
         missing = [n for n, p in ref_params.items() if p.grad is not None and n not in got]
         problems += [f"step {step} {n}: no gradient" for n in missing]
+        masters = [p for layer in rt.layers for p in layer.master_params()]
+        before = [p.detach().clone() for p in masters]
         opt.step()
-        _take_parameters(ref, model, rt, world)
+        ref_opt.step()
+        if lose_master_update and step == 0 and rank == 0:
+            with torch.no_grad():
+                for p, b in zip(masters, before):
+                    p.copy_(b)
+        # the parameters each trained on its own: the step's update, compared
+        for name, (p, is_master) in _params(model, rt).items():
+            want = ref_params[name].detach()
+            if is_master:
+                M = p.shape[0]
+                want = want[rank * M:(rank + 1) * M]
+            if (d := _differs(p, want)) is not None:
+                problems.append(f"step {step} {name} parameter after the update: {d}")
         rt.next_step(loss=float(loss_sum))
-    replicas = sum(h[5] for h in rt.recording.history)  # (step, layer, policy, before, after, replicas, ...) per call
-    return {"problems": problems[:8], "replicas": replicas, "restorations": rt.shared_slots.restorations,
+    return {"problems": problems[:40], "served": dict(served), "restorations": rt.shared_slots.restorations,
             "policies": sorted({h[2] for h in rt.recording.history})}
 
 
 def _check(results):
     for r, res in enumerate(results):
-        assert not res["problems"], f"rank {r}: " + "\n".join(res["problems"])
-    assert sum(res["replicas"] for res in results) > 0, "the plans made no replicas: the test would prove nothing"
+        assert not res["problems"], f"rank {r}: " + "\n".join(res["problems"][:8])
+    rows = sum(n for res in results for n in res["served"].values())
+    assert rows > 0, "no replica computed a token: the test would prove nothing"
 
 
 HOWS = ["ddp", "ddp-accumulate", "checkpoint-hf", "checkpoint-torch", "checkpoint-torch-reentrant", "fsdp2"]
@@ -224,10 +236,30 @@ def test_the_deprecated_checkpointing_name_still_trains_exactly():
     _check(run_ranks(_scenario, 2, "qwen3-moe", POLICIES["quota"], "checkpoint-hf-legacy"))
 
 
+def test_the_check_fails_when_no_replica_computed_a_token():
+    # negative control: plans may name replicas that compute nothing; only rows the replicas ran count
+    _check([{"problems": [], "served": {(0, 1): 4}}])
+    for served in ({}, {(0, 1): 0}):
+        with pytest.raises(AssertionError, match="no replica computed a token"):
+            _check([{"problems": [], "served": served}])
+
+
 def test_the_comparison_fails_when_master_gradients_are_not_averaged_like_ddp():
     # negative control: summed master gradients under DDP (what wrap gave before master_grads) are caught
     results = run_ranks(_scenario, 2, "qwen3-moe", {**POLICIES["quota"], "master_grads": "sum"}, "ddp", 1)
     assert any("experts" in p for res in results for p in res["problems"]), results
+
+
+def test_the_comparison_fails_when_a_masters_optimizer_update_is_lost():
+    """Negative control: rank 0's masters keep their weights through the first step (an optimizer that skipped
+    them). The gradients of that step are right; the parameters after it are not, and the reference, training
+    on its own, does not take the wrapped model's weights back."""
+    results = run_ranks(_scenario, 2, "qwen3-moe", POLICIES["quota"], "ddp", 2, True)
+    first = results[0]["problems"]
+    assert first and first[0].startswith("step 0 ") and "experts" in first[0] and "parameter after the update" in \
+        first[0], first
+    assert not any("gradient" in p for p in first if p.startswith("step 0 ")), first
+    assert any(p.startswith("step 1 ") for p in first), first  # and the next step computes with the stale weights
 
 
 def _plain_loop(rank, world, config):
@@ -294,7 +326,7 @@ def _wrong_order(rank, world, how):
     ("fsdp2-masters", "pass ignored_params=ultraep.expert_params(model) to every fully_shard call"),
 ])
 def test_a_data_parallel_wrapper_in_the_wrong_order_is_refused_in_one_line(how, says):
-    for m in run_ranks(_wrong_order, 2, how):
+    for m in run_ranks(_wrong_order, 2, how, p2p=False):  # refused before anything moves
         assert m is not None and says in m and "\n" not in m, m
 
 

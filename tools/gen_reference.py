@@ -211,7 +211,8 @@ def sql_page() -> str:
     for name in order:
         out += [f"## {name}", "", _esc(about[name]), "", "| column | type | meaning |", "|---|---|---|"]
         for col, typ, *_ in con.execute(f"DESCRIBE {name}").fetchall():
-            out.append(f"| `{col}` | {_esc(typ)} | {_esc(cols.get((name, col), ''))} |")
+            meaning = _esc(cols.get((name, col), "")).replace("[", "\\[")  # [R][E] is a shape, not a link
+            out.append(f"| `{col}` | `{_esc(typ)}` | {meaning} |")
         out.append("")
     return "\n".join(out)
 

@@ -17,8 +17,8 @@ Modules, each with one job (dependencies point down the list):
 * :mod:`.guard` — a collective's failure named (layer, phase, peers) as ``CollectiveFailedError``;
 * :mod:`.masters` — a layer's topology and this rank's master slices of the experts container (``[M, ...]`` meta
   tensors for a model on the meta device), and the expert bytes a rank holds;
-* :mod:`.master_source` — where a rank's masters come from for a model built on the meta device: rows of a
-  safetensors or DCP checkpoint, or an init (``load_masters``);
+* :mod:`.master_rows` — a rank's masters as rows of the ``[E, ...]`` checkpoint tensors: read for a model built
+  on the meta device (safetensors, DCP, or an init: ``load_masters``), written to DCP (``MastersSavePlanner``);
 * :mod:`.replicas` — replica weights posted early and waited late, gradients reduced back without a barrier;
 * :mod:`.replica_cache` — replicas kept valid until their master changes;
 * :mod:`.replica_transport` — what a job's weights and gradients become as messages (direct or tiled);
@@ -31,9 +31,9 @@ Modules, each with one job (dependencies point down the list):
 """
 
 from ultraep.runtime.data_parallel import ParameterDivergenceError
-from ultraep.runtime.master_source import DCPMasters, InitMasters, SafetensorsMasters
-from ultraep.runtime.wrap import (EPRuntime, WrapReport, expert_params, load_masters, no_sync, replica_budget_bytes,
-                                  runtime_of, unwrap, wrap)
+from ultraep.runtime.master_rows import DCPMasters, InitMasters, SafetensorsMasters
+from ultraep.runtime.wrap import (EPRuntime, MastersSavePlanner, WrapReport, expert_params, load_masters, no_sync,
+                                  replica_budget_bytes, runtime_of, unwrap, wrap)
 
-__all__ = ["DCPMasters", "EPRuntime", "InitMasters", "ParameterDivergenceError", "SafetensorsMasters", "WrapReport",
+__all__ = ["DCPMasters", "EPRuntime", "InitMasters", "MastersSavePlanner", "ParameterDivergenceError", "SafetensorsMasters", "WrapReport",
            "expert_params", "load_masters", "no_sync", "replica_budget_bytes", "runtime_of", "unwrap", "wrap"]

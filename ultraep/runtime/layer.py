@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ultraep.runtime import phases
 from ultraep.runtime.call_record import CallLog, LayerCall
@@ -43,9 +42,9 @@ from ultraep.runtime.checkpoint_replay import recompute_forward
 from ultraep.runtime.recompute import Replay, Replays
 from ultraep.runtime.recording import Recording
 from ultraep.runtime.comm import check_same_plan, gather_load
-from ultraep.errors import PendingGradientsError, UltraEPError
+from ultraep.errors import PendingGradientsError
 from ultraep.runtime.load_header import GatheredLoad, LoadHeader, expert_counts, pack_load
-from ultraep.runtime.masters import layer_topology, take_masters
+from ultraep.runtime.masters import MasterState, layer_topology, take_masters
 from ultraep.runtime.replica_cache import MasterEpoch
 from ultraep.runtime.replica_store import ReplicaMemory, ReplicaStore
 from ultraep.runtime.replicas import DeferredGrads, ReplicaContext, ReplicaJob
@@ -94,7 +93,8 @@ class BalancedExperts(nn.Module):
         self.replica_context = ReplicaContext(
             rank=runtime.rank, transfer_group=runtime.transfer_group, guard=self.collective,
             expert_forward=partial(adapter.forward, container), master_params=self.master_params,
-            first_expert=self.first_expert, event=partial(self.recording.event, layer=layer), transport=cfg.replica_transport)
+            first_expert=self.first_expert, event=partial(self.recording.event, layer=layer),
+            transport=cfg.replica_transport)
         self.epoch = MasterEpoch()
         #: replica gradients of calls under ``runtime.no_sync()``, reduced by the next backward outside it
         self.deferred = DeferredGrads()
@@ -103,11 +103,8 @@ class BalancedExperts(nn.Module):
         #: the call waiting for its backward before it is recorded, and the phases sent with the next load
         self.calls = CallLog(lambda call, t, row: self.recording.record_layer(self.layer, call, t, row),
                              lambda call: self.replays.drop(call.replay))
-        #: False while the masters hold no weights yet: taken from a container on the meta device, they are
-        #: ``[M, ...]`` meta tensors until ``model.to_empty`` allocates them and ``ultraep.load_masters`` fills them
-        self.loaded = not any(p.device.type == "meta" for p in self.master_params())
-        self._hooked = WeakIdKeyDictionary()  # the master parameters that carry the hook (by identity)
-        self._hooked_masters()
+        #: whether the masters hold weights (not while a meta model's are unloaded) and their gradient hook
+        self.master_state = MasterState(name, self.master_params(), self._scale_master_grad)
 
     @property
     def last_timings(self) -> dict[str, float]:
@@ -118,26 +115,6 @@ class BalancedExperts(nn.Module):
     def flush_record(self) -> None:
         """Record the call still waiting for its backward (at a step's end, or on a failure)."""
         self.calls.flush()
-
-    def masters_loaded(self) -> None:
-        """The masters hold their weights (``ultraep.load_masters`` filled them)."""
-        self.loaded = True
-
-    def _hooked_masters(self) -> None:
-        """Masters follow the data-parallel wrapper's averaging (``master_grads``) through a gradient hook on each.
-        ``to_empty`` replaces a meta parameter by a new one, so the hook is checked at every call, not only here."""
-        for p in self.master_params():
-            if p.requires_grad and p not in self._hooked:
-                p.register_hook(self._scale_master_grad)
-                self._hooked[p] = True
-
-    def _check_loaded(self) -> None:
-        if not self.loaded:
-            meta = any(p.device.type == "meta" for p in self.master_params())
-            raise UltraEPError(
-                f"{self.name}.masters", "are on the meta device: allocate the model (model.to_empty(device=...)) and "
-                "load them (ultraep.load_masters(model, source))" if meta else "were allocated but never loaded: "
-                "ultraep.load_masters(model, SafetensorsMasters(...) | DCPMasters(...) | InitMasters(fn)) fills them")
 
     def _scale_master_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
         s = self.runtime.master_grad_scale
@@ -175,7 +152,7 @@ class BalancedExperts(nn.Module):
         whether there is one: it is no load (the counts leave it out), reroute maps it to no instance, it gets
         no send row, and the combine adds nothing for it (a zero weight gradient) — exact, and neither load
         nor compute anywhere."""
-        self._check_loaded()
+        self.master_state.check_loaded(self.master_params())
         return self._balanced(hidden_states, top_k_index, top_k_weights)
 
     def _balanced(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
@@ -187,7 +164,7 @@ class BalancedExperts(nn.Module):
         # travel while the tokens do, and waited for only right before the replicas compute.
         if torch._C._current_graph_task_id() != -1:  # a forward inside a backward: an activation recompute
             return recompute_forward(self, hidden_states, top_k_index, top_k_weights)
-        self._hooked_masters()
+        self.master_state.hook(self.master_params())
         rt = self.runtime
         if self.calls.ready():
             self.calls.flush()  # the previous call's record, if its backward never came

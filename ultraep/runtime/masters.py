@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
+from ultraep.errors import UltraEPError
 from ultraep.topology import Topology
 
 
@@ -41,6 +43,40 @@ def take_masters(container: nn.Module, param_names, rank: int, num_masters: int)
         out[n] = nn.Parameter(full.detach()[r * M:(r + 1) * M].clone(), requires_grad=full.requires_grad)
         setattr(container, n, nn.Parameter(torch.empty(0, dtype=full.dtype, device=full.device), requires_grad=False))
     return out
+
+
+class MasterState:
+    """Whether a layer's masters hold weights, and the gradient hook each carries.
+
+    ``loaded``: False while masters taken from a container on the meta device hold none: ``[M, ...]`` meta tensors
+    until ``model.to_empty`` allocates them and ``ultraep.load_masters`` fills them (then :meth:`mark_loaded`).
+    ``grad_hook``: the layer's scaling of master gradients (``master_grads``); ``to_empty`` replaces a meta parameter
+    by a new one, so :meth:`hook` runs at every call and attaches it to any master that lacks it."""
+
+    def __init__(self, name: str, params: list[torch.Tensor], grad_hook) -> None:
+        self.name, self.grad_hook = name, grad_hook
+        self.loaded = not any(p.device.type == "meta" for p in params)
+        self._hooked = WeakIdKeyDictionary()  # the parameters that carry the hook (by identity, not ==)
+        self.hook(params)
+
+    def mark_loaded(self) -> None:
+        self.loaded = True
+
+    def hook(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            if p.requires_grad and p not in self._hooked:
+                p.register_hook(self.grad_hook)
+                self._hooked[p] = True
+
+    def check_loaded(self, params: list[torch.Tensor]) -> None:
+        """Refuse a call before the masters hold weights (one line naming ``<layer>.masters``)."""
+        if self.loaded:
+            return
+        meta = any(p.device.type == "meta" for p in params)
+        raise UltraEPError(
+            f"{self.name}.masters", "are on the meta device: allocate the model (model.to_empty(device=...)) and "
+            "load them (ultraep.load_masters(model, source))" if meta else "were allocated but never loaded: "
+            "ultraep.load_masters(model, SafetensorsMasters(...) | DCPMasters(...) | InitMasters(fn)) fills them")
 
 
 def held_bytes(layers) -> dict[str, int]:

@@ -15,6 +15,10 @@ import logging
 
 log = logging.getLogger("ultraep")
 
+#: calls ``Recording.history`` keeps at least (the newest; trimmed to this once it holds twice as many): a run of
+#: 10^5 steps over dozens of layers kept millions of rows
+HISTORY_CALLS = 10_000
+
 
 class Recording:
     """The recorder of one wrapped model and what its layers record into it.
@@ -27,7 +31,8 @@ class Recording:
         self.engine = None
         #: recording steps that failed (counted, logged once, never raised)
         self.errors = 0
-        #: (step, layer, policy, imbalance before, after, replicas, plan s, transfer s, layer fwd s) per call
+        #: (step, layer, policy, imbalance before, after, replicas, plan s, transfer s, layer fwd s) per call, the
+        #: newest HISTORY_CALLS at least
         self.history: list[tuple] = []
         #: when a list: (event, layer) in the order the balanced layers' steps ran (tests pin the order)
         self.events: list[tuple[str, int]] | None = None
@@ -53,6 +58,8 @@ class Recording:
         plan = call.plan
         self.history.append((call.key[0], layer, plan.chosen_policy, plan.imbalance_before, plan.imbalance_after,
                              plan.num_replicas, timings.plan_s, timings.transfer_s, timings.measured_s))
+        if len(self.history) >= 2 * HISTORY_CALLS:  # bounded, trimmed once per HISTORY_CALLS calls
+            del self.history[:-HISTORY_CALLS]
         if self.recorder is not None:
             self.safe(self._record_call, call, row)
 

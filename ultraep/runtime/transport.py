@@ -36,13 +36,14 @@ def open_transfer_group(ranks: list[int], backend: str, timeout=None):
     """The process group replica transfers travel on, beside the token all-to-alls' group (on NCCL, one
     communicator's operations share a stream: transfers must not queue behind the all-to-alls).
 
-    On NCCL its communicator is created here, by a one-element all-reduce every rank joins: a batch of
+    Its communicator is opened here, by a one-element all-reduce every rank joins: on NCCL a batch of
     point-to-point operations that is a group's *first* operation must include every rank of the group
-    (``torch.distributed.batch_isend_irecv``), and a layer call's batches rarely do. ``timeout``: the user
-    group's (None: the backend's default)."""
+    (``torch.distributed.batch_isend_irecv``), and a layer call's batches rarely do. Issued on every backend, so
+    that the same order runs on gloo, where ``tests/nccl_harness.py`` checks it. ``timeout``: the user group's
+    (None: the backend's default)."""
     group = dist.new_group(ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
-    if backend == "nccl":  # pragma: no cover - needs GPUs (make gpu-check)
-        dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
     return group
 
 

@@ -20,9 +20,9 @@ from torch import nn
 from ultraep.models.adapters import UnsupportedModelError, adapter_for, prepare, supported
 from ultraep.config import BalancerConfig
 from ultraep.runtime import data_parallel
-from ultraep.runtime import master_source
+from ultraep.runtime import master_rows
 from ultraep.runtime.layer import BalancedExperts
-from ultraep.runtime.master_source import MasterSource
+from ultraep.runtime.master_rows import MasterSource
 from ultraep.runtime.recording import Recording
 from ultraep.errors import UltraEPError
 from ultraep.runtime.replica_store import SharedSlots, split_budget
@@ -178,7 +178,6 @@ class EPRuntime:
             return
         masters = {id(p) for layer in self.layers for p in layer.master_params()}
         data_parallel.check_replicated(model, masters, self.group, self.step)
-
 
     def build_engine(self) -> None:
         """The one decision loop of this model's layers: their policies, a cost model seeded with this
@@ -364,9 +363,18 @@ def load_masters(model: nn.Module, source: MasterSource) -> nn.Module:
     :class:`DCPMasters`; keys: the unwrapped model's ``state_dict`` names) or written by an init
     (:class:`InitMasters`). Call after ``model.to_empty(device=...)`` for a model built on the meta device; on any
     wrapped model it replaces the masters' weights. Not collective: each rank reads only its own rows."""
-    master_source.load(runtime_of(model).layers, source)
+    master_rows.load(runtime_of(model).layers, source)
     runtime_of(model).invalidate_replicas()  # (the masters were written through .data: the cache must not trust them)
     return model
+
+
+def MastersSavePlanner(model: nn.Module, **kwargs):  # noqa: N802 - named as the planner class it returns
+    """A ``torch.distributed.checkpoint`` save planner for a wrapped ``model``: ``dcp.save(model.state_dict(),
+    checkpoint_id=..., planner=ultraep.MastersSavePlanner(model))`` (collective) writes each rank's masters as its
+    rows of the ``[E, ...]`` expert tensors, under the unwrapped model's keys, so the checkpoint is the unwrapped
+    model's and loads by rows on any number of ranks (:class:`DCPMasters`) or whole. Without it DCP takes the
+    ``[M, ...]`` masters for replicated tensors and keeps one rank's. ``kwargs`` go to ``DefaultSavePlanner``."""
+    return master_rows.save_planner(runtime_of(model).layers, **kwargs)
 
 
 def runtime_of(model: nn.Module) -> EPRuntime:
