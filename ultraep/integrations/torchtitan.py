@@ -138,7 +138,7 @@ def _expert_init(model: nn.Module):
 
     import torch
 
-    from ultraep.runtime.master_source import InitMasters
+    from ultraep.runtime.master_rows import InitMasters
     from ultraep.runtime.wrap import runtime_of
 
     inits = {f"{layer.name}.{n}": layer.container._param_init[n] for layer in runtime_of(model).layers
