@@ -95,7 +95,7 @@ def _balanced_class(owner: type, config_json: str) -> type:
 
     def __init__(self, config, **kwargs):
         owner.__init__(self, config, **kwargs)
-        prepare(self)
+        prepare(self, probe=False)  # weights not initialised yet: wrap probes the blocks
         if _on_meta(self):  # the trainer's build: wrap now, so that each rank allocates only its masters
             import ultraep
 

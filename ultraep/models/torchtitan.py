@@ -273,13 +273,14 @@ def _probe(block: nn.Module, adapter: ExpertsAdapter) -> None:
                       f"{err:.3g} (relative, > 3e-2) on a probe")
 
 
-def prepare(model: nn.Module) -> list[str]:
+def prepare(model: nn.Module, probe: bool = True) -> list[str]:
     """Prepare every torchtitan ``RoutedExperts`` of ``model`` (see the module docstring); returns their names.
-    Idempotent; refuses (one line) what cannot be balanced exactly."""
+    Idempotent; refuses (one line) what cannot be balanced exactly. ``probe=False``: leave the probe to the next
+    ``prepare`` (``wrap``'s), for weights not initialised yet."""
     done = []
     for name, block in list(model.named_modules()):
         if getattr(type(block), "_ultraep_titan_base", None) is not None:
-            if not getattr(block, "_ultraep_probed", False):  # prepared on the meta device: probe once materialised
+            if probe and not getattr(block, "_ultraep_probed", False):  # prepared before its weights: probe now
                 _probe_prepared(block)
             continue
         if not is_torchtitan(block) and not _subclasses(block, "RoutedExperts"):
@@ -305,7 +306,8 @@ def prepare(model: nn.Module) -> list[str]:
         block._ultraep_inner_cls = type(inner)
         block.__class__ = _prepared_class(type(block))
         object.__setattr__(inner, _MARK, adapter)
-        _probe_prepared(block)
+        if probe:
+            _probe_prepared(block)
         done.append(name)
     return done
 
