@@ -16,12 +16,14 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt Makefile
 # other build warning shows (tests/test_packaging.py builds with this filter and expects none).
 QUIET_BUILD := ignore:Editable installation
 
+# torchtitan: what its model code imports first, then torchtitan itself without its training stack (under --no-deps
+# pip checks no dependencies, so it does not warn that datasets, wandb, ... are absent)
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	PYTHONWARNINGS='$(QUIET_BUILD)' $(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
-	$(PY) -m pip install -q -c constraints.txt --no-deps torchtitan
 	$(PY) -m pip install -q -c constraints.txt $(TITAN_IMPORTS)
+	$(PY) -m pip install -q -c constraints.txt --no-deps torchtitan
 	rm -f $(VENV)/.installed-*
 	touch $@
 
