@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # what a build reads: the project table, the readme, and the folders package-dir maps
-SOURCES = ("pyproject.toml", "README.md", "ultraep", "policies", "kernels", "telemetry", "dashboard")
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "ultraep", "policies", "kernels", "telemetry", "dashboard")
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,7 @@ def test_wheel_has_only_the_ultraep_namespace(wheel):
     assert "ultraep/policies/quota.py" in names and "ultraep/telemetry/schema.sql" in names
     assert "ultraep/dashboard/pages/overview.py" in names  # Streamlit reads its pages from the installed folder
     assert "ultraep/kernels/kernel_times.csv" in names  # the measured times backend="auto" chooses from
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)  # the license text the metadata declares
     assert "ultraep/integrations/torchtitan.py" in names and "ultraep/models/torchtitan.py" in names
     assert not any("/tests/" in n or n.startswith("benchmarks") for n in names)
 
@@ -141,7 +142,8 @@ def test_make_setups_build_prints_no_warning(tmp_path):
 
     old = _copy_sources(tmp_path / "old")
     text = (old / "pyproject.toml").read_text()
-    text = text.replace('license = "Apache-2.0"', 'license = { text = "Apache-2.0" }')
+    # the table form and license-files cannot go together (PEP 639), so the old table has no license-files line
+    text = text.replace('license = "Apache-2.0"', 'license = { text = "Apache-2.0" }').replace('license-files = ["LICENSE"]\n', "")
     text = text.replace(', "ultraep.dashboard.pages"]', "]").replace(
         '"ultraep.telemetry" = ["*.sql"]', '"ultraep.telemetry" = ["*.sql"]\n"ultraep.dashboard" = ["pages/*.py"]')
     (old / "pyproject.toml").write_text(text)
