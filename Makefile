@@ -3,15 +3,25 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-EXTRAS := dev,kernels,hf,dashboard
+EXTRAS := dev,kernels,hf,dashboard,docs
+# torchtitan's model code without its training stack (datasets, wandb, tensorboard, torchdata, ...): what its
+# models, configs and parallelize functions import (docs/design.md, "torchtitan, and what the tests install")
+TITAN_IMPORTS := spmd_types tyro einops
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt Makefile | sha1sum | cut -c1-12)
 
-.PHONY: setup test demo dashboard bench gpu-check clean
+.PHONY: setup test docs demo dashboard bench gpu-check clean
+
+# setuptools' notice on every editable install of a package mapped from several folders ("Editable installation
+# ... folders with the same name as your package") is information, not a problem: it is filtered; every
+# other build warning shows (tests/test_packaging.py builds with this filter and expects none).
+QUIET_BUILD := ignore:Editable installation
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
+	PYTHONWARNINGS='$(QUIET_BUILD)' $(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
+	$(PY) -m pip install -q -c constraints.txt --no-deps torchtitan
+	$(PY) -m pip install -q -c constraints.txt $(TITAN_IMPORTS)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -19,6 +29,11 @@ setup: $(STAMP)
 
 test: setup
 	$(PY) -m pytest -q
+
+# The documentation site into site/ (mkdocs.yml): warnings are errors, every link and anchor is checked; the
+# reference pages are generated (tools/gen_reference.py; a test fails when they are stale).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The main job: a real MoE model balanced across local ranks, measured against no balancing, with the host memory
 # settings of the runs of record (benchmarks/host_memory.py says why).
@@ -36,10 +51,11 @@ bench: setup
 	$(PY) benchmarks/bench_kernels.py
 	$(PY) benchmarks/bench_dashboard.py
 
-# Everything that needs a GPU (CUDA-only tests, Triton kernels compiled vs their references, NCCL runs, kernel
-# timings), appended as a dated section to docs/benchmarks.md. Without CUDA: one line, exit 0.
+# Everything that needs a GPU (CUDA-only tests, Triton kernels compiled vs their references, the sync check, kernel
+# timings, the critical path, NCCL runs with two GPUs) within 570 s; its rows go to benchmarks/results_committed/
+# and the kernel times to kernels/kernel_times.csv, for committing. Without CUDA: one line, exit 0.
 gpu-check: setup
 	$(PY) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist site *.egg-info

@@ -11,7 +11,10 @@ plus write. Times are CUDA-event p50 (p20, p80) over the repeats.
     .venv/bin/python benchmarks/bench_kernels.py --smoke    # no GPU: Triton path in the interpreter, tiny
 
 Without a GPU it says so, and times the pure-torch references on one CPU thread at a reduced size instead.
-Rows are appended to ``benchmarks/results/bench_kernels.csv`` (see ``benchmarks/common.py``).
+Rows are appended to ``benchmarks/results/bench_kernels.csv`` (see ``benchmarks/common.py``). With ``--table`` (on a
+GPU; ``make gpu-check`` passes it) each kernel's p50 of both implementations is also appended to the measured times
+``backend="auto"`` chooses from (``kernels/kernel_times.csv`` and ``benchmarks/results_committed/kernel_times.csv``,
+kept identical; ``ultraep.kernels.choice``), and the script prints what ``auto`` now runs.
 """
 
 from __future__ import annotations
@@ -29,11 +32,26 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from benchmarks.common import machine, row, time_calls, write_rows  # noqa: E402
+from benchmarks.common import COMMITTED, RUN, machine, row, time_calls, write_rows  # noqa: E402
+from ultraep.kernels import choice  # noqa: E402
+from ultraep.kernels.choice import append_times  # noqa: E402
 from ultraep.kernels import (  # noqa: E402
     ExpertLayout, dispatch_layout, forward_tiles, pack_tiles, permute, reduce_replica_grads, reroute, reroute_table,
     unpack_tiles, unpermute,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
+#: the kernel times ``auto`` reads (shipped with the package) and their committed twin
+TABLES = (choice.TABLE, COMMITTED / "kernel_times.csv")
+
+
+def git_commit() -> str:
+    """The commit of the measured tree (``-dirty`` when it differs)."""
+    import subprocess
+
+    return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+
 
 GPU_SIZE = dict(R=64, E=256, N=2, K=8, T=8192, H=7168, I=2048, experts=4, contributions=4)
 CPU_SIZE = dict(R=64, E=256, N=2, K=8, T=2048, H=1024, I=512, experts=2, contributions=4)
@@ -83,29 +101,9 @@ def workload(size: dict, device: torch.device, seed: int = 0):
     return plan, ids, table
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer timing repeats")
-    ap.add_argument("--smoke", action="store_true",
-                    help="without a GPU: run the Triton provider too, in the interpreter, at a tiny size (checks that "
-                         "the script runs end to end; the times mean nothing; writes no rows)")
-    args = ap.parse_args()
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the first kernel call imports triton
-    console = Console(width=120)
-    gpu = torch.cuda.is_available()
-    device = torch.device("cuda" if gpu else "cpu")
-    smoke = args.smoke and not gpu
-    size = GPU_SIZE if gpu else SMOKE_SIZE if smoke else CPU_SIZE
-    repeat = (20 if args.quick else 100) if gpu else 1 if smoke else (3 if args.quick else 10)
-    providers = ("triton", "torch") if gpu or smoke else ("torch",)
-    where = machine() + (f"-{torch.cuda.get_device_name()}".replace(" ", "_") if gpu else "")
-    if not gpu and not smoke:
-        torch.set_num_threads(1)  # a shared 2-core box: more threads only add contention noise
-        where += "-1thread"
-        console.print("[bold]bench_kernels: no CUDA GPU here; the Triton kernels need one.[/bold] Timing the "
-                      "pure-torch references on the CPU at a reduced size (T=2048, H=1024) instead.")
-    t_of = timer(device)
+def build_cases(size: dict, device: torch.device, providers) -> list:
+    """``[(kernel, x label, bytes read + written, {provider: fn})]`` at ``size`` on ``device``; the bytes are the
+    size each wrapper passes to ``auto``'s choice (``ultraep.kernels.choice.SIZE_OF``)."""
     R, K, T, H, I, X, C = (size[k] for k in ("R", "K", "T", "H", "I", "experts", "contributions"))
     plan, ids, table = workload(size, device)
     S = plan.topology.num_slots
@@ -116,9 +114,10 @@ def main() -> None:
                   {p: (lambda p=p: reroute(ids, table, backend=p)) for p in providers}))
     phys = reroute(ids, table)
     # 2. layout: read slots + write pos + write pair (8 B each).
+    rows0 = int(plan.routes_RRS[0].sum())  # as the runtime calls it: the row count from the plan (no host read)
     cases.append(("dispatch_layout", f"T{T}xK{K}", 24 * T * K,
-                  {p: (lambda p=p: dispatch_layout(phys, R, S, backend=p)) for p in providers}))
-    lay = dispatch_layout(phys, R, S)
+                  {p: (lambda p=p: dispatch_layout(phys, R, S, num_rows=rows0, backend=p)) for p in providers}))
+    lay = dispatch_layout(phys, R, S, num_rows=rows0)
     Nr = lay.num_rows
     x = torch.randn((T, H), device=device).bfloat16()
     w = torch.rand((T, K), device=device)
@@ -155,6 +154,36 @@ def main() -> None:
                   {p: (lambda p=p: reduce_replica_grads([master], arena, contrib, glayout, backend=p))
                    for p in providers}))
 
+    return cases
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer timing repeats")
+    ap.add_argument("--smoke", action="store_true",
+                    help="without a GPU: run the Triton provider too, in the interpreter, at a tiny size (checks that "
+                         "the script runs end to end; the times mean nothing; writes no rows)")
+    ap.add_argument("--table", action="store_true",
+                    help="on a GPU: append each kernel's p50 (Triton and torch) to the measured times backend='auto' "
+                         "chooses from (kernels/kernel_times.csv and its twin in benchmarks/results_committed/)")
+    args = ap.parse_args()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the first kernel call imports triton
+    console = Console(width=120)
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    smoke = args.smoke and not gpu
+    size = GPU_SIZE if gpu else SMOKE_SIZE if smoke else CPU_SIZE
+    repeat = (20 if args.quick else 100) if gpu else 1 if smoke else (3 if args.quick else 10)
+    providers = ("triton", "torch") if gpu or smoke else ("torch",)
+    where = machine() + (f"-{torch.cuda.get_device_name()}".replace(" ", "_") if gpu else "")
+    if not gpu and not smoke:
+        torch.set_num_threads(1)  # a shared 2-core box: more threads only add contention noise
+        where += "-1thread"
+        console.print("[bold]bench_kernels: no CUDA GPU here; the Triton kernels need one.[/bold] Timing the "
+                      "pure-torch references on the CPU at a reduced size (T=2048, H=1024) instead.")
+    t_of = timer(device)
+    cases = build_cases(size, device, providers)
     table_out = Table(title=f"real-time path kernels on {where}")
     for col in ["kernel", "size", "provider", "p50 µs", "p20 µs", "p80 µs", "GB/s", "% of copy"]:
         table_out.add_column(col, justify="right")
@@ -171,9 +200,11 @@ def main() -> None:
     table_out.add_row("device copy", xcopy, "copy_", *(f"{np.percentile(tc, q) * 1e6:.0f}" for q in (50, 20, 80)),
                       f"{copy_gbs:.1f}", "100")
     del a, b
+    p50s = {}  # (kernel, x, bytes) -> {provider: p50 seconds}
     for what, xlabel, nbytes, fns in cases:
         for provider, fn in fns.items():
             ts = t_of(fn, repeat)
+            p50s.setdefault((what, xlabel, nbytes), {})[provider] = float(np.percentile(ts, 50))
             gbs = nbytes / ts / 1e9
             p50 = nbytes / np.percentile(ts, 50) / 1e9
             for r in (row(what, provider, "time", "s", xlabel, ts), row(what, provider, "bandwidth", "GB/s", xlabel, gbs)):
@@ -190,6 +221,18 @@ def main() -> None:
         return
     path = write_rows("bench_kernels", rows)
     print(f"rows appended to {path}")
+    if args.table and gpu:
+        times = [dict(kernel=k, device=torch.cuda.get_device_name(), x=x, size_bytes=nb, triton_s=f"{p['triton']:.6g}",
+                      torch_s=f"{p['torch']:.6g}", machine=where, run=RUN,
+                      source=f"benchmarks/bench_kernels.py {'--quick ' if args.quick else ''}--table (p50 of {repeat}), "
+                             f"commit {git_commit()}")
+                 for (k, x, nb), p in p50s.items()]
+        for table in TABLES:
+            append_times(table, times)
+        choice._load.cache_clear()
+        picks = ", ".join(f"{k} {choice.kernel_times().choose(k, torch.cuda.get_device_name(), nb)}"
+                          for (k, _, nb) in p50s)
+        print(f"kernel times appended to {', '.join(str(t.relative_to(ROOT)) for t in TABLES)}; auto now runs: {picks}")
 
 
 if __name__ == "__main__":

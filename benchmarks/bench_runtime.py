@@ -1,7 +1,8 @@
 """Runtime benchmark: one balanced MoE layer, forward + backward, on 2 local gloo ranks (one thread each).
 
 The layer is a transformers v5 experts container (``Qwen3MoeExperts``, or ``MixtralExperts``) big enough that
-expert compute dominates. Routing is skewed so that the rank-level imbalance without balancing is about 1.6
+expert compute dominates; shape ``torchtitan`` is torchtitan's ``RoutedExperts`` (``GroupedExperts``: bf16 grouped
+mm, the local dispatcher) at the default shape, balanced through ``ultraep.models.torchtitan``. Routing is skewed so that the rank-level imbalance without balancing is about 1.6
 (hot experts on rank 0); the same tokens are then run
 
   * ``none``            no balancing,
@@ -74,6 +75,7 @@ SHAPES = {
     "tok4096": Shape("tok4096", tokens=4096),
     "h512": Shape("h512", hidden=512),
     "mixtral": Shape("mixtral", family="mixtral"),
+    "torchtitan": Shape("torchtitan", family="torchtitan"),
     # 16 experts = 8 masters per rank: 4 redundant slots keep the default's share (2 per 4 masters)
     "e16": Shape("e16", experts=16, slots=4),
 }
@@ -100,6 +102,13 @@ def _routing(rank: int, T: int, K: int, E: int, skew: bool, seed: int) -> torch.
 
 
 def _experts(shape: Shape):
+    if shape.family == "torchtitan":  # RoutedExperts: the module ultraep.wrap prepares (the experts live inside)
+        from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+        return RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=shape.hidden, hidden_dim=shape.ffn, num_experts=shape.experts),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=shape.experts, top_k=shape.top_k)).build()
     import transformers as tf
 
     if shape.family == "mixtral":
@@ -121,6 +130,9 @@ def wrapped_layer(shape, config: dict, device: torch.device | None = None, recor
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(0, 0.02)
+    if shape.family == "torchtitan":  # the balanced layer takes RoutedExperts' inner_experts
+        ultraep.wrap(experts, config, recorder=recorder)
+        return experts.inner_experts, ultraep.runtime_of(experts)
     holder = torch.nn.Module()
     holder.experts = experts
     ultraep.wrap(holder, config, recorder=recorder)
@@ -154,7 +166,7 @@ def _body(rank, world, shape: Shape, args, policies, runs_dir=None):
         recs = {name: Recorder.open(runs_dir, f"{shape.name}-{name}", world_size=world, rank=rank, flush_interval_s=None,
                                     config={"policy": policy}) for name, policy, _ in policies}
     runs = [(name, *_setup(rank, shape, args, policy, skew, recs.get(name))) for name, policy, skew in policies]
-    out = {name: {"times": [], "phases": [], "chosen": []} for name, *_ in runs}
+    out = {name: {"times": [], "phases": [], "chosen": [], "first": []} for name, *_ in runs}
     orders = carryover_orders(len(runs))
     # on GPUs the work is asynchronous: the wall time of a call ends when the device finished it
     sync = torch.cuda.synchronize if args.backend == "nccl" else (lambda: None)
@@ -171,11 +183,13 @@ def _body(rank, world, shape: Shape, args, policies, runs_dir=None):
             layer.zero_grad(set_to_none=True)
             x.grad = None
             rt.next_step()  # records the call (with its backward phases) into layer.last_timings
+            if it < FIRST_CALLS:  # a fresh wrap's first calls, warm-up included: what a user's first try sees
+                out[name]["first"].append(t)
             if it >= args.warmup:
                 o = out[name]
                 o["times"].append(t)
                 o["phases"].append(dict(layer.last_timings))
-                o["chosen"].append(rt.history[-1][2])
+                o["chosen"].append(rt.recording.history[-1][2])
     for name, layer, *_ in runs:
         plan = layer.last_plan
         out[name].update(imb_before=plan.imbalance_before, imb_after=plan.imbalance_after,
@@ -186,8 +200,7 @@ def _body(rank, world, shape: Shape, args, policies, runs_dir=None):
 
 
 #: layer calls of one shape's ranks (warm-up and timed, every run) the launcher's default limit of 600 s is kept for:
-#: the fourteenth session's validation runs (20 + 20 calls of 5 runs, bench_validate) took up to ~500 s at the
-#: costliest shape, tok4096
+#: bench_validate's runs with 20 + 20 calls of 5 runs took up to ~500 s at the costliest shape, tok4096 (2 cores)
 LAUNCH_CALLS = 200
 
 
@@ -195,6 +208,10 @@ def launch_timeout(args, runs: int) -> float:
     """Seconds one shape's ranks may take: 600 up to :data:`LAUNCH_CALLS` calls, more in proportion beyond. Why: with
     60 timed calls tok4096's ranks ran past the fixed 600 s and the validation lost the shape (2026-11-27)."""
     return 600.0 * max(1.0, (args.warmup + args.iters) * runs / LAUNCH_CALLS)
+
+
+#: the first calls of a fresh wrap (warm-up included) whose adaptive / best fixed is reported beside the steady state
+FIRST_CALLS = 20
 
 
 def _run_shape(shape: Shape, args, policies, runs_dir=None) -> dict:
@@ -205,6 +222,7 @@ def _run_shape(shape: Shape, args, policies, runs_dir=None) -> dict:
         per_rank = [o[name] for o in out]
         per_iter = np.max(np.array([o["times"] for o in per_rank]), axis=0)  # the slowest rank sets the pace
         res[name] = (per_iter, per_rank)
+        per_rank[0]["first_calls"] = np.max(np.array([o["first"] for o in per_rank]), axis=0)
     return res
 
 
@@ -225,7 +243,7 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=1024, help="expert intermediate size (custom shape)")
     ap.add_argument("--experts", type=int, default=8, help="(custom shape)")
     ap.add_argument("--top-k", type=int, default=2, help="(custom shape)")
-    ap.add_argument("--family", default="qwen3-moe", choices=["qwen3-moe", "mixtral"], help="(custom shape)")
+    ap.add_argument("--family", default="qwen3-moe", choices=["qwen3-moe", "mixtral", "torchtitan"], help="(custom shape)")
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
@@ -257,7 +275,7 @@ def main() -> None:
     console = Console(width=220)
     main_t = Table(title=f"one MoE layer fwd+bwd, 2 ranks x 1 thread, load avg {os.getloadavg()[0]:.2f} at start")
     for c in ["shape", "run", "imb. before", "imb. after", "replicas", "p50 (s)", "min..max (s)", "vs none",
-              "% of force-balanced", "adaptive chose", "adaptive / best fixed [90 % interval]"]:
+              "% of force-balanced", "adaptive chose", "adaptive / best fixed [90 % interval]; first calls"]:
         main_t.add_column(c, justify="right")
     phase_t = Table(title="quota: per-phase seconds per iteration (rank 0 / rank 1, median); exposed unless marked")
     phase_t.add_column("shape")
@@ -283,6 +301,12 @@ def main() -> None:
                 rows.append(row("runtime_layer_fwd_bwd", name, "vs_best_fixed", "ratio", x, p50 / fixed[best]))
                 rows.append(row("runtime_layer_fwd_bwd", name, "vs_best_fixed_lo90", "ratio", x, lo))
                 rows.append(row("runtime_layer_fwd_bwd", name, "vs_best_fixed_hi90", "ratio", x, hi))
+                first = {n: float(np.sum(o[0]["first_calls"])) for n, (_, o) in res.items() if n in fixed or n == name}
+                best_first = min((n for n in first if n != name), key=first.get)
+                n_first = len(out[0]["first_calls"])
+                vs_best += f"; first {n_first} calls {first[name] / first[best_first]:.3f} ({best_first})"
+                rows.append(row("runtime_layer_fwd_bwd", name, f"vs_best_fixed_first{n_first}", "ratio", x,
+                                first[name] / first[best_first]))
             main_t.add_row(shape.label() if name == "none" else "", name, f"{info['imb_before']:.3f}",
                            f"{info['imb_after']:.3f}", str(info["replicas"]), f"{p50:.3f}",
                            f"{t.min():.3f}..{t.max():.3f}", f"{t_none / p50:.2f}x", f"{100 * t_ideal / p50:.1f} %", chose,

@@ -114,7 +114,7 @@ class _Serve:
             o["times"].append(t)
             o["sent"].append(lt.get("transfer_bytes", 0.0))
             o["hits"].append((lt.get("cache_hits", 0.0), lt.get("cache_misses", 0.0)))
-            o["chosen"].append(self.rt.history[-1][2])
+            o["chosen"].append(self.rt.recording.history[-1][2])
 
     def result(self) -> dict:
         plan = self.layer.last_plan

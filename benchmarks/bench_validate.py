@@ -9,8 +9,8 @@ simulator replays that run's routing (the same in every run of a shape) through 
 (``ultraep simulate RUN --topology from-run``). Why a calibration run: the fit learns what one policy's calls cost
 from those calls, and an adaptive run measures a policy that does not pay a few times (2-7 calls of ``quota`` at 64
 tokens per rank, 2 of ``none`` at 4096): predicted from those, the speed-up over none missed by 9.1-10.7 % in
-3 of 4 runs (2026-11-27, twelfth session); in the thirteenth session's four recordings by 2.4 / 7.9 / 5.7 / 6.0 % on
-the calibration run's model and 6.9 / 5.7 / 25.9 / 8.4 % on the adaptive run's, which is still printed next to it.
+3 of 4 runs; in four other recordings by 2.4 / 7.9 / 5.7 / 6.0 % on the calibration run's model and 6.9 / 5.7 /
+25.9 / 8.4 % on the adaptive run's, which is still printed next to it.
 Per shape and policy the table puts the measured layer time (median over the timed calls of the slowest rank's
 forward + backward, as the runtime recorded it) next to the prediction, and the measured speed-up over none next to
 the predicted one, and that measured speed-up's standard error (a bootstrap over the timed steps: what a 5 % goal can
@@ -155,8 +155,7 @@ def calibration_calls(run_dir: Path, run_id: str, names) -> dict[str, int]:
     """``{policy: calls}`` of each of ``names`` that the calibrating run ``run_dir`` measured over all its steps (warm-up
     included: its engine learned from every call): what each prediction rests on. An adaptive run's are its decisions;
     a fixed policy's run measured only that policy. The fit learns what one policy's calls cost from those calls: a
-    policy the engine ran 3 of 40 calls is predicted from 3 calls whose layer time varies 2-13 % from call to call
-    (2026-11-26, seventh session)."""
+    policy the engine ran 3 of 40 calls is predicted from 3 calls whose layer time varies 2-13 % from call to call."""
     from ultraep.telemetry import open_run
 
     con = open_run(run_dir)
@@ -242,7 +241,7 @@ def demo_command(args, runs_dir: Path) -> list[str]:
     speed-up over none 4.0-4.8 % uncertain (its two runs follow each other, so nothing pairs them); seven recordings
     missed the prediction by -4.7 to +8.1 %. With 90 steps the uncertainty was 0.9 % and the miss +9.5 %: the
     balanced run's model, which saw ``none`` only at calls whose load was already even, predicted the none run's
-    uneven calls 10 % slow (2026-11-27, fifteenth session; docs/simulator.md)."""
+    uneven calls 10 % slow (docs/simulator.md, "Simulator against the runtime")."""
     return ([sys.executable, "-m", "ultraep.cli", "demo", "--out", str(runs_dir)]
             + (["--quick"] if args.quick_demo else [])
             + (["--steps", str(args.demo_steps)] if args.demo_steps is not None else []))
@@ -346,8 +345,7 @@ def print_adaptive_calibrated(base: Path, sources: list, names: list[str], args)
 def print_unanchored(base: Path, sources: list, names: list[str], args) -> None:
     """The same recordings predicted on the calibrating runs' models as their engines learned them, not anchored on
     those runs' own calls (``ultraep.sim.from_run.anchored_cost_model``), one summary line: what anchoring changed
-    (2026-11-27, the thirteenth session's four recordings: 2.4 / 7.9 / 5.7 / 6.0 % unanchored, 2.5 / 4.7 / 5.7 / 5.6 %
-    anchored)."""
+    (on four recordings: 2.4 / 7.9 / 5.7 / 6.0 % unanchored, 2.5 / 4.7 / 5.7 / 5.6 % anchored)."""
     again = [(src, *(demo_rows(base / src, anchor=False) if src == "demo"
                      else recorded_rows(base / src, src, names, args.calibrate_on, args.warmup, anchor=False)))
              for src, _, _, _ in sources]

@@ -4,9 +4,9 @@
 Why: a training step on CPU allocates and frees the same tens of MiB every layer call (activations, weight
 gradients, receive buffers). By default glibc serves a block of 128 KiB or more with a fresh ``mmap`` (the
 threshold rises to the largest block freed, at most 32 MiB) and trims the heap's top once twice that is free, so
-every call touches fresh pages again, and what that costs moved from hour to hour on this VM (docs/benchmarks.md,
-session of 2026-11-26, third). The cost model cannot predict the kernel's page handling, and on GPUs the CUDA
-caching allocator keeps freed blocks in the same way. The README's "On CPUs" gives users the same settings.
+every call touches fresh pages again, and what that costs moved from hour to hour on a 2-core VM
+(docs/guide/cpus.md). The cost model cannot predict the kernel's page handling, and on GPUs the CUDA
+caching allocator keeps freed blocks in the same way. The CPU guide (docs/guide/cpus.md) gives users the same settings.
 
 - ``MALLOC_MMAP_THRESHOLD_=32 MiB`` (the largest glibc accepts on 64-bit) and ``MALLOC_TRIM_THRESHOLD_=2 GiB``:
   blocks below 32 MiB come from the heap, and the heap's top is kept. The cost is memory: a rank's peak stays

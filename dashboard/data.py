@@ -362,6 +362,12 @@ def prediction_summary(mirror: RunMirror):
     return _on_predictions(mirror, sql.PREDICTION_SUMMARY, with_steps=True)
 
 
+def exploration(mirror: RunMirror):
+    """The probes an engine ran (one row, none where no engine chose): share of the chosen calls and measured cost
+    against the policy in force (:data:`.page_sql.EXPLORATION`)."""
+    return mirror_query(mirror, sql.EXPLORATION, ("decision_facts", "timing_facts", sc.T_STEPS))
+
+
 def prediction_over_steps(mirror: RunMirror, bins: Bins):
     return _on_predictions(mirror, sql.PREDICTION_OVER_STEPS, with_steps=True, first=bins.first_step, bin=bins.bin)
 

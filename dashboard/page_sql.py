@@ -160,6 +160,28 @@ SELECT policy, count(*) AS samples,
 FROM predictions WHERE {SETTLED} GROUP BY policy ORDER BY policy
 """, doc="As queries.PREDICTION_SUMMARY (warm-up excluded).")
 
+EXPLORATION = _q("exploration", f"""
+WITH c AS (
+    SELECT d.step, d.probe, t.measured_s,
+           last_value(CASE WHEN NOT d.probe THEN t.measured_s END IGNORE NULLS) OVER (
+               PARTITION BY d.layer ORDER BY d.step, d.microbatch
+               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before_s,
+           first_value(CASE WHEN NOT d.probe THEN t.measured_s END IGNORE NULLS) OVER (
+               PARTITION BY d.layer ORDER BY d.step, d.microbatch
+               ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING) AS after_s
+    FROM (SELECT *, reason LIKE 'probe:%' OR reason LIKE 'confirm:%' AS probe FROM decision_facts
+          WHERE reason NOT LIKE 'configured policy%' AND {SETTLED}) d
+    LEFT JOIN timing_facts t USING (step, microbatch, layer)
+),
+p AS (SELECT *, measured_s - coalesce((before_s + after_s) / 2, before_s, after_s) AS cost_s FROM c)
+SELECT count(*) AS chosen_calls, count(*) FILTER (WHERE probe) AS probe_calls,
+       count(*) FILTER (WHERE probe) / count(*) AS probe_share,
+       sum(cost_s) FILTER (WHERE probe) AS probe_cost_s,
+       sum(cost_s) FILTER (WHERE probe) / nullif(sum(measured_s), 0) AS probe_cost_share
+FROM p HAVING count(*) > 0
+""", doc="As the store's view exploration (warm-up excluded): the probes' share of the chosen calls and their "
+         "measured cost against the policy in force's calls beside them.")
+
 PREDICTION_OVER_STEPS = _q("prediction_over_steps", f"""
 SELECT {BIN} AS step, policy, count(*) AS samples,
        avg(predicted_s) AS predicted_s, avg(measured_s) AS measured_s, avg(rel_error) AS rel_error

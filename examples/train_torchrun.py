@@ -22,6 +22,9 @@ What a training loop adds for ultraep, and why:
   record; the runtime marks its step 0 (allocations, first plans) as warm-up, and summaries leave it out.
 
 Rank 0 prints a short summary read back from the recorded run (``ultraep.telemetry.open_run``).
+
+``examples/train_ddp.py`` is the same loop at its shortest (the README shows it whole), with activation
+checkpointing; this script adds options (policy, slots, sizes, run name) and the summary.
 """
 
 from __future__ import annotations

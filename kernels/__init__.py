@@ -34,6 +34,7 @@ _LAZY = {
     "reduce_replica_grads_reference": "grad_reduce", "pack_grad_sends": "grad_reduce", "reduce_received": "grad_reduce",
     # backend
     "KernelUnavailableError": "_backend", "KernelInputError": "_backend", "INSTALL_HINT": "_backend",
+    "upload": "_backend",
 }
 
 

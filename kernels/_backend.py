@@ -3,7 +3,8 @@
 Every public kernel function takes ``backend="auto" | "triton" | "torch"`` and resolves it once, at the
 top of the call, from the device of its main input:
 
-    auto    CUDA tensors -> the Triton kernel; CPU tensors -> the pure-torch reference
+    auto    CUDA tensors -> the faster of the two for this kernel, GPU model and size, from the measured
+            table (``ultraep.kernels.choice``); CPU tensors -> the pure-torch reference
     triton  the Triton kernel; on CPU tensors this needs ``TRITON_INTERPRET=1`` set before triton is
             imported (the test suite does this in ``tests/conftest.py``)
     torch   the pure-torch reference, on any device
@@ -43,12 +44,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def resolve(backend: str, device: torch.device, kernel: str) -> str:
-    """Return ``"triton"`` or ``"torch"`` for one call of ``kernel`` on ``device``."""
+def resolve(backend: str, device: torch.device, kernel: str, size: int | None = None) -> str:
+    """Return ``"triton"`` or ``"torch"`` for one call of ``kernel`` on ``device`` moving ``size`` bytes (the
+    measure of :data:`ultraep.kernels.choice.SIZE_OF`; it only matters to ``auto`` on CUDA)."""
     if backend not in BACKENDS:
         raise KernelInputError("backend", f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}", backend)
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type != "cuda":
+            return "torch"
+        from ultraep.kernels.choice import choose_for
+
+        return choose_for(kernel, device, size)
     if backend == "triton" and device.type != "cuda" and not interpreting():
         raise KernelUnavailableError(
             f"ultraep.kernels.{kernel}: the Triton kernel was requested for a {device.type} tensor; Triton runs "
@@ -73,3 +79,22 @@ def triton_module(name: str, kernel: str) -> ModuleType:
 def is_interpreted(device: torch.device) -> bool:
     """True when a Triton launch on ``device`` runs in the interpreter (the launch grid is then kept small)."""
     return device.type != "cuda" or interpreting()
+
+
+def upload(arrays, device: torch.device) -> list[torch.Tensor]:
+    """Host arrays (numpy or CPU tensors, one dtype) -> tensors on ``device``, without blocking the host.
+
+    On CUDA the arrays go through one pinned staging buffer and one asynchronous copy on the current stream
+    (a copy from pageable memory, ``tensor.to(device)``, waits for the stream to drain: a host synchronisation).
+    Torch's pinned-memory allocator keeps the staging buffer until the copy has completed, so dropping it at once
+    is safe. Elsewhere the arrays are returned as tensors sharing their memory where they can."""
+    ts = [torch.as_tensor(a) for a in arrays]
+    if device.type != "cuda" or not ts:
+        return [t if t.device == device else t.to(device) for t in ts]
+    flat = torch.cat([t.reshape(-1) for t in ts]).pin_memory()
+    dev = flat.to(device, non_blocking=True)
+    out, at = [], 0
+    for t in ts:
+        out.append(dev[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out

@@ -69,16 +69,19 @@ def _check_phys(phys_TK: torch.Tensor) -> None:
         )
 
 
-def dispatch_layout_reference(phys_TK: torch.Tensor, num_ranks: int, num_slots: int) -> DispatchLayout:
-    """Pure-torch :func:`dispatch_layout`."""
+def dispatch_layout_reference(phys_TK: torch.Tensor, num_ranks: int, num_slots: int,
+                              num_rows: int | None = None) -> DispatchLayout:
+    """Pure-torch :func:`dispatch_layout`. ``num_rows``: the pairs not dropped, taken as exact (None: counted,
+    which on a GPU reads the count on the host)."""
     _check_phys(phys_TK)
     G = num_ranks * num_slots
     flat = phys_TK.reshape(-1).to(torch.int64)
     valid = (flat >= 0) & (flat < G)
     key = torch.where(valid, flat, torch.full_like(flat, G))
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=G + 1)[:G]
-    N = int(valid.sum())
+    # (a scatter, not bincount: bincount on CUDA reads the largest key on the host first)
+    counts = torch.zeros(G + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, key, torch.ones_like(key))[:G]
+    N = int(valid.sum()) if num_rows is None else int(num_rows)
     pos = torch.full_like(flat, -1)
     pos[order[:N]] = torch.arange(N, device=flat.device)
     return DispatchLayout(pos.view(phys_TK.shape), order[:N].contiguous(), counts, num_ranks, num_slots)
@@ -105,9 +108,10 @@ def dispatch_layout(
     _check_phys(phys_TK)
     if num_ranks < 1 or num_slots < 1:
         raise KernelInputError("num_ranks", f"num_ranks ({num_ranks}) and num_slots ({num_slots}) must be >= 1")
-    which = resolve(backend, phys_TK.device, "dispatch_layout")
+    which = resolve(backend, phys_TK.device, "dispatch_layout", 24 * phys_TK.numel())
     if which == "torch" or phys_TK.numel() == 0:
-        lay = dispatch_layout_reference(phys_TK, num_ranks, num_slots)
+        # on a GPU the given count is trusted, as the Triton kernel trusts it (checking it would synchronise)
+        lay = dispatch_layout_reference(phys_TK, num_ranks, num_slots, num_rows if phys_TK.is_cuda else None)
         if num_rows is not None and num_rows != lay.num_rows:
             raise KernelInputError("num_rows", f"({num_rows}) differs from the {lay.num_rows} pairs not dropped", num_rows)
         return lay
@@ -215,7 +219,7 @@ def permute(
     if x_TH.shape[0] != T:
         raise KernelInputError("x_TH", f"has {x_TH.shape[0]} rows but the layout has T = {T} tokens")
     _check_out(out, (layout.num_rows, x_TH.shape[1]), x_TH.dtype, x_TH.device, (x_TH,))
-    if resolve(backend, x_TH.device, "permute") == "torch":
+    if resolve(backend, x_TH.device, "permute", 2 * layout.num_rows * x_TH.shape[1] * x_TH.element_size()) == "torch":
         res = permute_reference(x_TH, layout)
         return res if out is None else out.copy_(res)
     return _Permute.apply(x_TH, layout.pair_N, layout.pos_TK, out)
@@ -242,7 +246,9 @@ def unpermute(
             )
         weights_TK = weights_TK.contiguous()
     _check_out(out, (T, y_NH.shape[1]), y_NH.dtype, y_NH.device, (y_NH, weights_TK))
-    if resolve(backend, y_NH.device, "unpermute") == "torch":
+    size = (y_NH.numel() + T * y_NH.shape[1]) * y_NH.element_size() + (
+        weights_TK.numel() * weights_TK.element_size() if weights_TK is not None else 0)
+    if resolve(backend, y_NH.device, "unpermute", size) == "torch":
         res = unpermute_reference(y_NH, weights_TK, layout)
         return res if out is None else out.copy_(res)
     return _Unpermute.apply(y_NH, weights_TK, layout.pos_TK, layout.pair_N, out)

@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from ultraep.kernels._backend import Backend, KernelInputError, is_interpreted, resolve, triton_module
+from ultraep.kernels._backend import Backend, KernelInputError, is_interpreted, resolve, triton_module, upload
 from ultraep.kernels.tiles import ExpertLayout, Message, _check_buffer, _check_experts, _segment_items, pack_tiles
 
 
@@ -94,7 +94,8 @@ def reduce_replica_grads(
     _check_buffer(arena, layout, "arena", 0)
     _check_experts(master_grads, layout.with_dtype(torch.float32), arena.device, "master_grads")
     cs = _contrib(contributions, len(master_grads), arena.shape[0], P)
-    if resolve(backend, arena.device, "reduce_replica_grads") == "torch":
+    size = sum(2 + len(c) for c in cs) * layout.payload_bytes
+    if resolve(backend, arena.device, "reduce_replica_grads", size) == "torch":
         reduce_replica_grads_reference(master_grads, arena, cs, layout, zero_consumed)
         return
     # Item rows (address, n, tensor offset, payload offset, c0, c1); one launch per gradient dtype.
@@ -115,10 +116,9 @@ def reduce_replica_grads(
     if not groups:
         return
     tri = triton_module("tiles_triton", "reduce_replica_grads")
-    contrib_t = torch.as_tensor(flat_c).to(arena.device)
     f32 = arena.view(-1).view(torch.float32)
-    for dt, rows in groups.items():
-        items = torch.as_tensor(np.concatenate(rows)).to(arena.device)
+    contrib_t, *tables = upload([flat_c, *(np.concatenate(rows) for rows in groups.values())], arena.device)
+    for dt, items in zip(groups, tables):
         tri.reduce_items(items, contrib_t, f32, layout.tile_bytes // 4, dt, zero_consumed, is_interpreted(arena.device))
 
 

@@ -34,7 +34,7 @@ from math import gcd
 import numpy as np
 import torch
 
-from ultraep.kernels._backend import Backend, KernelInputError, is_interpreted, resolve, triton_module
+from ultraep.kernels._backend import Backend, KernelInputError, is_interpreted, resolve, triton_module, upload
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,8 @@ class RerouteTable:
                 stride[e] = s % n
                 offset[e] = e % n
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        return RerouteTable(*(torch.as_tensor(a, dtype=torch.int64).to(dev) for a in (gid, cum, total, stride, offset)))
+        # one asynchronous copy on CUDA (a blocking copy per array would stall the stream five times)
+        return RerouteTable(*upload([gid, cum, total, stride, offset], dev))
 
 
 def reroute_table(plan, src: int, *, interleave: bool = False, device=None) -> RerouteTable:
@@ -135,7 +136,8 @@ def reroute_reference(ids_TK: torch.Tensor, table: RerouteTable) -> torch.Tensor
     key = torch.where(valid, flat, torch.full_like(flat, E))
     # Step 1: j = position among equal keys in token order (stable sort).
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=E + 1)
+    # (a scatter, not bincount: bincount on CUDA reads the largest key on the host first)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, key, torch.ones_like(key))
     start = torch.cumsum(counts, 0) - counts
     j = torch.empty_like(flat)
     j[order] = torch.arange(n, device=flat.device) - start[key[order]]
@@ -175,7 +177,7 @@ def reroute(
         raise KernelInputError("table", f"is on {table.device}, ids_TK on {ids_TK.device}; use table.to(device)")
     if out is not None and (out.shape != ids_TK.shape or out.dtype != torch.int64 or not out.is_contiguous()):
         raise KernelInputError("out", f"expected contiguous int64 {tuple(ids_TK.shape)}, got {out.dtype} {tuple(out.shape)}")
-    which = resolve(backend, ids_TK.device, "reroute")
+    which = resolve(backend, ids_TK.device, "reroute", 16 * ids_TK.numel())
     if which == "torch":
         res = reroute_reference(ids_TK, table)
         return res if out is None else out.copy_(res)

@@ -33,7 +33,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from ultraep.kernels._backend import Backend, KernelInputError, is_interpreted, resolve, triton_module
+from ultraep.kernels._backend import Backend, KernelInputError, is_interpreted, resolve, triton_module, upload
 
 ALIGN = 16
 DEFAULT_TILE_BYTES = 32 * 1024  # UltraEP's weight tile
@@ -253,12 +253,13 @@ def pack_tiles(
         out = layout.empty(len(experts), device)
     _check_buffer(out, layout, "out", len(experts) * layout.tiles_per_expert)
     _check_experts(experts, layout, out.device, "experts")
-    if resolve(backend, out.device, "pack_tiles") == "torch":
+    if resolve(backend, out.device, "pack_tiles", 2 * len(experts) * layout.payload_bytes) == "torch":
         return pack_tiles_reference(experts, layout, out)
     tri = triton_module("tiles_triton", "pack_tiles")
     starts = _first_tiles(None, len(experts), layout)
-    for (tdt, bdt, _unit), items in build_items(experts, layout, starts, with_pads=True).items():
-        tri.copy_items(torch.as_tensor(items).to(out.device), out.view(-1).view(bdt), True, tdt, is_interpreted(out.device))
+    groups = build_items(experts, layout, starts, with_pads=True)
+    for ((tdt, bdt, _unit), _), items in zip(groups.items(), upload(list(groups.values()), out.device)):
+        tri.copy_items(items, out.view(-1).view(bdt), True, tdt, is_interpreted(out.device))
     return out
 
 
@@ -278,12 +279,13 @@ def unpack_tiles(
     if (starts < 0).any():
         raise KernelInputError("first_tile", "holds a negative tile index")
     _check_experts(targets, layout, tiles.device, "targets")
-    if resolve(backend, tiles.device, "unpack_tiles") == "torch":
+    if resolve(backend, tiles.device, "unpack_tiles", 2 * len(targets) * layout.payload_bytes) == "torch":
         unpack_tiles_reference(tiles, targets, layout, starts)
         return
     tri = triton_module("tiles_triton", "unpack_tiles")
-    for (tdt, bdt, _unit), items in build_items(targets, layout, starts, with_pads=False).items():
-        tri.copy_items(torch.as_tensor(items).to(tiles.device), tiles.view(-1).view(bdt), False, tdt, is_interpreted(tiles.device))
+    groups = build_items(targets, layout, starts, with_pads=False)
+    for ((tdt, bdt, _unit), _), items in zip(groups.items(), upload(list(groups.values()), tiles.device)):
+        tri.copy_items(items, tiles.view(-1).view(bdt), False, tdt, is_interpreted(tiles.device))
 
 
 def forward_tiles(
@@ -294,17 +296,21 @@ def forward_tiles(
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Step 3 (relay): ``out[i] = arena[index[i]]`` for whole tiles. arena ``[A, TB]`` uint8, index ``[n]``
-    -> ``[n, TB]`` uint8. Call it per chunk (a slice of ``index`` and of ``out``) to forward as tiles arrive."""
+    -> ``[n, TB]`` uint8. Call it per chunk (a slice of ``index`` and of ``out``) to forward as tiles arrive.
+    An index given on the host (a sequence, numpy, a CPU tensor) is range-checked there and copied without
+    blocking; an index already on the GPU is trusted (checking it would synchronise)."""
     if arena.dtype != torch.uint8 or arena.dim() != 2 or arena.shape[1] % ALIGN or not arena.is_contiguous():
         raise KernelInputError("arena", f"expected a contiguous uint8 [tiles, TB] buffer, got {arena.dtype} {tuple(arena.shape)}")
-    idx = torch.as_tensor(index, dtype=torch.int64).to(arena.device).reshape(-1)
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= arena.shape[0]):
-        raise KernelInputError("index", f"holds a tile outside 0..{arena.shape[0] - 1}")
+    idx = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
+    if not idx.is_cuda:
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= arena.shape[0]):
+            raise KernelInputError("index", f"holds a tile outside 0..{arena.shape[0] - 1}")
+        idx = upload([idx], arena.device)[0]
     if out is None:
         out = torch.empty((idx.numel(), arena.shape[1]), dtype=torch.uint8, device=arena.device)
     if tuple(out.shape) != (idx.numel(), arena.shape[1]) or out.dtype != torch.uint8 or not out.is_contiguous():
         raise KernelInputError("out", f"expected contiguous uint8 {(idx.numel(), arena.shape[1])}, got {out.dtype} {tuple(out.shape)}")
-    if resolve(backend, arena.device, "forward_tiles") == "torch":
+    if resolve(backend, arena.device, "forward_tiles", 2 * idx.numel() * arena.shape[1]) == "torch":
         return forward_tiles_reference(arena, idx, out)
     if arena.data_ptr() % 4 or out.data_ptr() % 4:
         raise KernelInputError("arena", "data pointers must be 4-byte aligned")

@@ -55,7 +55,7 @@ from .candidates import Candidates
 from .exploration import OF_GAIN, SHARE, ExplorationBudget
 from .outcomes import CLOCK_RUNS, FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker
 from .hysteresis import Hysteresis
-from .probes import LOSING_STREAK, ProbeSchedule
+from .probes import LOSING_STREAK, PROBE_BURST, PROBE_SHARE, ProbeSchedule
 from .screening import Screen
 
 DEFAULT_CANDIDATES = ("none", "quota", "eplb", "feplb", "hybridep")
@@ -79,6 +79,8 @@ class AdaptivePolicy:
         screen: skip planning stateless candidates that cannot pay for their own planner (Step 1).
         probe_every, probe_max_loss: a candidate not run for ``probe_every`` decisions runs once if predicted at
             most ``probe_max_loss`` (relative) slower than the best (Step 5b).
+        probe_share: probes may run on at most this share of the decisions over the run, beside PROBE_BURST per
+            candidate (:data:`.probes.PROBE_SHARE`; None: no bound).
         outcome_window: measured outcomes per candidate whose median corrects its predictions.
         explore_share, explore_of_gain: weighing may cost ``explore_share`` of the run's layer time plus
             ``explore_of_gain`` of what it found, over the run (:mod:`.exploration`; ``explore_share=None``: no bound).
@@ -96,7 +98,8 @@ class AdaptivePolicy:
 
     def __init__(self, candidates=DEFAULT_CANDIDATES, margin: float = 0.005, patience: int = 2,
                  switch_now: float = 0.02, deadline_s: float | None = None, screen: bool = True,
-                 probe_every: int = 32, probe_max_loss: float = 0.25, outcome_window: int = 5,
+                 probe_every: int = 32, probe_max_loss: float = 0.25, probe_share: float | None = PROBE_SHARE,
+                 outcome_window: int = 5,
                  explore_share: float | None = SHARE, explore_of_gain: float = OF_GAIN,
                  candidate_options: dict | None = None, cost_model=None, policies: dict | None = None,
                  owns_candidates: bool = True) -> None:
@@ -112,7 +115,8 @@ class AdaptivePolicy:
         # the model as handed over, before any calibration: measured outcomes are kept relative to it, so a
         # candidate's correction does not drift when calibration (learned from other candidates' runs) moves
         self.outcomes = OutcomeTracker(cost_model, outcome_window, self.switch_now, probe_every)
-        self.schedule = ProbeSchedule(probe_every, probe_max_loss, self.switch_now, self.outcomes)
+        self.schedule = ProbeSchedule(probe_every, probe_max_loss, self.switch_now, self.outcomes, probe_share,
+                                      PROBE_BURST * len(self.policies))
         self.budget = ExplorationBudget(None if explore_share is None else float(explore_share),
                                         float(explore_of_gain))
         self.screening = Screen(self.candidates, self.schedule, self.outcomes, self.budget, screen)
@@ -220,7 +224,7 @@ class AdaptivePolicy:
         else:  # decide() called directly (the simulator's shared candidates)
             self._anchor_predictions(topology, plans, resident)
         bds, predictions = self._predict_all(cm, plans, breakdowns or {}, resident)  # Step 3
-        late = self._late(cm, bds)  # Step 4
+        late = _late(self.candidates, self.deadline_s, cm, bds)  # Step 4
         same = _same_as(plans, self.fallback, self.current)
         feasible = {n: v for n, v in predictions.items() if n not in late and n not in same}
         if not feasible:  # pragma: no cover - the fallback is never late
@@ -258,13 +262,6 @@ class AdaptivePolicy:
             predictions[name] = self.estimate(name, bd.total_s)
         return bds, predictions
 
-    def _late(self, cm, bds: dict) -> list[str]:
-        """Step 4: with ``deadline_s``, the candidates whose planning + weight sync exceeds the deadline."""
-        if self.deadline_s is None:
-            return []
-        return [n for n, bd in bds.items() if n != self.fallback
-                and self.candidates.exposed_planner_s(cm, n) + bd.weight_sync_s > self.deadline_s]
-
     def _assemble(self, cm, plans, bds, predictions, chosen, reason, facts, resident) -> Plan:
         """Step 6: the chosen plan as policy ``adaptive``, with the engine's exposed overhead (decision time plus
         the planning of candidates slower than the chosen one's own planner, since they ran before the choice)."""
@@ -288,12 +285,13 @@ class AdaptivePolicy:
         self.outcomes.decisions += 1
         same, idle = set(a.get("same_as_none", ())), bool(a.get("idle"))
         self.schedule.record(self.policies, chosen, preds, same, bool(a.get("none_clear")), weighed=not idle,
-                             left=None if a.get("probe") else a.get("previous"))
+                             left=None if a.get("probe") else a.get("previous"),
+                             probed=bool(a.get("probe")) and not a.get("confirm"))
         weighing, self._weighing = self._weighing, None
         if not idle and weighing is not None:
             self.budget.note(preds, self.fallback, same, weighing["floors"], weighing["stake_s"])
         loss = preds[chosen] - preds.get(a.get("previous"), preds[chosen]) if a.get("probe") else 0.0
-        self.budget.charge(a.get("predicted_s", 0.0), a.get("saved_s", 0.0), plan.engine_s + max(0.0, loss))
+        self.budget.charge(a.get("predicted_s", 0.0), a.get("saved_s", 0.0), plan.engine_s + max(0.0, loss), loss)
         if self.owns_candidates:
             self._commit_candidates(plan, a)
         self._memo = None
@@ -312,6 +310,14 @@ class AdaptivePolicy:
                 p.commit(plans[n])
             elif callable(getattr(p, "advance", None)):
                 p.advance(plan.load_RE)
+
+
+def _late(candidates, deadline_s: float | None, cm, bds: dict) -> list[str]:
+    """Step 4: with ``deadline_s``, the candidates whose planning + weight sync exceeds the deadline."""
+    if deadline_s is None:
+        return []
+    return [n for n, bd in bds.items() if n != candidates.fallback
+            and candidates.exposed_planner_s(cm, n) + bd.weight_sync_s > deadline_s]
 
 
 def _same_as(plans: dict, fallback: str, current: str | None) -> list[str]:

@@ -61,6 +61,8 @@ class ExplorationBudget:
     stake_s: float = 0.0
     #: the candidates whose standing is a floor (screened, never weighed since): a bound, not an estimate
     floors: set[str] = field(default_factory=set)
+    #: the probes' (and confirmations') predicted seconds over the policy in force's, summed
+    probe_s: float = 0.0
 
     def free(self) -> float:
         """Seconds weighing may still cost now (negative: overdrawn)."""
@@ -109,9 +111,22 @@ class ExplorationBudget:
                 self.floors.discard(n)
         self.stake_s = float(stake_s)
 
-    def charge(self, run_s: float, saved_s: float, spent_s: float) -> None:
+    def charge(self, run_s: float, saved_s: float, spent_s: float, probe_s: float = 0.0) -> None:
         """Book one committed decision: its predicted layer time, what the best candidate was predicted to save
-        over the policy in force, and what weighing cost on it (all seconds, >= 0)."""
+        over the policy in force, and what weighing cost on it (all seconds, >= 0); ``probe_s``: a probe's predicted
+        seconds over the policy in force's (may be negative: a probe predicted faster)."""
+        self.probe_s += float(probe_s)
         self.run_s += max(0.0, float(run_s))
         self.saved_s += max(0.0, float(saved_s))
         self.spent_s += max(0.0, float(spent_s))
+
+
+def ledger(schedule, budget: ExplorationBudget) -> dict[str, float]:
+    """What a chooser spent exploring so far: ``decisions``, ``probes`` (Step 5b's, bounded by the schedule's
+    ``probe_share``), ``probe_share`` (their share of the decisions), ``probe_loss_s`` (the probes' and
+    confirmations' predicted seconds over the policy in force's, summed), ``weigh_s`` (what weighing cost) and
+    ``run_s`` (the decisions' predicted layer time). What the probes cost as measured is the telemetry's (the
+    ``exploration`` view: each probe's measured time against the policy in force's calls beside it)."""
+    n = schedule.decisions
+    return {"decisions": n, "probes": schedule.probes, "probe_share": schedule.probes / n if n else 0.0,
+            "probe_loss_s": budget.probe_s, "weigh_s": budget.spent_s, "run_s": budget.run_s}

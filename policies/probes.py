@@ -24,6 +24,15 @@ from __future__ import annotations
 
 from .outcomes import FEW_RUNS, OutcomeTracker
 
+#: the share of decisions that may run a probe (Step 5b), over the run: a probe runs a candidate predicted up to
+#: ``probe_max_loss`` (25 %) slower than the best, so at this share probing costs at most 0.25 x 0.05 = 1.25 % of the
+#: run's layer time, within the 3 % the engine may lose to the best fixed policy (issue 56; a reasoned bound, to be
+#: confirmed by benchmarks/bench_long.py's ``--probe-share``). Beside it each candidate may be probed PROBE_BURST times
+PROBE_SHARE = 0.05
+#: probes per candidate (the fallback too) allowed beyond the share: FEW_RUNS, the measurements until its outcome is
+#: trusted (a fresh wrap measures every candidate as it did before the share; the share bounds the run after them)
+PROBE_BURST = FEW_RUNS
+
 #: a candidate that lost clearly this many planned decisions in a row rests — not planned, not predicted — until
 #: it is due for re-evaluation: its planning and prediction are then paid once per ``probe_every`` decisions
 #: (only candidates whose history can advance without a plan rest: those with an ``advance`` method)
@@ -38,9 +47,17 @@ class ProbeSchedule:
         probe_max_loss: a due candidate is probed only if predicted at most this (relative) slower than the best.
         switch_now: a planned candidate predicted slower than the chosen one by more than this lost clearly.
         outcomes: the chooser's measured outcomes (how often each candidate was measured).
+        probe_share: the share of decisions that may run a probe, over the run, beside ``burst`` probes (None: no
+            bound: every due candidate within ``probe_max_loss`` is probed).
+        burst: probes allowed beyond the share (the chooser passes PROBE_BURST per candidate).
     """
 
-    def __init__(self, probe_every: int, probe_max_loss: float, switch_now: float, outcomes: OutcomeTracker) -> None:
+    def __init__(self, probe_every: int, probe_max_loss: float, switch_now: float, outcomes: OutcomeTracker,
+                 probe_share: float | None = None, burst: int = 0) -> None:
+        self.probe_share = None if probe_share is None else float(probe_share)
+        self.burst = int(burst)
+        self.decisions = 0  # decisions recorded
+        self.probes = 0  # of them, probes of Step 5b (what the share bounds)
         self.probe_every = int(probe_every)
         self.probe_max_loss = float(probe_max_loss)
         self.switch_now = float(switch_now)
@@ -54,6 +71,11 @@ class ProbeSchedule:
         self._left_at: dict[str, int] = {}  # the decision (outcomes.decisions) each was last marked for a re-check
 
     # ------------------------------------------------------------------ reading the schedule
+    def affordable(self) -> bool:
+        """Whether one more probe keeps the probes within ``probe_share`` of the decisions (this one included) plus
+        ``burst``."""
+        return self.probe_share is None or self.probes + 1 <= self.probe_share * (self.decisions + 1) + self.burst
+
     def has_run(self, name: str) -> bool:
         return name in self._ran
 
@@ -73,7 +95,7 @@ class ProbeSchedule:
     def probe_range(self, names) -> dict[str, float]:
         """Where outcomes are measured, the candidates of ``names`` due for a probe, each with the range it is
         probed within (``probe_max_loss``): the exploration budget weighs them (``ExplorationBudget.in_contention``)."""
-        if not self.outcomes.observed:
+        if not self.outcomes.observed or not self.affordable():  # no probe could run now: none is due
             return {}
         return {n: self.probe_max_loss for n in names if self.due(n)}
 
@@ -104,7 +126,12 @@ class ProbeSchedule:
         prediction: every other candidate's gain is relative to it, and its worst case is the layer the user
         runs without balancing. At 64 tokens per rank the uncalibrated model put ``none`` 27 % above
         FEPLB (measured, the two are within a few percent), past ``probe_max_loss``: ``none`` went unmeasured
-        and the engine ran feplb, or quota at 0.8x of none, for 20 calls or the whole run."""
+        and the engine ran feplb, or quota at 0.8x of none, for 20 calls or the whole run.
+
+        None while a probe would exceed the budget (:meth:`affordable`): the due candidates wait, the oldest first
+        once it allows one."""
+        if not self.affordable():
+            return None
         unmeasured_fallback = fallback if (self.outcomes.observed and fallback is not None
                                            and self.outcomes.runs(fallback) == 0) else None
         due = [n for n in sorted(feasible) if n != chosen and self.due(n)
@@ -144,14 +171,17 @@ class ProbeSchedule:
         self._ran.discard(name)
 
     def record(self, names, chosen: str, predictions: dict[str, float], same: set[str], fallback_clear: bool,
-               weighed: bool = True, left: str | None = None) -> None:
+               weighed: bool = True, left: str | None = None, probed: bool = False) -> None:
         """One committed decision: ``chosen`` ran; the candidates in ``predictions`` were planned (the others in
         ``names`` were not); a planned candidate lost clearly if predicted slower than the chosen one by more
         than ``switch_now``, or did what the fallback does (``same``); ``fallback_clear``: the fallback won clearly.
         A decision that weighed nothing (``weighed=False``: the exploration budget's idle one) leaves the streaks.
         ``left``: the policy in force before this decision, unless this decision was a probe (a switch from
         ``left`` to ``chosen`` marks ``left`` for a re-check, at most once per ``probe_every`` decisions, counted by
-        ``outcomes.decisions``, which the chooser advances before it records)."""
+        ``outcomes.decisions``, which the chooser advances before it records). ``probed``: this decision ran a probe of
+        Step 5b (counted against ``probe_share``)."""
+        self.decisions += 1
+        self.probes += bool(probed)
         self._ran.add(chosen)
         if chosen in self._recheck:  # the re-check: its fresh measurement replaces its history
             self._recheck.discard(chosen)

@@ -10,7 +10,9 @@ compute it here, from the store, the same way:
   name it in every other run's ``extra`` (``{"baseline": RUN_ID}``); a user names one with ``--baseline``.
   Where the recorded baseline is not in the run's own store (a run opened by its directory, ``runs/<run id>``),
   :func:`answer_at` finds it beside the run, in ``runs/<baseline id>`` — one lookup for every surface.
-* **speed-up** = baseline p50 / run p50 (measured; > 1 means balancing paid).
+* **speed-up** = baseline p50 / run p50 (measured; > 1 means balancing paid), with its 90 % interval over the
+  steps both runs timed (paired by step number: :func:`.paired.ratio_interval`, the demo's interval from the
+  same steps).
 * Without a baseline: an **estimate** of what no balancing would have taken (``queries.NONE_ESTIMATE``:
   the cost model's prediction of ``none`` where a decision recorded it, else scaled from the measured
   expert compute by the rank loads), always labelled as an estimate.
@@ -25,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 from ultraep.telemetry import queries as Q
+from ultraep.telemetry.paired import LEVEL, ratio_interval
 from ultraep.telemetry.units import fmt_s
 
 #: the key of ``Recorder.open(extra=...)`` naming the run's baseline (a run id of the same directory)
@@ -45,6 +48,8 @@ class StepTimes:
     p20_s: float | None
     p80_s: float | None
     warmup_time_s: float | None
+    #: ``((step, seconds), ...)`` of every timed step (the slowest rank's), in step order: what pairs two runs
+    series: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,9 @@ class Answer:
     estimate_source: str | None = None  # "cost model" | "load-scaled measurement"
     #: a simulation's run (``kind="simulation"``): its step times are the cost model's, not measured
     simulated: bool = False
+    #: the measured speed-up's 90 % interval over ``paired_steps`` steps both runs timed (``None``: fewer than 2)
+    interval: tuple[float, float] | None = None
+    paired_steps: int = 0
 
     @property
     def speedup(self) -> float | None:
@@ -85,13 +93,36 @@ def _num(v) -> float | None:
 def step_times(con, run_id: str | None = None) -> dict[str, StepTimes]:
     """``{run_id: StepTimes}`` of every run in ``con`` (or only ``run_id``)."""
     cols, rows = Q.run(con, Q.STEP_TIMES, run_id=run_id)
+    series: dict[str, list[tuple[int, float]]] = {}
+    for rid, step, t in con.execute(_SERIES, {"run_id": run_id}).fetchall():
+        series.setdefault(rid, []).append((int(step), float(t)))
     out = {}
     for r in rows:
         d = dict(zip(cols, r))
         out[d["run_id"]] = StepTimes(d["run_id"], int(d["timed_steps"] or 0), int(d["warmup_steps"] or 0),
                                      _num(d["step_time_p50_s"]), _num(d["step_time_p20_s"]),
-                                     _num(d["step_time_p80_s"]), _num(d["warmup_time_s"]))
+                                     _num(d["step_time_p80_s"]), _num(d["warmup_time_s"]),
+                                     tuple(series.get(d["run_id"], ())))
     return out
+
+
+# the timed steps of Q.STEP_TIMES one by one (the slowest rank's time of each step not marked warm-up)
+_SERIES = """
+SELECT run_id, step, max(step_time_s) AS t FROM steps WHERE ($run_id IS NULL OR run_id = $run_id)
+GROUP BY run_id, step HAVING NOT coalesce(bool_or(warmup), false) AND max(step_time_s) IS NOT NULL
+ORDER BY run_id, step
+"""
+
+
+def paired_interval(baseline: StepTimes, run: StepTimes) -> tuple[tuple[float, float] | None, int]:
+    """The 90 % interval of ``baseline p50 / run p50`` over the steps both timed (paired by step number), and
+    how many steps that is; ``(None, n)`` with fewer than 2."""
+    b = dict(baseline.series)
+    pairs = [(b[s], t) for s, t in run.series if s in b]
+    if len(pairs) < 2:
+        return None, len(pairs)
+    a, r = zip(*pairs)
+    return ratio_interval(a, r, LEVEL), len(pairs)
 
 
 def run_facts(con, run_id: str) -> dict:
@@ -153,8 +184,9 @@ def answer(con, run_id: str, *, baseline: StepTimes | None = None, baseline_con=
     if baseline is None and facts["baseline"]:
         baseline = step_times(baseline_con or con, facts["baseline"]).get(facts["baseline"])
     if baseline is not None and baseline.p50_s:
+        interval, paired = paired_interval(baseline, st)
         return Answer(run_id, policy, st, "measured", baseline_id=baseline.run_id, baseline_p50_s=baseline.p50_s,
-                      simulated=sim)
+                      simulated=sim, interval=interval, paired_steps=paired)
     delta, source = none_estimate(con, run_id)
     if delta is not None:
         return Answer(run_id, policy, st, "estimate", estimated_none_s=st.p50_s + delta, estimate_source=source,
@@ -214,7 +246,7 @@ def _sentence(a: Answer, name) -> str:
         s = a.speedup
         verdict = "faster" if s >= 1 else "slower"
         return (f"step time p50 {p50} {n} against {fmt_s(a.baseline_p50_s)} without balancing "
-                f"(run {name(a.baseline_id)}): measured speed-up {s:.2f}x ({verdict}).")
+                f"(run {name(a.baseline_id)}): measured speed-up {s:.2f}x ({verdict}; {interval_text(a)}).")
     if a.basis == "estimate":
         return (f"step time p50 {p50} {n}. No baseline run: an ESTIMATE ({a.estimate_source}) of the same "
                 f"steps without balancing is {fmt_s(a.estimated_none_s)}, an estimated speed-up of "
@@ -222,3 +254,11 @@ def _sentence(a: Answer, name) -> str:
                 "measure it.")
     return (f"step time p50 {p50} {n}. No baseline run and no prediction of none: whether balancing paid is "
             "unknown (pass --baseline RUN).")
+
+
+def interval_text(a: Answer) -> str:
+    """``90 % interval 1.38x-1.44x over 12 paired steps`` (the demo's wording), or why there is none."""
+    if a.interval is None:
+        return f"no interval: {a.paired_steps} step{'s' if a.paired_steps != 1 else ''} timed by both runs"
+    lo, hi = a.interval
+    return f"{100 * LEVEL:.0f} % interval {lo:.2f}x-{hi:.2f}x over {a.paired_steps} paired steps"

@@ -242,7 +242,7 @@ def run_report(args: argparse.Namespace) -> int:
                         {q.name: [dict(zip(cols, r)) for r in rows] for q, cols, rows in sections})
     from rich.console import Console
 
-    R.render(Console(width=R.WIDTH if not sys.stdout.isatty() else min(R.WIDTH, Console().width)), data, prefix)
+    R.render(Console(width=R.terminal_width()), data, prefix)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Who a run is: its id, the records of its config and topology, the software versions, agreement across
 ranks. Used by :meth:`Recorder.open <ultraep.telemetry.recorder.Recorder.open>` (checks, at start-up) and
-by the ``runs_log`` row the recorder writes when a session opens and closes.
+by the ``runs_log`` row the recorder writes when a recorder session opens and closes.
 """
 
 from __future__ import annotations

@@ -225,6 +225,15 @@ FROM m LEFT JOIN d USING (run_id, step, microbatch, layer)
 WHERE m.measured_s IS NOT NULL
 """
 
+EXPLORATION = Query(
+    "exploration", "Exploration" + _EXCLUDED,
+    f"""
+SELECT * FROM exploration WHERE {_RUN} ORDER BY run_id
+""",
+    doc="Per run an engine chose for: the probes' share of the chosen layer calls and their measured cost against "
+        "the policy in force's calls beside them (the view exploration).",
+)
+
 PREDICTED_VS_MEASURED = Query(
     "predicted_vs_measured", "Predicted vs measured",
     _PVM + "ORDER BY m.run_id, m.step, m.microbatch, m.layer\n",
@@ -268,14 +277,16 @@ WITH per_call AS (
 )
 SELECT run_id, term, count(*) AS samples,
        median(abs(measured_s / nullif(predicted_s, 0) - 1)) AS median_abs_rel_error,
-       sum(measured_s) / nullif(sum(predicted_s), 0) AS measured_over_predicted
+       sum(measured_s) / nullif(sum(predicted_s), 0) AS measured_over_predicted,
+       avg(predicted_s) AS mean_predicted_s, avg(measured_s) AS mean_measured_s
 FROM per_call {WARM_JOIN} WHERE {SETTLED} AND predicted_s > 0
 GROUP BY run_id, term
 ORDER BY run_id, term
 """,
     doc="Per run and cost-model term (compute, all-to-alls, weight sync, copies, plan, total): the median "
-        "|measured / predicted - 1| over layer-microbatches and the total ratio; the runtime records "
-        "predicted.<term> and measured.<term> with every call once its backward ran.",
+        "|measured / predicted - 1| over layer-microbatches, the total ratio, and the mean predicted and "
+        "measured seconds per layer call (a term of a few µs can show a large relative error); the runtime "
+        "records predicted.<term> and measured.<term> with every call once its backward ran.",
 )
 
 TRANSFER_BYTES_PER_STEP = Query(
@@ -322,15 +333,45 @@ ORDER BY run_id, layer
 REPLICA_CACHE = Query(
     "replica_cache", "Replica cache per layer" + _EXCLUDED,
     f"""
-SELECT run_id, layer, sum(other['cache_hits'])::BIGINT AS hits, sum(other['cache_misses'])::BIGINT AS misses,
-       sum(other['cache_hits']) / nullif(sum(other['cache_hits']) + sum(other['cache_misses']), 0) AS hit_rate,
-       sum(other['cache_bytes_saved'])::BIGINT AS bytes_saved
-FROM timings {WARM_JOIN} WHERE {_RUN} AND {SETTLED} AND other['cache_hits'] IS NOT NULL
-GROUP BY run_id, layer
+WITH c AS (
+    SELECT run_id, layer, sum(other['cache_hits'])::BIGINT AS hits, sum(other['cache_misses'])::BIGINT AS misses,
+           sum(other['cache_hits']) / nullif(sum(other['cache_hits']) + sum(other['cache_misses']), 0) AS hit_rate,
+           sum(other['cache_bytes_saved'])::BIGINT AS bytes_saved
+    FROM timings {WARM_JOIN} WHERE {_RUN} AND {SETTLED} AND other['cache_hits'] IS NOT NULL
+    GROUP BY run_id, layer
+),
+k AS (SELECT run_id, any_value(kind) AS kind FROM runs WHERE {_RUN} GROUP BY run_id),
+mb AS (SELECT run_id, layer, max(microbatch) + 1 AS microbatches_per_step FROM timings WHERE {_RUN} GROUP BY ALL),
+p AS (  -- one plan per layer call (the lowest recording rank's), numbered in call order per layer
+    SELECT run_id, step, microbatch, layer, num_masters, phy2log,
+           row_number() OVER (PARTITION BY run_id, layer ORDER BY step, microbatch) AS call
+    FROM plans WHERE {_RUN}
+    QUALIFY row_number() OVER (PARTITION BY run_id, step, microbatch, layer ORDER BY rank, ts) = 1
+),
+pr AS (SELECT p.*, unnest(range(len(phy2log))) AS r FROM p),
+rep AS (  -- every replica of every call: (rank, expert) in a redundant slot
+    SELECT run_id, step, layer, call, r, e
+    FROM (SELECT *, unnest(phy2log[r + 1][num_masters + 1:]) AS e FROM pr) WHERE e >= 0
+),
+again AS (  -- replicas of a call already on their rank in the layer's previous call (in a training run: of the
+            -- same step, since an optimizer step between them changes the master)
+    SELECT a.run_id, a.layer, count(*) AS replicas,
+           count(b.e) FILTER (WHERE k.kind <> 'train' OR b.step = a.step) AS repeated
+    FROM rep a JOIN k USING (run_id)
+         LEFT JOIN rep b ON b.run_id = a.run_id AND b.layer = a.layer AND b.call = a.call - 1
+                        AND b.r = a.r AND b.e = a.e
+    WHERE a.call > 1
+    GROUP BY a.run_id, a.layer
+)
+SELECT c.*, k.kind, mb.microbatches_per_step, coalesce(again.repeated, 0) / nullif(again.replicas, 0) AS repeat_share
+FROM c LEFT JOIN k USING (run_id) LEFT JOIN mb USING (run_id, layer) LEFT JOIN again USING (run_id, layer)
 ORDER BY run_id, layer
 """,
     doc="Per layer, over every rank: replicas found resident in the replica cache (hits, no transfer) or "
-        "streamed (misses), the hit rate and the weight bytes the hits saved.",
+        "streamed (misses), the hit rate and the weight bytes the hits saved; and what explains a low hit "
+        "rate: the run's kind, its microbatches per optimizer step (each optimizer step changes the masters, "
+        "so a replica stays valid only between the microbatches of one step, or in serving) and the share of "
+        "replicas placed on the same rank as in the layer's previous call (of the same step in training).",
 )
 
 POLICY_COMPARISON = Query(
@@ -477,7 +518,7 @@ GROUP BY ALL ORDER BY run_id, layer, rank
 
 ALL: dict[str, Query] = {q.name: q for q in (
     OVERVIEW, LAYER_IMBALANCE, LAYER_SUMMARY, RANK_LOAD, RANK_LOAD_BY_EXPERT, EXPERT_LOAD, DECISION_TIMELINE,
-    POLICY_SHARES,
+    POLICY_SHARES, EXPLORATION,
     PREDICTED_VS_MEASURED, PREDICTION_SUMMARY, PHASE_PREDICTION_ERRORS, TRANSFER_BYTES_PER_STEP, TRANSFER_SUMMARY,
     REPLICA_CACHE,
     POLICY_COMPARISON,
@@ -486,7 +527,7 @@ ALL: dict[str, Query] = {q.name: q for q in (
 
 # What `ultraep report` prints, in order.
 REPORT = (OVERVIEW, LAYER_SUMMARY, POLICY_SHARES, TRANSFER_SUMMARY, REPLICA_CACHE, PREDICTION_SUMMARY,
-          PHASE_PREDICTION_ERRORS, ACTIVATION_MEMORY)
+          PHASE_PREDICTION_ERRORS, ACTIVATION_MEMORY, EXPLORATION)
 
 
 def run(con, query: Query | str, **params: Any) -> tuple[list[str], list[tuple]]:

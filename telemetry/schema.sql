@@ -45,7 +45,7 @@ CREATE TABLE runs_log (
     dropped_rows    BIGINT,     -- rows lost to them
     first_error     VARCHAR,    -- the first failure, for the report
     extra_json      VARCHAR,    -- Recorder.open(extra=...)
-    written_at      TIMESTAMP   -- when this row was written (the newest row per session wins)
+    written_at      TIMESTAMP   -- when this row was written (the newest row per recorder session wins)
 );
 
 -- One row per Recorder.record_step call.
@@ -231,12 +231,50 @@ SELECT run_id, count(step_time_s) FILTER (WHERE NOT warmup) AS timed_steps,
        sum(step_time_s) FILTER (WHERE warmup) AS warmup_time_s
 FROM per_step GROUP BY run_id;
 
+-- One row per run whose layers an engine chose for (decisions whose reason is not 'configured policy ...'), warm-up
+-- steps left out: those layer calls, the probes among them (reason 'probe: ...' or 'confirm: ...': a candidate other
+-- than the policy in force run once to be measured), their share, and what they cost as measured: each probe's layer
+-- time (slowest rank) less the mean of the nearest calls of its layer before and after it that were not probes (the
+-- policy in force's), summed (probe_cost_s), and over the chosen calls' measured time (probe_cost_share).
+CREATE VIEW exploration AS
+WITH d AS (
+    SELECT run_id, step, microbatch, layer, reason LIKE 'probe:%' OR reason LIKE 'confirm:%' AS probe
+    FROM decisions
+    WHERE reason NOT LIKE 'configured policy%'
+    QUALIFY row_number() OVER (PARTITION BY run_id, step, microbatch, layer ORDER BY rank, ts) = 1
+),
+m AS (
+    SELECT run_id, step, microbatch, layer, max(measured_s) AS measured_s
+    FROM timings GROUP BY run_id, step, microbatch, layer
+),
+c AS (
+    SELECT d.run_id, d.probe, m.measured_s,
+           last_value(CASE WHEN NOT d.probe THEN m.measured_s END IGNORE NULLS) OVER (
+               PARTITION BY d.run_id, d.layer ORDER BY d.step, d.microbatch
+               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before_s,
+           first_value(CASE WHEN NOT d.probe THEN m.measured_s END IGNORE NULLS) OVER (
+               PARTITION BY d.run_id, d.layer ORDER BY d.step, d.microbatch
+               ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING) AS after_s
+    FROM d LEFT JOIN m USING (run_id, step, microbatch, layer)
+    LEFT JOIN warmup_steps w ON w.run_id = d.run_id AND w.step = d.step
+    WHERE w.step IS NULL
+),
+p AS (
+    SELECT *, measured_s - coalesce((before_s + after_s) / 2, before_s, after_s) AS cost_s FROM c
+)
+SELECT run_id, count(*) AS chosen_calls, count(*) FILTER (WHERE probe) AS probe_calls,
+       count(*) FILTER (WHERE probe) / count(*) AS probe_share,
+       sum(cost_s) FILTER (WHERE probe) AS probe_cost_s,
+       sum(cost_s) FILTER (WHERE probe) / nullif(sum(measured_s), 0) AS probe_cost_share
+FROM p GROUP BY run_id;
+
 -- One row per run: what its ranks' runs_log rows say together (status 'closed' once every rank closed), its
 -- configured policy and recorded baseline (Recorder.open(extra={"baseline": RUN_ID}), the run of the same
 -- stream without balancing), its steps, its measured step time p50 (step_times) and, where this store also holds
 -- the baseline run, the baseline's p50 and the measured speed-up = baseline p50 / this run's p50 (what
 -- `ultraep report` and the dashboard show; NULL where the baseline is in another directory: open the parent
--- directory of both runs, or run `ultraep report`, which looks beside the run).
+-- directory of both runs, or run `ultraep report`, which looks beside the run). probe_share, probe_cost_share: an
+-- engine's probes (the view exploration; NULL where no engine chose).
 CREATE VIEW run_summary AS
 WITH r AS (
     SELECT run_id, any_value(kind) AS kind, any_value(model) AS model, max(world_size) AS world_size,
@@ -256,10 +294,12 @@ s AS (
 SELECT r.*, coalesce(s.steps, 0) AS steps, coalesce(s.warmup_steps, 0) AS warmup_steps,
        t.step_time_p50_s, b.step_time_p50_s AS baseline_step_time_p50_s,
        CASE WHEN r.policy IS DISTINCT FROM 'none' AND b.step_time_p50_s > 0 AND t.step_time_p50_s > 0
-            THEN b.step_time_p50_s / t.step_time_p50_s END AS speedup
+            THEN b.step_time_p50_s / t.step_time_p50_s END AS speedup,
+       x.probe_share, x.probe_cost_share
 FROM r LEFT JOIN s USING (run_id)
      LEFT JOIN step_times t ON t.run_id = r.run_id
-     LEFT JOIN step_times b ON b.run_id = r.baseline;
+     LEFT JOIN step_times b ON b.run_id = r.baseline
+     LEFT JOIN exploration x ON x.run_id = r.run_id;
 
 -- One row per layer-microbatch (lowest recording rank), with imbalance = max / mean rank load (1.0 when
 -- the layer has no tokens) and straggler = max - mean, before and after balancing. `warmup`: the step is a

@@ -125,7 +125,8 @@ V_TRANSFER_DETAIL = "transfer_detail"
 V_WARMUP_STEPS = "warmup_steps"
 V_STEP_TIMES = "step_times"
 V_RUN_SUMMARY = "run_summary"
-VIEWS = (V_RUNS, V_WARMUP_STEPS, V_STEP_TIMES, V_RUN_SUMMARY, V_LAYER_BALANCE, V_TRANSFER_DETAIL)
+V_EXPLORATION = "exploration"
+VIEWS = (V_RUNS, V_WARMUP_STEPS, V_STEP_TIMES, V_EXPLORATION, V_RUN_SUMMARY, V_LAYER_BALANCE, V_TRANSFER_DETAIL)
 
 # Columns every per-record table starts with.
 C_RUN_ID = "run_id"

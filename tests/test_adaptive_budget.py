@@ -175,3 +175,38 @@ def test_a_screened_candidates_floor_is_a_bound_not_an_estimate():
     assert b.in_contention(["none", "quota"], "none", 64.9e-3, 0.0, max_loss=0.02)
     b.note({"none": 64.9e-3}, "none", set(), {"quota": 70.0e-3}, stake_s=0.0)  # a weighed standing stays
     assert b.standing["quota"] == 65.4e-3
+
+
+# ------------------------------------------------------------------------------- the probes' share (issue 56)
+def _probes(probe_share, decisions=320):
+    """Every rival measured within probe range of ``none`` (none in force: all of them due every ``probe_every``),
+    the schedule at its shortest (probe_every 8): ``(Step 5b probes, decisions, the ledger)``."""
+    from ultraep.policies.exploration import ledger
+
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm, probe_every=8, probe_share=probe_share)
+    truth = {"none": 1.0e-2, "quota": 1.05e-2, "eplb": 1.06e-2, "feplb": 1.04e-2, "hybridep": 1.07e-2}
+    out = _drive(pol, cm, _load(0.05), lambda i, n: truth[n], decisions)
+    probes = sum(bool(a["probe"]) and not a["confirm"] for a in out)
+    return probes, len(out), ledger(pol.schedule, pol.budget), out
+
+
+@pytest.mark.parametrize("share", [0.02, 0.05, 0.1])
+def test_probes_stay_within_their_share_of_the_decisions(share):
+    probes, n, spent, out = _probes(share)
+    burst = 3 * 5  # FEW_RUNS per candidate
+    assert probes <= share * n + burst, probes
+    assert spent["probes"] == probes and spent["decisions"] == n
+    assert spent["probe_share"] == pytest.approx(probes / n)
+    assert probes >= share * n - 2  # the share is spent: the rivals are still measured
+    assert {"quota", "eplb"} <= {a["chosen"] for a in out}  # (feplb and hybridep move nothing here: none stands in)
+    # the probes' prediction over none's, summed: each probe predicted slower than none at its decision
+    assert spent["probe_loss_s"] > 0
+
+
+def test_without_a_share_the_schedule_probes_far_more():
+    """Negative control: ``probe_share=None`` (the engine before issue 56) probes every due rival (here 76 of 320
+    decisions against 31, 15 of them the candidates' first measurements)."""
+    unbounded, n, _, _ = _probes(None)
+    bounded, _, _, _ = _probes(0.05)
+    assert unbounded > 0.05 * n + 15 and unbounded > 2 * bounded, (unbounded, bounded)

@@ -142,8 +142,8 @@ def test_cheap_shapes_get_more_timed_calls():
 
 
 def test_a_shape_with_more_calls_gets_a_longer_launch_limit():
-    """The launcher's 600 s held 20 warm-up + 20 timed calls of 5 runs; 60 timed calls (the runs of record since the
-    fifteenth session) of the costliest shape ran past it, so the limit grows with the calls."""
+    """The launcher's 600 s held 20 warm-up + 20 timed calls of 5 runs; 60 timed calls (the runs of record) of the costliest
+    shape ran past it, so the limit grows with the calls."""
     from benchmarks.bench_runtime import launch_timeout
 
     assert launch_timeout(argparse.Namespace(warmup=20, iters=20), 5) == 600.0

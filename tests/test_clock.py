@@ -95,6 +95,7 @@ def test_device_clock_records_on_the_hot_path_and_reads_at_flush():
     got = {k: clk.read(v) for k, v in phases.items()}
     assert got == pytest.approx({"load_s": 0.003, "rest_s": 0.005, "sum_s": 0.508, "hidden_s": 0.0,
                                  "neg_s": 0.997})
+    assert cuda.syncs == 0  # the events had completed: reading them called no synchronize (issue 55)
     assert isinstance(phases["load_s"], Seconds)
 
 

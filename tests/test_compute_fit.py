@@ -336,3 +336,63 @@ def test_the_calibrator_learns_what_a_replica_copy_costs_each_way():
     assert q.replica_move_s == pytest.approx(0.001, rel=1e-4)
     # kept before the factor (2x here), as the model applies it: factor x it = the backward's 6 ms per copy
     assert q.backward_replica_move_s * q.backward_compute_factor == pytest.approx(0.006, rel=1e-4)
+
+
+# --------------------------------------------------------------------------- what only uneven calls show (issue 56)
+def _uneven_then_balanced(rng, balanced_calls):
+    """Truth: a 0.3 co-run slowdown on 2 ranks, every rank's time 1 % noisy. 30 uneven calls (none's: one rank 2-4x
+    the other's tokens), then ``balanced_calls`` balanced ones (every rank the same tokens and instances). Returns the
+    solved fit and the truth."""
+    def truth(n, i):
+        return _finish(0.3 * (n + 20 * i) * SPT, 0.3)
+
+    fit = ComputeFit()
+    for _ in range(30):
+        lo = int(rng.integers(200, 500))
+        n, i = np.array([lo, lo * int(rng.integers(2, 5))]), np.array([4, 4])
+        fit.add(n, i, np.zeros(2), truth(n, i) * (1 + 0.01 * rng.standard_normal(2)), SPT, regime="none")
+    for _ in range(balanced_calls):
+        n, i = np.full(2, int(rng.integers(300, 1500))), np.array([4, 4])
+        fit.add(n, i, np.zeros(2), truth(n, i) * (1 + 0.01 * rng.standard_normal(2)), SPT, regime="quota")
+    fit._solved = None
+    return fit.solve(), truth
+
+
+def _none_error(f, truth):
+    """The fit's relative error on an uneven call (what it predicts ``none`` costs)."""
+    n, i = np.array([300, 1200]), np.array([4, 4])
+    pred = _finish(f.a * (n + f.b / f.a * i) * SPT, f.k).max()
+    return pred / truth(n, i).max() - 1
+
+
+def test_the_slowdown_only_uneven_calls_show_is_kept_through_a_thousand_balanced_calls():
+    f, truth = _uneven_then_balanced(np.random.default_rng(5), 1000)
+    assert f.k == pytest.approx(0.3, abs=0.05)
+    assert f.a == pytest.approx(0.3, rel=0.03)  # the scale from the balanced calls, at the kept slowdown
+    assert abs(_none_error(f, truth)) < 0.02
+
+
+def test_without_keeping_them_apart_the_balanced_calls_decay_the_slowdown_away(monkeypatch):
+    """Negative control: every call decayed alike (FIT_UNEVEN None, the fit before issue 56) loses the slowdown and
+    over-states what an uneven call (``none``) costs."""
+    import ultraep.cost as cost
+
+    monkeypatch.setattr(cost, "FIT_UNEVEN", None)
+    f, truth = _uneven_then_balanced(np.random.default_rng(5), 1000)
+    assert f.k == 0.0
+    assert _none_error(f, truth) > 0.05
+
+
+def test_the_kept_slowdown_follows_new_uneven_calls():
+    """Kept is not frozen: uneven calls of another slowdown move it (their own sums decay by FIT_DECAY)."""
+    fit, rng = ComputeFit(), np.random.default_rng(2)
+    for k, calls in ((0.3, 30), (0.0, 200), (0.6, 200)):
+        for _ in range(calls):
+            lo = int(rng.integers(200, 500))
+            n, i = np.array([lo, 3 * lo]), np.array([4, 4])
+            fit.add(n, i, np.zeros(2), _finish(0.3 * (n + 20 * i) * SPT, k), SPT, regime="none")
+        for _ in range(calls):
+            n, i = np.full(2, int(rng.integers(300, 1500))), np.array([3, 6])
+            fit.add(n, i, np.zeros(2), _finish(0.3 * (n + 20 * i) * SPT, k), SPT, regime="quota")
+        fit._solved = None
+        assert fit.solve().k == pytest.approx(k)

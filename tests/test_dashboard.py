@@ -4,7 +4,7 @@ them on its own path: an in-memory mirror of the Parquet parts, see dashboard/mi
 
 The fixture is deliberately awkward for the mirror: two ranks record the same run, rank 0 misses one
 layer-microbatch (so that row must come from rank 1), rank 1's timings are slower (so the slowest rank's
-time must win), and the same rank records one layer-microbatch twice (two sessions)."""
+time must win), and the same rank records one layer-microbatch twice (two recorder sessions)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def record_run(runs_dir, name: str, *, steps: int = 4, microbatches: int = 2, la
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     record_run(root, "fx")
-    # the same rank records one layer-microbatch again in a second session (a resumed rank); the first
+    # the same rank records one layer-microbatch again in a second recorder session (a resumed rank); the first
     # recording must win. (A plan without transfers: the store's transfer_detail keeps every recording of
     # the lowest rank, so a duplicate with transfers would be counted twice there.)
     with Recorder.open(root, "fx", kind="train", model="toy-moe", world_size=2, rank=0, topology=TOPO,

@@ -39,6 +39,10 @@ def test_demo_quick_end_to_end(tmp_path):
     for pol in ("none", "quota"):
         assert f"{answers[pol]['step_time_p50_s']:.3f}" == printed[pol], (pol, answers[pol])
     assert answers["quota"]["basis"] == "measured" and answers["quota"]["baseline_id"].endswith("-none")
+    # the speed-up's 90 % interval: the report computes the demo's from the store's steps (README: same figures)
+    lo, hi = re.search(r"90 % interval (\d+\.\d\d)x-(\d+\.\d\d)x over the paired steps",
+                       " ".join(verdict.split())).groups()
+    assert [f"{v:.2f}" for v in answers["quota"]["speedup_interval_90"]] == [lo, hi], (lo, hi, answers["quota"])
     con = open_run(runs)
     kinds = con.execute("SELECT run_id, kind, world_size FROM runs WHERE rank = 0 ORDER BY run_id").fetchall()
     assert len(kinds) == 2 and {k[1] for k in kinds} == {"train"} and {k[2] for k in kinds} == {2}

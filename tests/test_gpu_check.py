@@ -1,5 +1,6 @@
-"""``make gpu-check`` (benchmarks/gpu_check.py): one line and exit 0 without a GPU; with one, its steps, the
-dated section it appends and the line naming what it could not run (driven here with stand-in commands)."""
+"""``make gpu-check`` (benchmarks/gpu_check.py): one line and exit 0 without a GPU; with one, its steps within the
+budget, the rows it commits (not prose: docs/benchmarks.md is never written) and the line naming what it could not
+run (driven here with stand-in commands)."""
 
 import subprocess
 import sys
@@ -26,7 +27,11 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
 
 def test_steps_say_what_one_gpu_cannot_run():
     one, not_run = gpu_check.steps_for(1)
-    assert [s.name for s in one] == ["CUDA-only tests", "kernel timings"]
+    assert [s.name for s in one] == ["CUDA-only tests", "kernel timings", "critical path"]
+    assert "--table" in one[1].cmd and "--table" not in gpu_check.steps_for(1, table=False)[0][1].cmd
+    assert "benchmarks/bench_critical_path.py" in one[2].cmd
+    # every step's own limit fits the default budget, and the budget fits the 10 minutes a device is lent for
+    assert sum(s.timeout_s for s in one) <= gpu_check.BUDGET_S <= 600
     assert len(not_run) == 1 and "NCCL pair" in not_run[0]
     two, not_run = gpu_check.steps_for(2)
     assert two[-1].name == "bench_runtime on NCCL" and "--backend" in two[-1].cmd and not not_run
@@ -36,27 +41,49 @@ def test_steps_say_what_one_gpu_cannot_run():
     assert not any("dashboard" in a for a in one[0].cmd)
 
 
-def test_outcomes_become_a_dated_section_appended_under_one_heading(tmp_path):
+def test_outcomes_become_a_summary_and_committed_rows(tmp_path, monkeypatch):
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(common, "COMMITTED", tmp_path / "committed")
     py = sys.executable
-    ok = gpu_check.run_step(gpu_check.Step("table", [py, "-c", "print('| a | 1 |')"], 30, show_output=True), {})
-    bad = gpu_check.run_step(gpu_check.Step("broken", [py, "-c", "import sys; print('boom'); sys.exit(3)"], 30), {})
-    slow = gpu_check.run_step(gpu_check.Step("slow", [py, "-c", "import time; time.sleep(5)"], 1), {})
-    assert ok.ok and not bad.ok and not slow.ok and "timed out after 1 s" in slow.tail
+    ok = gpu_check.run_step(gpu_check.Step("table", [py, "-c", "print('| a | 1 |')"], 30, show_output=True,
+                                           commits=("bench_x",)), {})
+    bad = gpu_check.run_step(gpu_check.Step("broken", [py, "-c", "import sys; print('boom'); sys.exit(3)"], 30,
+                                            commits=("bench_y",)), {})
+    slow = gpu_check.run_step(gpu_check.Step("slow", [py, "-c", "import time; time.sleep(5)"], 100), {}, timeout_s=1)
+    assert ok.ok and not bad.ok and not slow.ok and "timed out after 1 s" in slow.tail  # the budget's limit
     text = gpu_check.section([ok, bad, slow], ["one GPU only"], "1 x Fake GPU", "abc1234", "2026-11-25 17:00")
     assert "### 2026-11-25 17:00 UTC: 1 x Fake GPU, commit abc1234" in text
     assert "| table | passed |" in text and "| broken | FAILED |" in text and "boom" in text and "| a | 1 |" in text
     assert text.rstrip().endswith("Not run: one GPU only.")
-    doc = tmp_path / "benchmarks.md"
-    doc.write_text("# Benchmarks\n")
-    gpu_check.append_section(text, doc)
-    gpu_check.append_section(text, doc)
-    got = doc.read_text()
-    assert got.startswith("# Benchmarks\n") and got.count(gpu_check.HEADING) == 1 and got.count("### 2026") == 2
-    doc.write_text(got + "\n## Session of later\n\nnotes\n")  # a later section: new runs still go under the heading
-    gpu_check.append_section(text.replace("2026-11-25 17:00", "2026-11-26 04:01"), doc)
-    got = doc.read_text()
-    assert got.index("### 2026-11-26 04:01") < got.index("## Session of later") and got.endswith("notes\n")
+    # rows: each step's result and seconds, what was not run; the passed steps' benchmark rows are committed
+    common.write_rows("bench_x", [common.row("k", "p", "time", "s", "x", [1.0])])
+    common.write_rows("bench_y", [common.row("k", "p", "time", "s", "x", [1.0])])
+    rows = gpu_check.outcome_rows([ok, bad, slow], ["one GPU only"], "1 x Fake GPU", "abc1234")
+    assert all(list(r) == common.COLUMNS for r in rows)
+    got = {(r["provider"], r["metric"]): r["p50"] for r in rows}
+    assert got[("table", "passed")] == 1.0 and got[("broken", "passed")] == 0.0 and got[("one GPU only", "not_run")]
+    paths = gpu_check.commit_rows([ok, bad, slow], rows)
+    assert sorted(p.name for p in paths) == ["bench_x.csv", "gpu_check.csv"]  # bench_y's step failed
+    assert not hasattr(gpu_check, "append_section")  # gpu-check writes rows, never docs/benchmarks.md
 
+
+def test_a_spent_budget_names_the_steps_it_did_not_run(monkeypatch, capsys, tmp_path):
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(common, "COMMITTED", tmp_path / "committed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    py = sys.executable
+    steps = [gpu_check.Step("first", [py, "-c", "import time; time.sleep(2)"], 30),
+             gpu_check.Step("second", [py, "-c", "print(1)"], 30)]
+    monkeypatch.setattr(gpu_check, "steps_for", lambda n, table=True: (steps, ["no NCCL pair"]))
+    assert gpu_check.main(["--budget", "21"]) == 0
+    out = capsys.readouterr().out
+    assert "gpu-check: could not run: no NCCL pair; second (the budget of 21 s was spent)" in out
 
 def test_a_gpu_machine_with_the_cpu_wheel_is_not_a_pass(monkeypatch, capsys):
     monkeypatch.setattr(gpu_check, "visible_gpus", lambda: 2)

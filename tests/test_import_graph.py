@@ -77,6 +77,25 @@ def test_no_import_cycle_beyond_the_known_ones(edges):
     assert not new, "import cycles:\n" + "\n".join(ig.format_cycle(c) for c in new)
 
 
+def test_no_import_cycle_even_for_type_checking(edges):
+    """Issue 54, item 7: not even an import under ``if TYPE_CHECKING:`` closes a cycle (the balanced layer once
+    named the runtime that builds it for its recording helpers; they live in ``runtime.recording`` now). Such an
+    import never runs, but it is still a dependency of the code's meaning: the lower module knows the higher."""
+    found = ig.cycles(edges, ig.KINDS)
+    assert not found, "import cycles (type-checking imports counted):\n" + "\n".join(ig.format_cycle(c) for c in found)
+
+
+def test_the_layer_never_imports_the_runtime_that_builds_it(edges):
+    """Issue 54, item 7: ``runtime.layer`` (and the token path it runs) reach the runtime's recorder through
+    ``runtime.recording``, never through ``runtime.wrap``: no edge of any kind, so a second builder of the layer
+    (an adapter that wraps another engine's model) imports the layer without the runtime."""
+    layer_side = {"ultraep.runtime.layer", "ultraep.runtime.token_path", "ultraep.runtime.recording",
+                  "ultraep.runtime.guard", "ultraep.runtime.checkpoint_replay"}
+    assert layer_side <= set(ig.project_modules())
+    up = [str(e) for e in edges if e.src in layer_side and e.dst == "ultraep.runtime.wrap"]
+    assert up == [], "the layer's side imports the runtime:\n" + "\n".join(up)
+
+
 def test_the_known_lists_hold_no_stale_entries(edges):
     """When a listed cycle or upward import is fixed, its entry must go (so the lists only shrink)."""
     on_cycles = {(e.src, e.dst) for c in ig.cycles(edges) for e in c}

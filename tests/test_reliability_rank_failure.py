@@ -76,7 +76,7 @@ def _rank_main(rank: int, port: int, runs_dir: str, kill_at: str, results) -> No
             out.pow(2).mean().backward()
         except CollectiveFailedError as exc:
             results.put((rank, "CollectiveFailedError", str(exc), exc.layer, exc.phase, exc.peers,
-                         time.monotonic() - t0, rt.recorder.errors))
+                         time.monotonic() - t0, rt.recording.recorder.errors))
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             results.put((rank, type(exc).__name__, str(exc)[:2000], None, None, None, time.monotonic() - t0, None))
         else:

@@ -40,7 +40,7 @@ R, E, LAYERS = 4, 8, 3
 TOPO = ultraep.Topology(num_ranks=R, num_experts=E, num_redundant_slots=1, expert_bytes=4096)
 PLAN = ultraep.plan_layer(np.arange(R * E).reshape(R, E) % 13, "quota", topology=TOPO)
 KILLS = 20
-SESSION_STRIDE = 1_000_000  # session i writes steps i * SESSION_STRIDE + 0, 1, 2, ...
+SESSION_STRIDE = 1_000_000  # recorder session i writes steps i * SESSION_STRIDE + 0, 1, 2, ...
 
 
 def _writer(runs_dir: str, session: int, started, flushed) -> None:
@@ -121,7 +121,7 @@ def test_sigkill_at_random_points_twenty_times(tmp_path):
     parts = _check_store(run_dir, flushed_by_session, read)
     claimed = sum(v - s * SESSION_STRIDE + 1 for s, v in flushed_by_session.items() if v >= 0)
     assert claimed > 0 and parts > KILLS  # the writers did get rows out before being killed
-    # killed sessions are recorded as never closed; leftovers are hidden temp files no reader globs
+    # killed recorder sessions are recorded as never closed; leftovers are hidden temp files no reader globs
     con = open_run(run_dir)
     assert {r[0] for r in con.execute("SELECT DISTINCT status FROM runs_log").fetchall()} == {"running"}
     leftovers = list(run_dir.glob("*/.*.tmp"))

@@ -245,7 +245,8 @@ def test_unsupported_model_lists_supported_ones():
 
 
 def _ids_above_sentinel(rank, world):
-    """Rank 1 routes two slots to expert id E + 1 (beyond the sentinel E): every rank refuses together."""
+    """Rank 1 routes two slots to expert id E + 1 (beyond the sentinel E), rank 0 one to -1: every rank refuses
+    together, naming both."""
     import ultraep
     from ultraep.models.adapters import UnsupportedModelError
 
@@ -256,6 +257,8 @@ def _ids_above_sentinel(rank, world):
     idx = torch.randint(0, E, (5, 2), generator=torch.Generator().manual_seed(rank))
     if rank == 1:
         idx[1:3, 0] = E + 1
+    else:
+        idx[4, 1] = -1
     try:
         holder.experts(torch.randn(5, 32), idx, torch.rand(5, 2))
     except UnsupportedModelError as exc:
@@ -265,7 +268,7 @@ def _ids_above_sentinel(rank, world):
 
 def test_ids_above_the_sentinel_are_refused_on_every_rank():
     for msg in run_ranks(_ids_above_sentinel, 2, p2p=False):  # refused before any transfer
-        assert "rank(s) [1] routed 2 slot(s) to expert ids above 8" in msg, msg
+        assert "rank(s) [0, 1] routed 3 slot(s) to expert ids above 8 or below 0" in msg, msg
 
 
 def _divergence(rank, world):

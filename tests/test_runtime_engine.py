@@ -68,14 +68,14 @@ def _calibration_reaches_decisions(rank, world):
     ep.rank_phases = lambda t: compute_bound.copy()
     for _ in range(3):
         _call(holder, rt, inputs)
-    before = [h[2] for h in rt.history]
+    before = [h[2] for h in rt.recording.history]
     # phase B: the replica weights take 50 s to arrive (the layer time and the wait for them say so)
     slow = compute_bound.copy()
     slow[6], slow[9], slow[11] = 50.0, 53.0, 49.0
     ep.rank_phases = lambda t: slow.copy() if (t.weight_sync_flight_s or 0.0) > 0 else compute_bound.copy()
     for _ in range(3):
         _call(holder, rt, inputs)
-    after = [h[2] for h in rt.history[3:]]
+    after = [h[2] for h in rt.recording.history[3:]]
     return before, after, rt.engine.cost_model.params.weight_sync_scale
 
 
@@ -103,7 +103,7 @@ def _different_speeds(rank, world):
     for _ in range(6):
         _call(holder, rt, inputs)
     params = rt.engine.cost_model.params
-    return [h[2] for h in rt.history], params.model_dump(), layer.last_plan.digest()
+    return [h[2] for h in rt.recording.history], params.model_dump(), layer.last_plan.digest()
 
 
 def test_ranks_of_different_speeds_decide_identically():

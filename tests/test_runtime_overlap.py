@@ -34,12 +34,12 @@ def _events(rank, world):
     model = build_model("qwen3-moe")
     ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 2})
     rt = ultraep.runtime_of(model)
-    rt.events = []
+    rt.recording.events = []
     out = model(input_ids=_skewed_ids(rank)).logits
-    fwd = list(rt.events)
-    rt.events = []
+    fwd = list(rt.recording.events)
+    rt.recording.events = []
     out.float().pow(2).mean().backward()
-    return fwd, list(rt.events), [layer.last_plan.num_replicas for layer in rt.layers]
+    return fwd, list(rt.recording.events), [layer.last_plan.num_replicas for layer in rt.layers]
 
 
 def test_one_layer_event_order():

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -117,8 +118,21 @@ def _scenario(rank, world, family, config, how, steps=STEPS, lose_master_update:
     ref = copy.deepcopy(model)
     ultraep.wrap(model, config)
     rt = ultraep.runtime_of(model)
-    if how == "checkpoint-hf":
-        model.gradient_checkpointing_enable()
+    problems = []
+    if how == "checkpoint-hf":  # transformers' current name: no deprecation warning
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.activation_checkpointing_enable()
+        problems += [f"warned: {w.message}" for w in caught
+                     if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    elif how == "checkpoint-hf-legacy":  # the deprecated name users still call works on a wrapped model
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.gradient_checkpointing_enable()
+        if not any("gradient_checkpointing_enable" in str(w.message) for w in caught):
+            problems.append("transformers no longer warns about gradient_checkpointing_enable: drop the legacy case")
+    if how.startswith("checkpoint-hf") and not model.is_activation_checkpointing:
+        problems.append("activation checkpointing is not on")
     elif how.startswith("checkpoint-torch"):
         layers = model.model.layers
         for i in range(len(layers)):
@@ -184,7 +198,7 @@ def _scenario(rank, world, family, config, how, steps=STEPS, lose_master_update:
                 problems.append(f"step {step} {name} parameter after the update: {d}")
         rt.next_step(loss=float(loss_sum))
     return {"problems": problems[:40], "served": dict(served), "restorations": rt.shared_slots.restorations,
-            "policies": sorted({h[2] for h in rt.history})}
+            "policies": sorted({h[2] for h in rt.recording.history})}
 
 
 def _check(results, records=None):
@@ -231,6 +245,13 @@ def test_four_ranks_train_like_the_unwrapped_model_on_the_global_batch(how, memo
     _check(results)
     if memory == 0 and how == "checkpoint-hf":  # the layers share buffers: a recompute restores (reentrant: streams)
         assert results[0]["restorations"] >= 1
+
+
+def test_the_deprecated_checkpointing_name_still_trains_exactly():
+    """transformers 5.x renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable``; a user
+    who still calls the old name on a wrapped model trains exactly as with the new one (the scenario checks the
+    old name warns, so this test goes once transformers drops it)."""
+    _check(run_ranks(_scenario, 2, "qwen3-moe", POLICIES["quota"], "checkpoint-hf-legacy"))
 
 
 def test_the_check_fails_when_no_replica_computed_a_token():

@@ -7,9 +7,15 @@
 from __future__ import annotations
 
 from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+# pyproject.toml's `version` is the one source: the installed distribution's metadata carries it (an
+# editable install too); a source tree that was never installed has no version to report.
+try:
+    __version__ = version("ultraep")
+except PackageNotFoundError:  # pragma: no cover - only in a checkout without `pip install`
+    __version__ = "0+unknown"
 
 _LAZY = {
     "Topology": "ultraep.topology",
@@ -29,6 +35,11 @@ _LAZY = {
     "runtime_of": "ultraep.runtime",
     "expert_params": "ultraep.runtime",
     "no_sync": "ultraep.runtime",
+    "load_masters": "ultraep.runtime",
+    "SafetensorsMasters": "ultraep.runtime",
+    "DCPMasters": "ultraep.runtime",
+    "InitMasters": "ultraep.runtime",
+    "MastersSavePlanner": "ultraep.runtime",
     "register_experts": "ultraep.models.adapters",
     "telemetry": "ultraep.telemetry",  # the README's `ultraep.telemetry.Recorder.open(...)` works after `import ultraep`
 }
@@ -43,7 +54,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ultraep.plan import Plan, Transfers
     from ultraep.planning import plan_layer
     from ultraep.topology import LinkSpec, Topology
-    from ultraep.runtime import expert_params, no_sync, runtime_of, unwrap, wrap
+    from ultraep.runtime import (DCPMasters, InitMasters, MastersSavePlanner, SafetensorsMasters, expert_params,
+                                 load_masters, no_sync, runtime_of, unwrap, wrap)
     from ultraep.models.adapters import register_experts
 
 

@@ -39,6 +39,7 @@ can record through the telemetry recorder) the prediction next to the measuremen
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field, fields
 from itertools import combinations
 from typing import Any, Literal
@@ -725,6 +726,10 @@ FIT_DECAY = 0.95
 FIT_STALE_DECAY = 0.98
 #: the smallest slowdown whose residual is within this (relative) of the best one's is taken
 FIT_TIE = 0.01
+#: a call whose ranks' tokens differ by this share of the busiest's or more shows the co-run slowdown (its rows are
+#: kept apart: :class:`ComputeFit`); quota's balanced plans are within its ``balance_eps`` (1 %) of their mean, so they
+#: stay out. None: nothing kept apart (every call decays alike: the fit before issue 56)
+FIT_UNEVEN: float | None = 0.1
 #: calls a fit needs before it is used
 FIT_MIN_CALLS = 4
 #: a solved fit is kept for this many calls (the sums move slowly; a solve costs ~0.15 ms on the decision's path)
@@ -821,6 +826,11 @@ def corun_matrices(t_R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return A0, A1
 
 
+def uneven(tokens_R: np.ndarray, share: float) -> bool:
+    """Whether ranks carrying ``tokens_R`` (> 0) differ by ``share`` of the busiest's or more."""
+    return tokens_R.size > 1 and float(tokens_R.max() - tokens_R.min()) >= share * float(tokens_R.max())
+
+
 class _FitSums:
     """The decaying least-squares sums of one regime's calls (see :class:`ComputeFit`)."""
 
@@ -838,6 +848,26 @@ class _FitSums:
         self.c *= w
         self.dof *= w
 
+    def add(self, D0: np.ndarray, D1: np.ndarray) -> None:
+        """One call's rows ``[R', U]`` (``D0 + k D1`` per rank, over its measurement)."""
+        C0, C1 = D0 - D0.mean(axis=0), D1 - D1.mean(axis=0)  # centred: their fitted values are the ranks' spread
+        self.G += np.stack([D0.T @ D0, D0.T @ D1 + D1.T @ D0, D1.T @ D1])
+        self.g += np.stack([D0.sum(axis=0), D1.sum(axis=0)])
+        self.H += np.stack([C0.T @ C0, C0.T @ C1 + C1.T @ C0, C1.T @ C1])
+        self.c += float(D0.shape[0])
+        self.dof += float(D0.shape[0]) - 1.0
+
+    @classmethod
+    def total(cls, parts) -> "_FitSums":
+        out = cls()
+        for r in parts:
+            out.G += r.G
+            out.g += r.g
+            out.H += r.H
+            out.c += r.c
+            out.dof += r.dof
+        return out
+
 
 class ComputeFit:
     """Decaying least-squares sums of every rank's measured compute. Every rank's row is ``D0 + k D1`` (linear in the
@@ -848,10 +878,23 @@ class ComputeFit:
     (``none``'s: every rank the same instance count) cannot tell a per-instance cost from a slowdown; a probe's
     calls of another policy can, and the policy in force's calls must not decay them away before they are used
     (2026-11-26 validation, tok64: 34 calls of ``none`` after 5 balanced ones left those at 0.95^34 = 17 % of their
-    weight, and the fit under-predicted the balanced policies' backward by 13-15 %)."""
+    weight, and the fit under-predicted the balanced policies' backward by 13-15 %).
+
+    The co-run slowdown k is kept apart: only *uneven* calls show it (ranks whose tokens differ by FIT_UNEVEN of the
+    busiest's or more: on balanced ones every rank finishes at ``(1 + k (R - 1)) w``, which a slower machine
+    explains as well). Their rows also go into sums of their own that decay by FIT_DECAY per uneven call and never
+    otherwise. The regimes' sums pick k as before: the smallest whose residual is within FIT_TIE of the best one's;
+    where several are (the calls weighed now cannot tell them apart) and the uneven sums (once FIT_MIN_CALLS calls
+    went there) pick one of them, that one is taken, and the other unknowns are solved at it. Why: a run of balanced
+    calls decayed the uneven ones away (FIT_STALE_DECAY leaves 3 % of their weight after 170 calls) and the fit took
+    k = 0 and a scale that over-stated ``none``'s cost by 10 % in a 90-step run (issue 56). The scale still follows
+    the machine (it is solved from the regimes' decaying sums), and where the calls weighed now do show k, theirs is
+    taken."""
 
     def __init__(self) -> None:
         self._regimes: dict[str, _FitSums] = {}
+        self._uneven = _FitSums()  # the uneven calls' rows, decayed only by uneven calls: what k is solved from
+        self.uneven_calls = 0
         self.calls = 0
         self._solved: tuple[int, FittedCompute | None] | None = None  # (calls when solved, the fit)
 
@@ -875,15 +918,13 @@ class ComputeFit:
         X = np.stack([n * sec_per_token, i * sec_per_token, p, m], axis=1)  # [R, 4] model seconds
         A0, A1 = corun_matrices(t)
         D0, D1 = ((A @ X)[use] / t[use, None] for A in (A0, A1))  # [R', 4]: each row over its measurement
-        C0, C1 = D0 - D0.mean(axis=0), D1 - D1.mean(axis=0)  # centred: their fitted values are the ranks' spread
         for key, sums in self._regimes.items():
             sums.decay(FIT_DECAY if key == regime else FIT_STALE_DECAY)
-        own = self._regimes.setdefault(regime, _FitSums())
-        own.G += np.stack([D0.T @ D0, D0.T @ D1 + D1.T @ D0, D1.T @ D1])
-        own.g += np.stack([D0.sum(axis=0), D1.sum(axis=0)])
-        own.H += np.stack([C0.T @ C0, C0.T @ C1 + C1.T @ C0, C1.T @ C1])
-        own.c += float(use.sum())
-        own.dof += float(use.sum()) - 1.0
+        self._regimes.setdefault(regime, _FitSums()).add(D0, D1)
+        if FIT_UNEVEN is not None and uneven(n[use], FIT_UNEVEN):
+            self._uneven.decay(FIT_DECAY)
+            self._uneven.add(D0, D1)
+            self.uneven_calls += 1
         self.calls += 1
         return True
 
@@ -903,43 +944,67 @@ class ComputeFit:
         return fit
 
     def _solve(self) -> FittedCompute | None:
-        K = len(FIT_SLOWDOWNS)
-        k = FIT_SLOWDOWNS[:, None]
-        GK = self.G[0] + FIT_SLOWDOWNS[:, None, None] * self.G[1] + (FIT_SLOWDOWNS ** 2)[:, None, None] * self.G[2]  # [K,3,3]
-        gK = self.g[0] + k * self.g[1]  # [K, 3]
-        # every subset of the unknowns for every k in one batched solve: an unknown left out of a subset gets the
-        # identity row and a 0 right-hand side, so it solves to 0
-        # (solved in unknowns scaled to a unit diagonal: tokens, instances and replicas differ by orders of magnitude)
-        diag = np.einsum("kii->ki", GK)
-        u = np.where(diag > 0, 1.0 / np.sqrt(np.where(diag > 0, diag, 1.0)), 1.0)  # [K, 3]
-        U = FIT_UNKNOWNS
-        GU = GK * u[:, :, None] * u[:, None, :] + 1e-12 * np.eye(U)
-        M = _FIT_MASKS[:, None, :]  # [S, 1, U]
-        sel = M[..., :, None] * M[..., None, :]  # [S, 1, U, U]
-        A = np.where(sel > 0, GU[None], np.eye(U))  # [S, K, U, U]
-        try:
-            W = np.linalg.solve(A, (gK * u)[None, ..., None] * M[..., None])[..., 0] * u[None]  # [S, K, U]
-        except np.linalg.LinAlgError:
+        total = _FitSums.total(self._regimes.values())
+        got = _best_per_slowdown(total)
+        if got is None:
             return None
-        resid = np.einsum("ski,kij,skj->sk", W, GK, W) - 2 * np.einsum("ski,ki->sk", W, gK) + self.c  # [S, K]
-        feasible = (W >= 0).all(axis=2) & (W.sum(axis=2) > 0)
-        resid = np.where(feasible, resid, np.inf)
-        s_best = resid.argmin(axis=0)  # [K]
-        best_r = resid[s_best, np.arange(K)]
-        best_w = W[s_best, np.arange(K)]
-        if not np.isfinite(best_r).any():
-            return None
-        floor = max(float(best_r.min()), 0.0)
-        kk = int(np.flatnonzero(best_r <= floor * (1 + FIT_TIE) + 1e-9 * self.c)[0])  # the smallest near the best
+        best_r, best_w = got
+        near = _near_best(best_r, total.c)  # the slowdowns the calls cannot tell from the best
+        kk = int(near[0])
+        if self.uneven_calls >= FIT_MIN_CALLS and near.size > 1:  # the one the uneven calls showed, if it is one
+            kept = _best_per_slowdown(self._uneven)
+            if kept is not None:
+                kept_k = int(_near_best(kept[0], self._uneven.c)[0])
+                kk = kept_k if kept_k in near else kk
         if not np.isfinite(best_r[kk]) or best_w[kk, 0] <= 0:
             return None
         a, b, d, e = (float(x) for x in best_w[kk])
         k_ = float(FIT_SLOWDOWNS[kk])
         # the ranks' relative spread within a call: a rank's residual minus its call's mean residual is C w (the
         # target, 1 per row, centres to 0), so its mean square is w' H(k) w over the degrees of freedom
-        spread = float(best_w[kk] @ (self.H[0] + k_ * self.H[1] + k_ * k_ * self.H[2]) @ best_w[kk])
-        noise = float(np.sqrt(max(spread, 0.0) / self.dof)) if self.dof > 0 else 0.0
+        H = total.H
+        spread = float(best_w[kk] @ (H[0] + k_ * H[1] + k_ * k_ * H[2]) @ best_w[kk])
+        noise = float(np.sqrt(max(spread, 0.0) / total.dof)) if total.dof > 0 else 0.0
         return FittedCompute(k_, a, b, d, self.calls, min(noise, 1.0), e)
+
+
+def _best_per_slowdown(sums: _FitSums) -> tuple[np.ndarray, np.ndarray] | None:
+    """``([K], [K, 4])`` per slowdown of FIT_SLOWDOWNS the least residual of a non-negative fit of ``sums`` and its
+    unknowns (inf where none is feasible), or None where no k has one."""
+    K = len(FIT_SLOWDOWNS)
+    k = FIT_SLOWDOWNS[:, None]
+    G, g = sums.G, sums.g
+    GK = G[0] + FIT_SLOWDOWNS[:, None, None] * G[1] + (FIT_SLOWDOWNS ** 2)[:, None, None] * G[2]  # [K, U, U]
+    gK = g[0] + k * g[1]  # [K, U]
+    # every subset of the unknowns for every k in one batched solve: an unknown left out of a subset gets the
+    # identity row and a 0 right-hand side, so it solves to 0
+    # (solved in unknowns scaled to a unit diagonal: tokens, instances and replicas differ by orders of magnitude)
+    diag = np.einsum("kii->ki", GK)
+    u = np.where(diag > 0, 1.0 / np.sqrt(np.where(diag > 0, diag, 1.0)), 1.0)  # [K, U]
+    U = FIT_UNKNOWNS
+    GU = GK * u[:, :, None] * u[:, None, :] + 1e-12 * np.eye(U)
+    M = _FIT_MASKS[:, None, :]  # [S, 1, U]
+    sel = M[..., :, None] * M[..., None, :]  # [S, 1, U, U]
+    A = np.where(sel > 0, GU[None], np.eye(U))  # [S, K, U, U]
+    try:
+        W = np.linalg.solve(A, (gK * u)[None, ..., None] * M[..., None])[..., 0] * u[None]  # [S, K, U]
+    except np.linalg.LinAlgError:
+        return None
+    resid = np.einsum("ski,kij,skj->sk", W, GK, W) - 2 * np.einsum("ski,ki->sk", W, gK) + sums.c  # [S, K]
+    feasible = (W >= 0).all(axis=2) & (W.sum(axis=2) > 0)
+    resid = np.where(feasible, resid, np.inf)
+    s_best = resid.argmin(axis=0)  # [K]
+    best_r = resid[s_best, np.arange(K)]
+    if not np.isfinite(best_r).any():
+        return None
+    return best_r, W[s_best, np.arange(K)]
+
+
+def _near_best(best_r: np.ndarray, rows: float) -> np.ndarray:
+    """The indices of the slowdowns whose residual is within FIT_TIE of the best one's, smallest first (balanced
+    calls cannot tell a slowdown from a slower machine: all of them are)."""
+    floor = max(float(best_r.min()), 0.0)
+    return np.flatnonzero(best_r <= floor * (1 + FIT_TIE) + 1e-9 * rows)
 
 
 # ---------------------------------------------------------------------------------------------- calibration
@@ -1021,6 +1086,10 @@ def call_residual(measured: dict[str, float], total_s: float) -> float:
     return max(0.0, float(total_s) - sum(float(measured.get(k, 0.0)) for k in SUMMED_TERMS))
 
 
+#: calibration rows a :class:`Calibrator` keeps in ``history`` (the newest; ~10 per observed call)
+HISTORY_ROWS = 4096
+
+
 class Calibrator:
     """Learns the per-term scales of :class:`CostParams` from measured timings.
 
@@ -1057,7 +1126,8 @@ class Calibrator:
         self.model = model
         self.alpha = float(alpha)
         self.recorder = recorder
-        self.history: list[dict[str, Any]] = []
+        #: the last HISTORY_ROWS calibration rows (bounded: a run of 10^5 calls kept ~10^6 rows)
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_ROWS)
         self._n: dict[str, int] = {}  # observations per scale: the first ones weigh 1/n (a running mean)
         self._overhead: dict[str, float] = {}  # the residual per kind of call (_call_overhead)
         # the copies' weighted sums (1, x, y, x², x·y) of the per-byte part x and the measured copies y (_copy)

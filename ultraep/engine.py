@@ -20,8 +20,13 @@ EWMA of log ratios) and records each prediction next to the measurement.
 
 from __future__ import annotations
 
+import sys
+import types
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import numpy as np
 
 from pydantic import BaseModel
 
@@ -218,3 +223,43 @@ def _refresh(pol, cm: CostModel) -> None:
         pol.cost_model = cm
     for sub in getattr(pol, "policies", {}).values():
         _refresh(sub, cm)
+
+
+# ------------------------------------------------------------------------------------------- what it holds
+# The engine decides every layer call of a run (10^4-10^5 steps times the layers); anything it kept per call would grow
+# without end (issue 56, item 6). :func:`footprint` counts what an object holds, so that tests/test_engine_state.py
+# and benchmarks/bench_long.py can check the engine's state after N decisions and after 10 N.
+_LEAVES = (str, bytes, int, float, complex, bool, type(None), np.generic)
+_SKIP = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)
+
+
+def footprint(obj) -> tuple[int, int]:
+    """``(items, bytes)`` held by ``obj`` and everything reachable from it (each object counted once)."""
+    seen: set[int] = set()
+    items = size = 0
+    todo = [obj]
+    while todo:
+        o = todo.pop()
+        if isinstance(o, _LEAVES) or isinstance(o, _SKIP) or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, np.ndarray):
+            items += int(o.size)
+            size += int(o.nbytes)
+            continue
+        size += sys.getsizeof(o, 0)
+        if isinstance(o, dict):
+            items += len(o)
+            todo.extend(o.keys())
+            todo.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset, deque)):
+            items += len(o)
+            todo.extend(o)
+        else:
+            if hasattr(o, "__dict__"):
+                todo.append(vars(o))
+            for cls in type(o).__mro__:
+                for name in getattr(cls, "__slots__", ()):
+                    if isinstance(name, str) and hasattr(o, name):
+                        todo.append(getattr(o, name))
+    return items, size

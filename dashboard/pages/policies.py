@@ -27,6 +27,14 @@ def body(ctx: ui.Context) -> None:
         with right:
             st.markdown("**reasons**")
             ui.table(ui.shown_policies(data.decision_reasons(m), ctx.run), "policies_reasons")
+        probes = data.exploration(m)
+        if len(probes):  # an engine chose: what its probes took (issue 56)
+            x = probes.iloc[0]
+            cost = x["probe_cost_share"]
+            st.caption(f"probes: {int(x['probe_calls'])} of {int(x['chosen_calls'])} chosen layer calls "
+                       f"({ui.fmt_pct(100 * x['probe_share'])}), costing {ui.fmt_seconds(x['probe_cost_s'])} = "
+                       f"{ui.fmt_pct(None if cost != cost or cost is None else 100 * cost)} of their measured time "
+                       "against the policy in force's calls beside them (warm-up excluded)")
         layer = st.selectbox("latest decisions of layer", layers, key="policies_layer")
         ui.table(ui.shown_policies(data.recent_decisions(m, int(layer)), ctx.run), "policies_recent")
 

@@ -199,9 +199,9 @@ class _DemoRun:
 
     def result(self) -> dict:
         self.recorder.close()
-        return {"losses": self.losses, "times": self.times, "history": self.rt.history,
+        return {"losses": self.losses, "times": self.times, "history": self.rt.recording.history,
                 "run_id": getattr(self.recorder, "run_id", None), "calls": self.calls, "grads0": self.grads0,
-                "recording_errors": self.rt.recording_errors + int(getattr(self.recorder, "errors", 0) or 0)}
+                "recording_errors": self.rt.recording.errors + int(getattr(self.recorder, "errors", 0) or 0)}
 
 
 def _rank_main(rank: int, world: int, settings: DemoSettings, specs: list[tuple[str, str | None]]) -> dict:

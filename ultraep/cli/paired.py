@@ -1,11 +1,12 @@
 """Paired, interleaved timing: the demo and ``--compare`` time the runs they compare in one launch, step by
 step, as ``benchmarks/bench_runtime.py`` does, so a busy machine slows every run alike instead of whichever
-run it happened to overlap. The benchmarks import these two helpers from here.
+run it happened to overlap. The benchmarks import these two helpers from here (the interval lives in
+telemetry, where ``ultraep report`` computes it from the store the same way).
 """
 
 from __future__ import annotations
 
-import numpy as np
+from ultraep.telemetry.paired import ratio_interval  # noqa: F401  (re-exported)
 
 
 def carryover_orders(n: int) -> list[list[int]]:
@@ -31,14 +32,3 @@ def carryover_orders(n: int) -> list[list[int]]:
     if n % 2:
         rows += [r[::-1] for r in rows]
     return rows
-
-
-def ratio_interval(a, b, level: float = 0.90, draws: int = 4000, seed: int = 0) -> tuple[float, float]:
-    """Bootstrap interval of ``median(a) / median(b)`` for paired samples (``a[i]`` and ``b[i]`` timed in the same
-    round of an interleaved benchmark): rounds are resampled together, so noise shared by a round cancels. Tells
-    whether a ratio a few % from 1 is a difference or the noise of this many rounds."""
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    idx = np.random.default_rng(seed).integers(0, len(a), size=(draws, len(a)))
-    r = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
-    lo, hi = np.quantile(r, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)

@@ -43,8 +43,10 @@ from torch import nn
 
 from ultraep.errors import UltraEPError
 from ultraep.models.experts import FLAGS, ExpertForward, ExpertsAdapter, UnsupportedModelError, hf_expert_forward
+from ultraep.models import torchtitan as _titan
 from ultraep.models.rewrite import adapter_of
 from ultraep.models.rewrite import prepare as _prepare
+from ultraep.models.rewrite import restore as _restore
 
 # --------------------------------------------------------------------------------------------- HF flags
 
@@ -262,6 +264,9 @@ def _adapter_uncached(mod: nn.Module) -> ExpertsAdapter | None:
     decided, adapter = adapter_of(mod)  # a container prepare() built or marked
     if decided:
         return adapter
+    decided, adapter = _titan.adapter_of(mod)  # a torchtitan inner-experts module prepare() marked
+    if decided:
+        return adapter
     for cls, adapter in _CUSTOM.items():
         if isinstance(mod, cls):
             return _custom_checked(mod, adapter)
@@ -282,12 +287,20 @@ def supported() -> list[str]:
     out.append("every transformers v5 experts-interface module whose flags ultraep implements (docs/models.md)")
     out.append("Llama4TextMoe, DbrxFFN, JetMoeMoE and LongcatFlashMoE blocks (rewritten exactly into experts "
                "containers)")
+    out.append(f"torchtitan {_titan.SEAM_VERSION} RoutedExperts with " + " or ".join(_titan.EXPERTS)
+               + " (docs/guide/torchtitan.md)")
     out += [a.name for a in _CUSTOM.values()]
     return out
 
 
 def prepare(model: nn.Module) -> list[str]:
     """Rewrite, in place and exactly, MoE blocks whose experts are not an experts container (Llama4, DBRX,
-    JetMoE, Longcat-Flash) into one, before :func:`~ultraep.runtime.wrap` looks for containers; returns the rewritten blocks'
-    names. See :mod:`ultraep.models.rewrite` (and its ``restore`` to undo it after ``unwrap``)."""
-    return _prepare(model)
+    JetMoE, Longcat-Flash; torchtitan's RoutedExperts) into one, before :func:`~ultraep.runtime.wrap` looks for
+    containers; returns the rewritten blocks' names. See :mod:`ultraep.models.rewrite` and
+    :mod:`ultraep.models.torchtitan` (and :func:`restore` to undo it after ``unwrap``)."""
+    return _prepare(model) + _titan.prepare(model)
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """Undo :func:`prepare` on an unwrapped model: the original module classes, holding the current weights."""
+    return _titan.restore(_restore(model))

@@ -31,7 +31,9 @@ ExpertForward = Callable[[nn.Module, torch.Tensor, Sequence[torch.Tensor]], torc
 class ExpertsAdapter:
     """How to run one expert of a container.
 
-    param_names     the container's 3-D parameters, leading dimension E, in the order ``forward`` takes them
+    param_names     the container's expert parameters, leading dimension E, in the order ``forward`` takes them:
+                    the one description the runtime reads to slice, allocate (a model on the meta device), load
+                    by rows, save and measure a rank's masters (``runtime/masters.py``, ``runtime/master_rows.py``)
     forward         ``forward(container, x [T, H], tensors) -> [T, H]``: one expert applied to its rows,
                     ``tensors[j] = getattr(container, param_names[j])[e]``, *without* the routing weight
     name            for reports

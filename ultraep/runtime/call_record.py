@@ -1,8 +1,9 @@
 """A balanced layer's calls between their forward and their record: :class:`CallLog`.
 
 A training call is recorded once its backward ran (its backward phases are part of the record), a serving call
-right after its forward. At most one call per layer waits: the next call's forward records it first (its backward
-never came: an evaluation under grad, a dropped graph). On CUDA the call's events are read only when they
+right after its forward (on CUDA when its events completed: at the latest after the next call's load all-gather).
+At most one call per layer waits: the next call's forward records it first (its backward never came: an
+evaluation under grad, a dropped graph). On CUDA the call's events are read only when they
 completed (``clock.ready()``), so recording never adds a host synchronisation.
 
     forward   CallLog.open(call, out, send)  →  hooks at the call's backward start and end (or record now)
@@ -65,7 +66,7 @@ class CallLog:
         self.pending = call
         if call.needs_backward and out.requires_grad:
             hook_backward(out, send, call, self._backward_end)
-        else:
+        elif call.clock.ready():  # (CUDA: else at the next call's load all-gather, never a sync here)
             self.flush()
 
     def _backward_end(self, call: LayerCall) -> None:

@@ -102,7 +102,8 @@ class DeviceClock:
         """Seconds of ``x``; waits for the last event if the device is not there yet (flush only)."""
         if not isinstance(x, Seconds):
             return float(x)
-        self._last.synchronize()
+        if not self._last.query():  # (after the next call's load all-gather it has: no wait, no synchronize call)
+            self._last.synchronize()
         return float(x.f(self.read))
 
 

@@ -69,6 +69,8 @@ def refuse_wrapped(model: nn.Module) -> None:
         raise UltraEPError("model", "is already inside DistributedDataParallel: wrap the model with ultraep first, "
                            "then DDP — DistributedDataParallel(ultraep.wrap(model))")
     fsdp = _fsdp_module_classes()
+    if getattr(model, "_ultraep_fsdp_ignores_experts", False):
+        return  # built by ultraep.integrations.torchtitan: its FSDP application left the expert tensors out
     for name, mod in model.named_modules():
         if fsdp and isinstance(mod, fsdp):
             raise UltraEPError(name or "model", "is already sharded by FSDP: wrap the model with ultraep first, then "
@@ -134,6 +136,18 @@ def has_fsdp(model: nn.Module) -> bool:
     """Whether any module of ``model`` is managed by FSDP (FSDP2's ``fully_shard`` or FSDP1)."""
     fsdp = _fsdp_module_classes()
     return bool(fsdp) and any(isinstance(m, fsdp) for m in model.modules())
+
+
+def fsdp_averages(model: nn.Module) -> bool:
+    """Whether ``model``'s FSDP2 averages the gradients it reduces (its default), or sums them: every parameter
+    group's ``gradient_divide_factor`` set to 1 (``set_gradient_divide_factor(1.0)``, what torchtitan's FSDP
+    application does — its loss is already divided by the global token count)."""
+    factors = []
+    for mod in model.modules():
+        state = mod._get_fsdp_state() if hasattr(mod, "_get_fsdp_state") else None
+        for group in getattr(state, "_fsdp_param_groups", ()) or ():
+            factors.append(getattr(group, "gradient_divide_factor", None))
+    return not factors or any(f != 1.0 for f in factors)
 
 
 def refuse_sharded_masters(model: nn.Module, layers) -> None:

@@ -17,8 +17,8 @@ from ultraep.errors import CollectiveFailedError, PlanDivergenceError
 class CollectiveGuard:
     """``with guard(phase, peers): ...`` around one collective of layer ``layer`` (module path ``name``).
 
-    ``runtime``: what a failure report reads and flushes (rank, world size, step, recorder, ``flush_records``,
-    ``safe``)."""
+    ``runtime``: what a failure report reads and flushes (rank, world size, step, ``flush_records`` and its
+    :class:`~ultraep.runtime.recording.Recording`)."""
 
     def __init__(self, runtime, layer: int, name: str) -> None:
         self.runtime, self.layer, self.name = runtime, layer, name
@@ -31,10 +31,11 @@ class CollectiveGuard:
             raise
         except RuntimeError as exc:
             rt = self.runtime
-            flushed = rt.recorder is not None
+            rec = rt.recording
+            flushed = rec.recorder is not None
             if flushed:
                 rt.flush_records()
-                rt.safe(rt.recorder.flush)
+                rec.safe(rec.recorder.flush)
             if peers is None:
                 peers = [r for r in range(rt.world_size) if r != rt.rank]
             text = str(exc).strip()

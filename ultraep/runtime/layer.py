@@ -40,10 +40,11 @@ from ultraep.runtime.clock import clock_for
 from ultraep.runtime.guard import CollectiveGuard
 from ultraep.runtime.checkpoint_replay import recompute_forward
 from ultraep.runtime.recompute import Replay, Replays
+from ultraep.runtime.recording import Recording
 from ultraep.runtime.comm import check_same_plan, gather_load
 from ultraep.errors import PendingGradientsError
-from ultraep.runtime.load_header import GatheredLoad, LoadHeader, pack_load
-from ultraep.runtime.masters import layer_topology, take_masters
+from ultraep.runtime.load_header import GatheredLoad, LoadHeader, expert_counts, pack_load
+from ultraep.runtime.masters import MasterState, layer_topology, take_masters
 from ultraep.runtime.replica_cache import MasterEpoch
 from ultraep.runtime.replica_store import ReplicaMemory, ReplicaStore
 from ultraep.runtime.replicas import DeferredGrads, ReplicaContext, ReplicaJob
@@ -51,7 +52,6 @@ from ultraep.runtime.token_path import route_tokens, run_slots
 
 if TYPE_CHECKING:  # pragma: no cover
     from ultraep.models.adapters import ExpertsAdapter
-    from ultraep.runtime.wrap import EPRuntime
 
 
 class BalancedExperts(nn.Module):
@@ -62,18 +62,22 @@ class BalancedExperts(nn.Module):
     """
 
     def __init__(self, container: nn.Module, adapter: "ExpertsAdapter", layer: int, name: str,
-                 runtime: "EPRuntime", memory: ReplicaMemory) -> None:
-        """``memory``: this layer's share of the replica memory budget (``replica_store.split_budget``, final)."""
+                 runtime, memory: ReplicaMemory) -> None:
+        """``runtime``: the model's :class:`~ultraep.runtime.wrap.EPRuntime` (groups, config, engine, step counters;
+        the layer never imports it: the runtime builds the layers); ``memory``: this layer's share of the replica
+        memory budget (``replica_store.split_budget``, final)."""
         super().__init__()
         self.adapter = adapter
         self.layer = layer
         self.name = name
         object.__setattr__(self, "runtime", runtime)  # not a submodule
+        #: what the layer, its token path and its replica jobs record through
+        self.recording: Recording = runtime.recording
         object.__setattr__(self, "container", container)  # keeps activation, flags; no parameters
         cfg = runtime.config
         like = [getattr(container, n)[0] for n in adapter.param_names]
         self.topology, self.expert_spec = layer_topology(like, adapter.num_experts(container), layer, cfg,
-                                                         runtime.world_size)
+                                                         runtime.world_size, cuda=runtime.device.type == "cuda")
         self.first_expert = runtime.rank * self.topology.num_masters
         for n, p in take_masters(container, adapter.param_names, runtime.rank, self.topology.num_masters).items():
             self.register_parameter(n, p)
@@ -89,18 +93,18 @@ class BalancedExperts(nn.Module):
         self.replica_context = ReplicaContext(
             rank=runtime.rank, transfer_group=runtime.transfer_group, guard=self.collective,
             expert_forward=partial(adapter.forward, container), master_params=self.master_params,
-            first_expert=self.first_expert, event=partial(runtime.event, layer=layer), transport=cfg.replica_transport)
+            first_expert=self.first_expert, event=partial(self.recording.event, layer=layer),
+            transport=cfg.replica_transport)
         self.epoch = MasterEpoch()
         #: replica gradients of calls under ``runtime.no_sync()``, reduced by the next backward outside it
         self.deferred = DeferredGrads()
         #: this layer's calls an activation-checkpoint recompute may replay (runtime/recompute.py)
         self.replays = Replays()
         #: the call waiting for its backward before it is recorded, and the phases sent with the next load
-        self.calls = CallLog(lambda call, t, row: runtime.record_layer(self.layer, call, t, row),
+        self.calls = CallLog(lambda call, t, row: self.recording.record_layer(self.layer, call, t, row),
                              lambda call: self.replays.drop(call.replay))
-        for p in self.master_params():  # masters follow the data-parallel wrapper's averaging (master_grads)
-            if p.requires_grad:
-                p.register_hook(self._scale_master_grad)
+        #: whether the masters hold weights (not while a meta model's are unloaded) and their gradient hook
+        self.master_state = MasterState(name, self.master_params(), self._scale_master_grad)
 
     @property
     def last_timings(self) -> dict[str, float]:
@@ -121,6 +125,11 @@ class BalancedExperts(nn.Module):
         """This layer's policy instance (owned by the runtime's engine)."""
         return self.runtime.engine.policy_for(self.layer)
 
+    @property
+    def num_experts(self) -> int:
+        """E, as the container reports it (torchtitan's FSDP application reads ``inner_experts.num_experts``)."""
+        return self.topology.num_experts
+
     def master_params(self) -> list[torch.Tensor]:
         return [getattr(self, n) for n in self.adapter.param_names]
 
@@ -139,16 +148,12 @@ class BalancedExperts(nn.Module):
 
         A slot whose id is ``num_experts`` is dropped (the experts interface's sentinel: transformers' own
         expert parallelism, capacity dropping, zero-computation experts rewritten to it): it contributes
-        nothing and gets no gradient. Such calls run the kept (token, slot) pairs as one-slot rows and add
-        them back per token — exact, and the dropped slots are neither load nor compute anywhere."""
-        E = self.topology.num_experts
-        dropped = top_k_index == E
-        if not bool(dropped.any()):
-            return self._balanced(hidden_states, top_k_index, top_k_weights)
-        tok, slot = (~dropped).nonzero(as_tuple=True)
-        y = self._balanced(hidden_states.index_select(0, tok), top_k_index[tok, slot].unsqueeze(1),
-                           top_k_weights[tok, slot].unsqueeze(1))
-        return torch.zeros_like(hidden_states).index_add(0, tok, y)
+        nothing and gets no gradient. The token path drops it where it stands, without asking the host
+        whether there is one: it is no load (the counts leave it out), reroute maps it to no instance, it gets
+        no send row, and the combine adds nothing for it (a zero weight gradient) — exact, and neither load
+        nor compute anywhere."""
+        self.master_state.check_loaded(self.master_params())
+        return self._balanced(hidden_states, top_k_index, top_k_weights)
 
     def _balanced(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         # The collectives of one call, in the order every rank issues them (Steps 1-7 of the module docstring):
@@ -159,6 +164,7 @@ class BalancedExperts(nn.Module):
         # travel while the tokens do, and waited for only right before the replicas compute.
         if torch._C._current_graph_task_id() != -1:  # a forward inside a backward: an activation recompute
             return recompute_forward(self, hidden_states, top_k_index, top_k_weights)
+        self.master_state.hook(self.master_params())
         rt = self.runtime
         if self.calls.ready():
             self.calls.flush()  # the previous call's record, if its backward never came
@@ -170,7 +176,7 @@ class BalancedExperts(nn.Module):
         t1 = clk.now()
         decision, cached = self._decide(gathered)  # Step 2: [plan-hash all-gather]
         t2 = clk.now()
-        rt.event("planned", self.layer)
+        self.recording.event("planned", self.layer)
         needs_backward = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
             p.requires_grad for p in self.master_params() + self.shared_params()))
         # Step 3: replica weight posts (point-to-point batch W0)
@@ -198,7 +204,7 @@ class BalancedExperts(nn.Module):
         """Step 1: this rank's per-expert counts and :class:`~ultraep.runtime.load_header.LoadHeader` → every rank's
         load ``[R, E]`` and header on every rank; returns them and the observation this rank sent."""
         rt, E = self.runtime, self.topology.num_experts
-        counts = torch.bincount(top_k_index.reshape(-1).to(torch.int64), minlength=E)
+        counts = expert_counts(top_k_index, E)
         obs = self.calls.take_observation()
         header = LoadHeader(phases_s=None if obs is None else obs[2],
                             master_epoch=self.epoch.current(self.master_params()),  # the replica cache's epoch
@@ -211,7 +217,7 @@ class BalancedExperts(nn.Module):
 
             raise UnsupportedModelError(
                 f"{self.name}.top_k_index", f"rank(s) {gathered.bad_ranks} routed {gathered.bad_ids} slot(s) to expert "
-                f"ids above {E}: ids must be < num_experts = {E}, or {E} for a dropped slot", E)
+                f"ids above {E} or below 0: ids must be in 0..{E - 1} (num_experts = {E}), or {E} for a dropped slot", E)
         return gathered, obs
 
     def _calibrate(self, gathered: GatheredLoad, obs) -> None:
@@ -221,7 +227,7 @@ class BalancedExperts(nn.Module):
         if obs is not None and meas_RK is not None:
             measured, total = phases.reduce_phases(meas_RK)
             measured.update(phases.compute_spread(meas_RK))
-            self.runtime.safe(self.runtime.engine.observe, obs[0], obs[1], self.layer, measured, total,
+            self.recording.safe(self.runtime.engine.observe, obs[0], obs[1], self.layer, measured, total,
                               rank_compute_s=phases.rank_compute(meas_RK))
 
     def _decide(self, gathered: GatheredLoad):

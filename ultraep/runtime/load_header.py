@@ -10,7 +10,8 @@ One rank's vector, ``[X]`` int64::
 Every field rides on the all-gather the call issues anyway (the layer call's one host synchronisation), so
 every rank learns every rank's header without another collective:
 
-* ``bad_ids``: top-k ids above the sentinel ``E`` (summed on the device, so every rank refuses together);
+* ``bad_ids``: top-k ids above the sentinel ``E`` or below 0 (counted on the device, so every rank refuses
+  together);
 * ``phases_s``: this rank's measured phases of the layer's last complete call (None: none to send), in whole
   nanoseconds — every rank calibrates the engine from the same ``[R, K]`` numbers, identically;
 * ``master_epoch``: the replica cache's epoch of this rank's masters (a replica stays valid while it holds);
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ultraep.kernels import upload
 from ultraep.runtime.phases import RANK_PHASES
 
 _K = len(RANK_PHASES)
@@ -62,12 +64,24 @@ class LoadHeader:
                    master_epoch=int(row[2]), cache_free=bool(row[3]))
 
 
-def pack_load(counts: torch.Tensor, num_experts: int, header: LoadHeader) -> torch.Tensor:
-    """This rank's ``[X]`` vector: ``counts`` (``[>= E]`` bincount of its top-k ids, the sentinel and anything above
-    it included) and ``header``; the ids above the sentinel are summed on the counts' device (no host sync)."""
+def expert_counts(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[T, K]`` top-k ids → ``[E + 2]`` int64 counts on their device: experts ``0..E-1``, then the sentinel ``E``
+    (dropped slots), then every id outside ``0..E`` (above the sentinel or negative). A scatter, not
+    ``torch.bincount``: on CUDA bincount reads the largest id on the host first (a synchronisation), and it refuses
+    a negative id with an error that names nothing of the model."""
     E = num_experts
-    vec = torch.cat([counts[:E], header.pack().to(counts.device)])
-    vec[E] = counts[E:].sum()  # (the sentinel itself is a dropped slot, removed before the call: never counted here)
+    ids = top_k_index.reshape(-1).to(torch.int64)
+    ids = torch.where((ids < 0) | (ids > E), torch.full_like(ids, E + 1), ids)
+    return torch.zeros(E + 2, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
+def pack_load(counts: torch.Tensor, num_experts: int, header: LoadHeader) -> torch.Tensor:
+    """This rank's ``[X]`` vector: ``counts`` (``[>= E + 1]``: the ``E`` experts, the sentinel's dropped slots, then
+    the ids above it, as :func:`expert_counts` makes them) and ``header``; the bad ids are summed on the counts'
+    device and the header travels there without blocking (no host sync)."""
+    E = num_experts
+    vec = torch.cat([counts[:E], upload([header.pack()], counts.device)[0]])
+    vec[E] = counts[E + 1:].sum()  # (the sentinel E itself is a dropped slot: no load, not an error)
     return vec
 
 

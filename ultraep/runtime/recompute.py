@@ -2,11 +2,11 @@
 
 A checkpointed block runs its forward twice: once in the forward pass, and again in the backward pass to
 recompute the activations it did not keep (``torch.utils.checkpoint``, transformers'
-``gradient_checkpointing_enable``). The balanced layer must not plan the second time: a second load all-gather
-and plan would commit a second plan to the engine's history, could choose other replicas, and — with a
-non-reentrant checkpoint — would save other tensors than the original forward did. So every training-mode call
-keeps a small :class:`Replay` (its plan, its replica job, every rank's master epoch), and a forward that runs
-inside a backward (the recompute) replays the call it recomputes.
+``activation_checkpointing_enable``, formerly ``gradient_checkpointing_enable``). The balanced layer must not
+plan the second time: a second load all-gather and plan would commit a second plan to the engine's history,
+could choose other replicas, and — with a non-reentrant checkpoint — would save other tensors than the original
+forward did. So every training-mode call keeps a small :class:`Replay` (its plan, its replica job, every rank's
+master epoch), and a forward that runs inside a backward (the recompute) replays the call it recomputes.
 
 Which call: a layer normally has one call waiting for its backward; with several (gradient accumulation whose
 backward runs over several microbatches at once, or a pipeline schedule) the autograd node that triggered the

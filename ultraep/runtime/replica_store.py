@@ -85,6 +85,10 @@ class SharedSlots:
         self.generation = 0
         self.restorations = 0
 
+    def allocated_bytes(self) -> int:
+        """Bytes of the shared buffers allocated so far."""
+        return sum(t.numel() * t.element_size() for sets in self._sets.values() for slot in sets for t in slot)
+
     def take(self, like: list[torch.Tensor], num_slots: int) -> list[list[torch.Tensor]]:
         """``[N][J]`` tensors shaped like one expert's tensors ``like`` (allocated once per layout)."""
         key = tuple((tuple(t.shape), t.dtype, t.device) for t in like)
@@ -132,6 +136,10 @@ class ReplicaStore:
         self.shared = shared
         self._own: list[list[torch.Tensor]] | None = None  # allocated on first use
         self._holder: weakref.ref | None = None
+
+    def allocated_bytes(self) -> int:
+        """Bytes of this layer's own replica buffers allocated so far (the shared ones: ``shared.allocated_bytes``)."""
+        return sum(t.numel() * t.element_size() for slot in self._own or [] for t in slot)
 
     # ------------------------------------------------------------------ who holds the buffers
     def hold(self, job) -> None:

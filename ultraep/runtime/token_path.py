@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ultraep.kernels import upload
 from ultraep.runtime.comm import AllToAll
 from ultraep.runtime.recompute import RecomputeAnchor
 from ultraep.runtime.replicas import GradSink, ReplicaExperts
@@ -44,7 +45,7 @@ def route_tokens(layer, hidden_states: torch.Tensor, top_k_index: torch.Tensor, 
     with layer.collective("token dispatch (all-to-all)"):
         recv = AllToAll.apply(send, out_splits, in_splits, rt.group, lambda: layer.collective.timed(
             clk, marks, "dispatch_bwd_s", "token dispatch gradient (all-to-all)"))
-    rt.event("dispatched", layer.layer)
+    layer.recording.event("dispatched", layer.layer)
     t5 = clk.now()
     # per-expert views of the masters (one stacking backward instead of a full-size zero fill per slot)
     unbound = [p.unbind(0) for p in layer.master_params()]
@@ -63,7 +64,7 @@ def route_tokens(layer, hidden_states: torch.Tensor, top_k_index: torch.Tensor, 
     out = unpermute(y_send, top_k_weights.to(y_send.dtype), lay)
     if needs_backward and out.requires_grad:  # a checkpoint's recompute starts here on every rank
         out = RecomputeAnchor.apply(out, out.new_empty(0))
-    rt.event("combined", layer.layer)
+    layer.recording.event("combined", layer.layer)
     if job is not None and replay is None:
         job.finish_sends()
     return out, send, (t4, t5, t6, clk.now()), master_s
@@ -81,7 +82,10 @@ def run_slots(layer, recv: torch.Tensor, C: np.ndarray, plan, job, unbound: list
     counts_S = C.sum(axis=0)
     # rows arrive source-major, slot-minor: sort them by slot (stable) to run each slot on one chunk
     slot_of_row = np.repeat(np.tile(np.arange(S), C.shape[0]), C.ravel())
-    order = torch.as_tensor(np.argsort(slot_of_row, kind="stable"), device=recv.device)
+    order_np = np.argsort(slot_of_row, kind="stable")
+    inv_np = np.empty_like(order_np)
+    inv_np[order_np] = np.arange(order_np.size)
+    order, inv = upload([order_np, inv_np], recv.device)  # one copy that does not block the host
     x = recv.index_select(0, order)
     t0 = clk.now()
     outs, at = [], 0
@@ -91,7 +95,7 @@ def run_slots(layer, recv: torch.Tensor, C: np.ndarray, plan, job, unbound: list
         if c:
             outs.append(layer.adapter.forward(layer.container, x[at:at + c], [u[s] for u in unbound]))
         at += c
-    layer.runtime.event("master_compute", layer.layer)
+    layer.recording.event("master_compute", layer.layer)
     master_s = clk.now() - t0
     if job is not None:
         job.counts = [int(c) for c in counts_S[M:]]  # rows per replica slot, in slot order
@@ -105,6 +109,4 @@ def run_slots(layer, recv: torch.Tensor, C: np.ndarray, plan, job, unbound: list
         # (zero) gradient, as the unbalanced model's full parameters do, and optimizers treat them alike.
         y_sorted = y_sorted + sum((p.reshape(-1)[:1] * 0).sum()
                                   for p in params + layer.shared_params()).to(y_sorted.dtype)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
     return y_sorted.index_select(0, inv), master_s

@@ -13,13 +13,17 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from ultraep.models.adapters import UnsupportedModelError, adapter_for, prepare, supported
 from ultraep.config import BalancerConfig
 from ultraep.runtime import data_parallel
+from ultraep.runtime import master_rows
 from ultraep.runtime.layer import BalancedExperts
+from ultraep.runtime.master_rows import MasterSource
+from ultraep.runtime.recording import Recording
 from ultraep.errors import UltraEPError
 from ultraep.runtime.replica_store import SharedSlots, split_budget
 from ultraep.runtime.transport import open_transfer_group
@@ -42,10 +46,12 @@ class WrapReport:
 
 class EPRuntime:
     """Per-model runtime state shared by the balanced layers: group, config, shared replica buffers, counters,
-    recorder."""
+    and their :class:`~ultraep.runtime.recording.Recording` (recorder, history, event trace)."""
 
-    def __init__(self, config: BalancerConfig, group, recorder=None) -> None:
+    def __init__(self, config: BalancerConfig, group, recorder=None, device=None) -> None:
         self.config = config
+        #: where the masters live (or will, for a model on the meta device): seeds the cost model, sizes the budget
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
@@ -62,28 +68,21 @@ class EPRuntime:
         self.transfer_group = open_transfer_group(ranks, backend, timeout)
         #: the replica buffers the ``restore`` layers share (each layer's own are in its ``store``)
         self.shared_slots = SharedSlots()
-        self.recorder = recorder
+        #: what the layers record through (recorder, failed recordings, per-call history, event trace)
+        self.recording = Recording(recorder)
         self.layers: list = []
         self.report = WrapReport()
         self.step = 0
         self.microbatch = -1
-        self.recording_errors = 0
         #: False inside :meth:`no_sync`: replica gradients wait on their ranks for the next backward outside it
         self.grad_sync = True
-        #: (step, layer, policy, imbalance before, after, replicas, plan s, transfer s, layer fwd s) per call
-        self.history: list[tuple] = []
-        #: when a list: (event, layer) in the order the balanced layers' steps ran (tests pin the order)
-        self.events: list[tuple[str, int]] | None = None
         #: the wrapped model (for the replicated-parameter check and FSDP detection); set by ``wrap``
         self.model_ref = lambda: None
         #: what the masters' gradients are multiplied by in backward: 1 / R where the data-parallel wrapper
         #: averages (``config.master_grads``), set at every forward
         self.master_grad_scale = 1.0
-        self._fsdp: tuple[int, bool] = (-1, False)  # (step it was looked up at, whether FSDP manages the model)
-
-    def event(self, name: str, layer: int) -> None:
-        if self.events is not None:
-            self.events.append((name, layer))
+        #: (step it was looked up at, whether FSDP manages the model, whether it averages the gradients it reduces)
+        self._fsdp: tuple[int, bool, bool] = (-1, False, False)
 
     @contextmanager
     def no_sync(self):
@@ -124,8 +123,9 @@ class EPRuntime:
         every = self.config.sync_check_every
         if every and self.step % every == 0:
             self.check_replicated()
-        if self.recorder is not None:
-            self.safe(self._record_step, loss, step_time_s, self.step == 0 if warmup is None else bool(warmup))
+        if self.recording.recorder is not None:
+            self.recording.safe(self._record_step, loss, step_time_s,
+                                self.step == 0 if warmup is None else bool(warmup))
         self.step += 1
         self.microbatch = -1
 
@@ -137,12 +137,12 @@ class EPRuntime:
         extra = None
         if self.rank == 0 and self.layers and getattr(self, "engine", None) is not None:
             extra = {"cost_model": cost_record(self.engine.cost_model_for(self.layers[0].layer))}
-        self.recorder.record_step(self.step, loss=loss, step_time_s=step_time_s, warmup=warmup, extra=extra)
+        self.recording.recorder.record_step(self.step, loss=loss, step_time_s=step_time_s, warmup=warmup, extra=extra)
 
     def flush_records(self) -> None:
         """Record every layer call still waiting for its backward (at a step's end, or on a failure)."""
         for layer in self.layers:
-            self.safe(layer.flush_record)
+            self.recording.safe(layer.flush_record)
 
     def enter_layer(self, layer: int) -> None:
         if layer == 0:
@@ -154,11 +154,11 @@ class EPRuntime:
 
     def _master_grads_mean(self) -> bool:
         """Whether the masters' gradients are averaged over the group (``config.master_grads``; 'auto': inside a
-        DDP forward, or on a model FSDP manages — looked up once per step)."""
+        DDP forward, or on a model FSDP manages and averages — looked up once per step; torchtitan's FSDP sums)."""
         mode = self.config.master_grads
         if mode != "auto":
             return mode == "mean"
-        return data_parallel.in_ddp_forward() or self._fsdp[1]
+        return data_parallel.in_ddp_forward() or (self._fsdp[1] and self._fsdp[2])
 
     def check_fsdp(self) -> None:
         """Look up once per step whether FSDP manages the model, and refuse FSDP2 managing a master."""
@@ -168,7 +168,7 @@ class EPRuntime:
         found = model is not None and data_parallel.has_fsdp(model)
         if found:
             data_parallel.refuse_sharded_masters(model, self.layers)
-        self._fsdp = (self.step, found)
+        self._fsdp = (self.step, found, found and data_parallel.fsdp_averages(model))
 
     def check_replicated(self) -> None:
         """Raise :class:`~ultraep.runtime.data_parallel.ParameterDivergenceError` (on every rank) when a parameter
@@ -179,18 +179,6 @@ class EPRuntime:
         masters = {id(p) for layer in self.layers for p in layer.master_params()}
         data_parallel.check_replicated(model, masters, self.group, self.step)
 
-
-    # ------------------------------------------------------------------ telemetry (never breaks training)
-    def safe(self, fn, *args, **kwargs) -> None:
-        """Call ``fn`` (a telemetry or calibration step) so that its failure is counted in ``recording_errors``
-        and logged once, never raised: the layers and the step bookkeeping record through this."""
-        try:
-            fn(*args, **kwargs)
-        except Exception as exc:  # recording must never stop a training step
-            self.recording_errors += 1
-            if self.recording_errors == 1:
-                log.warning("ultraep: recording failed (%s: %s); training continues", type(exc).__name__, exc)
-
     def build_engine(self) -> None:
         """The one decision loop of this model's layers: their policies, a cost model seeded with this
         machine's figures (:func:`~ultraep.presets.local_seed`) and calibrated from every rank's measured phases."""
@@ -200,36 +188,23 @@ class EPRuntime:
 
         first = self.layers[0]
         like = [p[0].detach() for p in first.master_params()]
-        hw, _, _, copy_s = local_seed(like, like[0].is_cuda)
+        cuda = self.device.type == "cuda"
+        hw, _, _, copy_s = local_seed(like, cuda)
         # the layers plan with their replica residency, so a plan's transfers are exactly what moves
         # CPU ranks on one host (ultraep.launch, or torchrun with LOCAL_WORLD_SIZE = WORLD_SIZE) exchange tokens over
         # its one loopback; how much their computing at the same time slows each other is learned (corun_slowdown)
         params = CostParams(weight_sync_overlap=True, resend_all_replicas=False, copy_s_per_byte=copy_s,
                             restore_in_backward=any(la.store.mode == "restore" for la in self.layers),
-                            a2a_shared_medium=not like[0].is_cuda and _one_host())
+                            a2a_shared_medium=not cuda and _one_host())
         cm = CostModel(first.topology, hw, first.expert_spec, params)
         # A layer call is recorded once it is measured (after its backward), through the engine's one recording
         # path: the plan with the transfers that really moved, the decision, the call's timings. Plans are
         # identical on every rank: rank 0 records one copy.
-        self.engine = Engine(self.config, first.topology, cost_model=cm, recorder=self.recorder,
+        self.engine = Engine(self.config, first.topology, cost_model=cm, recorder=self.recording.recorder,
                              layer_topologies={la.layer: la.topology for la in self.layers},
                              layer_experts={la.layer: la.expert_spec for la in self.layers}, record_timings=False,
                              record_on_decide=False, record_plans=self.rank == 0)
-
-    def record_layer(self, layer: int, call, timings, row: dict) -> None:
-        """Record one layer call (a :class:`~ultraep.runtime.call_record.LayerCall` with its
-        :class:`~ultraep.runtime.call_timings.CallTimings`, ``row`` = their record) once its backward ran (or never
-        will): into ``history`` and, when recording, through :meth:`~ultraep.engine.Engine.record`."""
-        plan = call.plan
-        self.history.append((call.key[0], layer, plan.chosen_policy, plan.imbalance_before, plan.imbalance_after,
-                             plan.num_replicas, timings.plan_s, timings.transfer_s, timings.measured_s))
-        if self.recorder is not None:
-            self.safe(self._record_call, call, row)
-
-    def _record_call(self, call, row: dict) -> None:
-        job, plan = call.job, call.plan
-        secs = job.transfer_seconds() if job is not None and len(plan.transfers) else None
-        self.engine.record(call.decision, plan=plan, timings=row, transfer_seconds=secs)
+        self.recording.engine = self.engine
 
 
 def _one_host() -> bool:
@@ -286,11 +261,12 @@ def replica_budget_bytes(budget, sizes: list[tuple[int, int, int]], device) -> i
     return int(budget)
 
 
-def replica_memory(config: BalancerConfig, found: list, world_size: int) -> list:
+def replica_memory(config: BalancerConfig, found: list, world_size: int, device=None) -> list:
     """Each layer's :class:`~ultraep.runtime.replica_store.ReplicaMemory`, decided before any layer is built (so
     each is built in its final mode): ``config.replica_memory_budget`` split in layer order over the experts
-    containers ``found`` (``(name, module)``), from their sizes alone."""
-    sizes, device = [], None
+    containers ``found`` (``(name, module)``), from their sizes alone. ``device``: where the masters will live
+    (default: where the first container's tensors are)."""
+    sizes = []
     for layer, (_, mod) in enumerate(found):
         adapter = adapter_for(mod)
         like = [getattr(mod, n)[0] for n in adapter.param_names]
@@ -301,14 +277,23 @@ def replica_memory(config: BalancerConfig, found: list, world_size: int) -> list
     return split_budget(budget, [(n, b) for n, b, _ in sizes], config.replica_cache)
 
 
-def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=None, *, recorder=None) -> nn.Module:
+def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=None, *, recorder=None,
+         device=None) -> nn.Module:
     """Balance every MoE layer of ``model`` across the ranks of ``group`` (default: WORLD).
 
     Args:
-        model: the same model on every rank (same weights).
+        model: the same model on every rank (same weights), or the same model built on the meta device (see below).
         config: :class:`~ultraep.BalancerConfig` (or a dict validated into one).
         group: the EP process group.
         recorder: an ``ultraep.telemetry`` recorder for this rank (optional).
+        device: where the masters will live when the experts are on the meta device (default: the current CUDA
+            device if there is one, else the CPU); it seeds the cost model and sizes ``replica_memory_budget``.
+
+    A model on the meta device (too large to build whole on one rank) is wrapped without allocating anything: each
+    layer keeps ``[M, ...]`` meta masters. Then ``model.to_empty(device=...)`` allocates every parameter (the
+    masters at ``M`` of ``E`` rows), the user fills the non-expert ones (their own init or checkpoint), and
+    :func:`load_masters` reads this rank's expert rows from a checkpoint (or runs an init); a forward before that
+    is refused. docs/guide/large-models.md.
 
     Returns the model (modified in place); ``runtime_of(model).report`` lists the balanced layers.
     """
@@ -330,7 +315,7 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
             + "; ".join(supported()))
     config.validate_layers(len(found))  # a `layers` override for a layer that does not exist is refused
     __import__("ultraep.planning").planning.warm_up()  # compile the planners now, not inside step 0's timing
-    runtime = EPRuntime(config, group, recorder)
+    runtime = EPRuntime(config, group, recorder, _masters_device(found, device))
     R = runtime.world_size
     for layer, (name, mod) in enumerate(found):
         E = adapter_for(mod).num_experts(mod)
@@ -338,7 +323,7 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
             raise UltraEPError(f"{name}.num_experts", f"{E} experts cannot be split over {R} ranks "
                                f"(experts must be divisible by the EP group size)", E)
         config.validate_for(R, E // R)
-    memory = replica_memory(config, found, R)  # every layer's share of the replica budget, before any is built
+    memory = replica_memory(config, found, R, runtime.device)  # every layer's share, before any is built
     for layer, (name, mod) in enumerate(found):
         adapter = adapter_for(mod)
         parent_name, _, attr = name.rpartition(".")
@@ -355,6 +340,41 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
     if runtime.rank == 0:
         log.info("%s", runtime.report)
     return model
+
+
+def _masters_device(found: list, device) -> "torch.device":
+    """Where the masters live: their container's device, or for a container on the meta device ``device`` (default:
+    the current CUDA device if there is one, else the CPU)."""
+    name, mod = found[0]
+    where = getattr(mod, adapter_for(mod).param_names[0]).device
+    if where.type != "meta":
+        if device is not None and torch.device(device) != where:
+            raise UltraEPError("device", f"{device} is not where the experts are ({name}: {where}); device= is for "
+                               "a model on the meta device (move the model instead)", str(device))
+        return where
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_masters(model: nn.Module, source: MasterSource) -> nn.Module:
+    """Fill this rank's masters of every balanced layer from ``source``: rows ``rank * M .. (rank + 1) * M - 1`` of
+    each ``[E, ...]`` expert tensor, read from a checkpoint of the unwrapped model (:class:`SafetensorsMasters`,
+    :class:`DCPMasters`; keys: the unwrapped model's ``state_dict`` names) or written by an init
+    (:class:`InitMasters`). Call after ``model.to_empty(device=...)`` for a model built on the meta device; on any
+    wrapped model it replaces the masters' weights. Not collective: each rank reads only its own rows."""
+    master_rows.load(runtime_of(model).layers, source)
+    runtime_of(model).invalidate_replicas()  # (the masters were written through .data: the cache must not trust them)
+    return model
+
+
+def MastersSavePlanner(model: nn.Module, **kwargs):  # noqa: N802 - named as the planner class it returns
+    """A ``torch.distributed.checkpoint`` save planner for a wrapped ``model``: ``dcp.save(model.state_dict(),
+    checkpoint_id=..., planner=ultraep.MastersSavePlanner(model))`` (collective) writes each rank's masters as its
+    rows of the ``[E, ...]`` expert tensors, under the unwrapped model's keys, so the checkpoint is the unwrapped
+    model's and loads by rows on any number of ranks (:class:`DCPMasters`) or whole. Without it DCP takes the
+    ``[M, ...]`` masters for replicated tensors and keeps one rank's. ``kwargs`` go to ``DefaultSavePlanner``."""
+    return master_rows.save_planner(runtime_of(model).layers, **kwargs)
 
 
 def runtime_of(model: nn.Module) -> EPRuntime:
@@ -390,7 +410,7 @@ def unwrap(model: nn.Module) -> nn.Module:
             model._ddp_params_and_buffers_to_ignore = have.user
         else:
             del model._ddp_params_and_buffers_to_ignore
-    from ultraep.models.rewrite import restore
+    from ultraep.models.adapters import restore
 
     restore(model)  # blocks prepare() rewrote get their original classes back (same storage)
     return model

@@ -1,7 +1,7 @@
 """UltraEP load profiler (``ULTRA_EP_LOAD_PROFILING=1``) → canonical trace.
 
 Writer: Dots-Infra/UltraEP ``ultra_ep/profiling.py`` (``ExpertLoadProfiler``, v1.0.0 = commit
-``94cab099b44fffa99a82fea99e7c12d89cf65e4f``, per ``/work/shared/references/peers.md``; the index we read
+``94cab099b44fffa99a82fea99e7c12d89cf65e4f``, per the project's peers list (``shared/references/peers.md``); the index we read
 it from holds the file without its commit), called from ``ultra_ep/manager.py`` (``Manager.update_placement``
 passes ``runtime.get_global_logical_expert_loads_tensor()``). Layout, as that writer produces it in
 ``ULTRA_EP_LOAD_PROFILE_DIR`` (default ``ultra_ep_traces``), written by rank 0 of each EP group:

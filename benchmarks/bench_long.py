@@ -1,0 +1,316 @@
+"""Long-run benchmark: is the adaptive engine right from its first call to its thousandth (issue 56)?
+
+Two parts, one table each, rows in ``benchmarks/results/bench_long.csv``:
+
+1. **Runtime** (2 local gloo ranks, one thread each): one balanced MoE layer, forward + backward, ``--calls`` layer
+   calls per policy, ``adaptive`` and every fixed policy interleaved call by call (call i of every policy runs the
+   same tokens and routing; the orders form a Williams design, :func:`benchmarks.common.carryover_orders`), on a
+   routing stream with phases (:func:`phase_of`):
+
+   ====================  ==============================================================================
+   ``rise``              the popularity skew drifts up from uniform
+   ``move``              skewed, the hot experts move every ``MOVE_EVERY`` calls
+   ``small``             ``--small-tokens`` per rank: nothing pays (balancing must cost next to nothing)
+   ``back``              the first phases' tokens again, skewed, hot experts moving
+   ``fall``              the skew drifts back down
+   ====================  ==============================================================================
+
+   Per window of ``--window`` calls: adaptive / the best fixed policy of that window (measured, each policy's
+   summed layer time), the engine's prediction error (mean |predicted / measured - 1| of adaptive's calls, the
+   runtime's measured layer time, slowest rank) and the share of adaptive's calls that were probes.
+2. **Engine state** (offline, no ranks): the same :class:`~ultraep.engine.Engine` decides, commits and observes
+   ``--decisions`` calls of an 8-rank layer on the same kind of stream, with synthetic measured timings (the cost
+   model's prediction times a per-policy factor and noise, every rank's compute for the compute fit). Its state
+   (:func:`ultraep.engine.footprint`: items and bytes held) at a tenth of the decisions and at the end, and the
+   median time per decision in the first and the last tenth: both must stay flat.
+
+    .venv/bin/python benchmarks/bench_long.py                    # the run of record (about 15 min on 2 quiet cores)
+    .venv/bin/python benchmarks/bench_long.py --calls 60 --window 20 --decisions 2000   # a smoke run (minutes)
+    .venv/bin/python benchmarks/bench_long.py --part engine      # only the engine's state (10^5 decisions)
+    .venv/bin/python benchmarks/bench_long.py --probe-share 0.1  # the adaptive engine's probe budget
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+import benchmarks.common  # noqa: E402
+from benchmarks.common import carryover_orders, row, write_rows  # noqa: E402
+
+BENCH = "bench_long"
+FIXED = ("none", "quota", "eplb", "feplb", "hybridep")
+#: the phases of the stream, in order, with their share of the run
+PHASES = (("rise", 0.2), ("move", 0.2), ("small", 0.2), ("back", 0.2), ("fall", 0.2))
+#: calls between moves of the hot experts (phases move and back)
+MOVE_EVERY = 50
+#: the largest popularity skew (power law exponent) of the stream
+MAX_SKEW = 1.5
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The cheap layer of the runtime part: ``tokens`` per rank (``small`` in the small phase), hidden size, expert
+    intermediate size, experts, top-k, redundant slots per rank."""
+
+    tokens: int = 256
+    small: int = 64
+    hidden: int = 256
+    ffn: int = 256
+    experts: int = 16
+    top_k: int = 2
+    slots: int = 2
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    skew: float  # power-law exponent of the experts' popularity
+    hot: int  # the most popular expert
+    small: bool  # the small-token phase
+
+
+def phase_of(i: int, n: int, experts: int) -> Phase:
+    """What call ``i`` of ``n`` routes: its phase, skew and hot expert (deterministic)."""
+    edges = np.cumsum([share for _, share in PHASES]) * n
+    k = int(np.searchsorted(edges, i, side="right"))
+    k = min(k, len(PHASES) - 1)
+    name = PHASES[k][0]
+    lo = 0.0 if k == 0 else edges[k - 1]
+    frac = (i - lo) / max(1.0, edges[k] - lo)  # 0 -> 1 through the phase
+    moving = (i // MOVE_EVERY) * (experts // 4 + 1) % experts
+    skew = {"rise": MAX_SKEW * frac, "move": MAX_SKEW, "small": MAX_SKEW, "back": MAX_SKEW,
+            "fall": MAX_SKEW * (1.0 - frac)}[name]
+    hot = moving if name in ("move", "back", "small") else 0
+    return Phase(name, float(skew), int(hot), name == "small")
+
+
+def popularity(ph: Phase, experts: int) -> np.ndarray:
+    """``[E]`` the experts' popularity in phase ``ph``: a power law ranked from the hot expert."""
+    rank = (np.arange(experts) - ph.hot) % experts
+    p = (rank + 1.0) ** -ph.skew
+    return p / p.sum()
+
+
+def routing(i: int, n: int, rank: int, shape: Shape, seed: int):
+    """Call ``i``'s tokens on ``rank``: ``(top-k ids [T, K], tokens T, phase)``, the same for every policy."""
+    ph = phase_of(i, n, shape.experts)
+    T = shape.small if ph.small else shape.tokens
+    rng = np.random.default_rng([seed, i, rank])
+    p = popularity(ph, shape.experts)
+    g = rng.gumbel(size=(T, shape.experts)) + np.log(p)[None, :]  # top-k without replacement ~ p (Gumbel top-k)
+    return np.argsort(-g, axis=1)[:, :shape.top_k], T, ph
+
+
+# ------------------------------------------------------------------------------------------ part 1: runtime
+def _body(rank, world, shape: Shape, args, policies):
+    import torch
+
+    from benchmarks.bench_runtime import Shape as RShape
+    from benchmarks.bench_runtime import wrapped_layer
+
+    rshape = RShape("long", tokens=shape.tokens, hidden=shape.hidden, ffn=shape.ffn, experts=shape.experts,
+                    top_k=shape.top_k, slots=shape.slots)
+    runs = []
+    for name in policies:
+        config = {"policy": name, "num_redundant_slots": shape.slots}
+        if name == "adaptive" and args.probe_share is not None:
+            config["adaptive"] = {"probe_share": None if args.probe_share < 0 else args.probe_share}
+        layer, rt = wrapped_layer(rshape, config)
+        runs.append((name, layer, rt, torch.optim.SGD(layer.parameters(), lr=1e-6)))
+    g = torch.Generator().manual_seed(7 + rank)
+    xs = {T: torch.randn(T, shape.hidden, generator=g) for T in (shape.tokens, shape.small)}
+    out = {name: {"t": [], "measured": [], "predicted": [], "chosen": [], "probe": []} for name in policies}
+    orders = carryover_orders(len(runs))
+    for i in range(args.calls):
+        ids, T, _ = routing(i, args.calls, rank, shape, args.seed)
+        idx = torch.from_numpy(ids).long()
+        w = torch.softmax(torch.randn(T, shape.top_k, generator=g), -1)
+        x = xs[T].detach().clone().requires_grad_(True)
+        for k in orders[i % len(orders)]:
+            name, layer, rt, opt = runs[k]
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            layer(x, idx, w).pow(2).mean().backward()
+            t = time.perf_counter() - t0
+            opt.step()  # training changes the masters every step: replicas are streamed again
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            rt.next_step()
+            o = out[name]
+            tm = layer.last_timings
+            choice = getattr(layer.last_plan, "choice", None)
+            o["t"].append(t)
+            o["measured"].append(float(tm.get("measured_s", float("nan"))))
+            o["predicted"].append(float(tm.get("predicted_s", float("nan"))))
+            o["chosen"].append(layer.last_plan.chosen_policy)
+            o["probe"].append(bool(choice is not None and choice.probe))
+    return out
+
+
+def run_runtime(shape: Shape, args) -> dict:
+    """``{policy: {"t": [calls] s (slowest rank), "measured", "predicted": [calls] s, "chosen", "probe"}}``."""
+    from ultraep.launch import launch
+
+    policies = (*FIXED, "adaptive")
+    timeout = 600.0 * max(1.0, args.calls * len(policies) / 200)
+    outs = launch(_body, 2, shape, args, policies, backend="gloo", threads_per_rank=1, timeout_s=timeout)
+    res = {}
+    for name in policies:
+        per = [o[name] for o in outs]
+        res[name] = {"t": np.max([p["t"] for p in per], axis=0),
+                     "measured": np.max([p["measured"] for p in per], axis=0),
+                     "predicted": np.asarray(per[0]["predicted"]), "chosen": per[0]["chosen"], "probe": per[0]["probe"]}
+    return res
+
+
+def windows(res: dict, calls: int, window: int, experts: int) -> list[dict]:
+    """Per window of ``window`` calls: its phases, the best fixed policy, adaptive / best (summed layer time), the
+    prediction error of adaptive's calls, its probe share and what it chose most."""
+    out = []
+    for lo in range(0, calls, window):
+        hi = min(calls, lo + window)
+        tot = {n: float(np.sum(r["t"][lo:hi])) for n, r in res.items()}
+        best = min(FIXED, key=tot.get)
+        a = res["adaptive"]
+        m, p = a["measured"][lo:hi], a["predicted"][lo:hi]
+        ok = (m > 0) & (p > 0) & np.isfinite(m) & np.isfinite(p)
+        err = float(np.mean(np.abs(p[ok] / m[ok] - 1))) if ok.any() else float("nan")
+        chosen = a["chosen"][lo:hi]
+        phases = sorted({phase_of(i, calls, experts).name for i in range(lo, hi)},
+                        key=[n for n, _ in PHASES].index)
+        out.append({"lo": lo, "hi": hi, "phases": "+".join(phases), "best": best,
+                    "ratio": tot["adaptive"] / tot[best], "pred_error": err,
+                    "probe_share": float(np.mean(a["probe"][lo:hi])),
+                    "chose": max(set(chosen), key=chosen.count), "totals": tot})
+    return out
+
+
+# ------------------------------------------------------------------------------------- part 2: engine state
+def run_engine(decisions: int, seed: int, options: dict | None = None, at=None, engine=None) -> dict:
+    """Drive one adaptive :class:`~ultraep.engine.Engine` (8 ranks, 32 experts, 2 slots; ``options``: its
+    AdaptiveOptions) through ``decisions`` calls with synthetic timings. Returns ``marks`` (its footprint after each
+    decision count of ``at``, default a tenth and the end), ``first`` and ``last`` (seconds per decision of the first
+    and the last tenth) and ``ledger`` (what it spent exploring). ``engine``: called with the engine once built (a
+    test's negative control breaks it there)."""
+    from ultraep.config import AdaptiveOptions, BalancerConfig
+    from ultraep.cost import CostModel
+    from ultraep.engine import Engine
+    from ultraep.engine import footprint
+    from ultraep.presets import get_preset
+
+    R, E, top_k, tokens = 8, 32, 4, 2048
+    pre = get_preset("gb200-nvl72")
+    cm = CostModel(pre.topology(R, E, 2), pre.hardware, pre.expert)
+    eng = Engine(BalancerConfig(policy="adaptive", layers={0: AdaptiveOptions(**(options or {}))}), cm.topology,
+                 cost_model=cm)
+    if engine is not None:
+        engine(eng)
+    rng = np.random.default_rng(seed)
+    truth = {"none": 1.0, "quota": 0.9, "eplb": 1.05, "feplb": 0.95, "hybridep": 1.1}  # measured / predicted
+    tenth = max(1, decisions // 10)
+    at = set(at or (tenth, decisions))
+    times = np.empty(decisions)
+    marks = {}
+    for i in range(decisions):
+        ph = phase_of(i, decisions, E)
+        load = rng.multinomial((tokens // 16 if ph.small else tokens) * top_k, popularity(ph, E), size=R)
+        t0 = time.perf_counter()
+        d = eng.decide(i, 0, 0, load)
+        eng.commit(d)
+        bd = d.predicted
+        f = truth.get(d.chosen, 1.0) * float(np.exp(rng.normal(0.0, 0.03)))
+        meas = {k: v * f for k, v in bd.as_dict().items() if k in ("compute_fwd_s", "a2a_fwd_s", "compute_bwd_s")}
+        ranks = None
+        if bd.rank_tokens_R is not None and bd.rank_tokens_R.max() > 0:
+            share = bd.rank_tokens_R / bd.rank_tokens_R.max() * np.exp(rng.normal(0.0, 0.03, R))
+            ranks = {"compute_fwd_s": bd.compute_fwd_s * f * share, "compute_bwd_s": bd.compute_bwd_s * f * share}
+        eng.observe(i, 0, 0, meas, measured_total_s=bd.total_s * f, rank_compute_s=ranks)
+        times[i] = time.perf_counter() - t0
+        if i + 1 in at:
+            marks[i + 1] = footprint(eng)
+    pol = eng.policy_for(0)
+    from ultraep.policies.exploration import ledger
+
+    return {"marks": marks, "first": times[:tenth], "last": times[-tenth:], "ledger": ledger(pol.schedule, pol.budget)}
+
+
+# --------------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", default="all", choices=["all", "runtime", "engine"])
+    ap.add_argument("--calls", type=int, default=1000, help="layer calls per policy (runtime part)")
+    ap.add_argument("--window", type=int, default=100, help="calls per window")
+    ap.add_argument("--decisions", type=int, default=100_000, help="decisions of the engine-state part")
+    ap.add_argument("--tokens", type=int, default=Shape.tokens, help="tokens per rank outside the small phase")
+    ap.add_argument("--small-tokens", type=int, default=Shape.small, help="tokens per rank in the small phase")
+    ap.add_argument("--probe-share", type=float, default=None,
+                    help="the adaptive engine's probe_share (default: its own; negative: no bound)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    for name in ("calls", "window", "decisions", "tokens", "small_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=200)
+    rows = []
+    shape = Shape(tokens=args.tokens, small=args.small_tokens)
+    if args.part in ("all", "runtime"):
+        benchmarks.common.THREADS = 1
+        from ultraep.models import preload
+
+        preload()
+        res = run_runtime(shape, args)
+        x0 = f"2x1/T{shape.tokens}-{shape.small}/E{shape.experts}"
+        tab = Table(title=f"adaptive over {args.calls} interleaved calls per policy, 2 gloo ranks x 1 thread "
+                          f"(T={shape.tokens}/{shape.small} H={shape.hidden} I={shape.ffn} E={shape.experts} "
+                          f"k={shape.top_k} N={shape.slots}), load avg {os.getloadavg()[0]:.2f} at start")
+        for c in ("calls", "phases", "best fixed", "adaptive / best", "prediction |error|", "probes", "adaptive ran"):
+            tab.add_column(c, justify="right")
+        for w in windows(res, args.calls, args.window, shape.experts):
+            x = f"{x0}/{w['lo']}-{w['hi']}"
+            tab.add_row(f"{w['lo']}-{w['hi']}", w["phases"], w["best"], f"{w['ratio']:.3f}",
+                        f"{100 * w['pred_error']:.1f} %", f"{100 * w['probe_share']:.0f} %", w["chose"])
+            rows.append(row("long_run", "adaptive", "vs_best_fixed", "ratio", x, w["ratio"]))
+            rows.append(row("long_run", "adaptive", "prediction_error", "ratio", x, w["pred_error"]))
+            rows.append(row("long_run", "adaptive", "probe_share", "ratio", x, w["probe_share"]))
+            for name, tot in w["totals"].items():
+                rows.append(row("long_run", name, "layer_time_sum", "s", x, tot))
+        total = {n: float(np.sum(r["t"])) for n, r in res.items()}
+        best = min(FIXED, key=total.get)
+        tab.add_section()
+        tab.add_row("all", "", best, f"{total['adaptive'] / total[best]:.3f}", "", "", "")
+        rows.append(row("long_run", "adaptive", "vs_best_fixed", "ratio", f"{x0}/all", total["adaptive"] / total[best]))
+        console.print(tab)
+    if args.part in ("all", "engine"):
+        share = {} if args.probe_share is None else {"probe_share": None if args.probe_share < 0 else args.probe_share}
+        eng = run_engine(args.decisions, args.seed, share)
+        tab = Table(title=f"the adaptive engine's state over {args.decisions} decisions (offline, synthetic timings)")
+        for c in ("decisions", "items held", "bytes held", "decision time (median)"):
+            tab.add_column(c, justify="right")
+        n_first = min(eng["marks"])
+        for n, (items, size) in sorted(eng["marks"].items()):
+            t = eng["first"] if n == n_first else eng["last"]
+            tab.add_row(str(n), f"{items:,}", f"{size:,}", f"{1e3 * float(np.median(t)):.3f} ms")
+            rows.append(row("engine_state", "adaptive", "items", "count", n, items))
+            rows.append(row("engine_state", "adaptive", "bytes", "By", n, size))
+            rows.append(row("engine_state", "adaptive", "decision_time", "s", n, t))
+        led = eng["ledger"]
+        rows.append(row("engine_state", "adaptive", "probe_share", "ratio", args.decisions, led["probe_share"]))
+        console.print(tab)
+        console.print(f"probes: {led['probes']} of {led['decisions']} decisions ({100 * led['probe_share']:.1f} %)")
+    print(f"rows appended to {write_rows(BENCH, rows)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""benchmarks/bench_long.py (issue 56, item 1): its routing stream has the phases it names, call i routes the same
+tokens for every policy, and a smoke-size run prints its tables and writes rows of the benchmarks' columns."""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import bench_long, common  # noqa: E402
+
+
+def test_the_stream_goes_through_every_phase_and_back():
+    n, E = 1000, 16
+    phases = [bench_long.phase_of(i, n, E) for i in range(n)]
+    names = [p.name for p in phases]
+    assert [names[0], names[250], names[450], names[650], names[999]] == ["rise", "move", "small", "back", "fall"]
+    skew = np.array([p.skew for p in phases])
+    assert skew[0] == 0 and skew[199] > 1.4 and skew[999] < 0.01  # drifts up, then down
+    assert len({p.hot for p in phases if p.name == "move"}) > 2  # the hot experts move
+    assert all(p.small for p in phases if p.name == "small") and not any(p.small for p in phases[:400])
+    shape = bench_long.Shape()
+    a, T, _ = bench_long.routing(450, n, 1, shape, seed=0)
+    b, _, _ = bench_long.routing(450, n, 1, shape, seed=0)
+    assert T == shape.small and a.shape == (shape.small, shape.top_k) and np.array_equal(a, b)
+    assert all(len(set(r)) == shape.top_k for r in a)  # top-k without repeats
+    hot = bench_long.routing(250, n, 0, shape, seed=0)[0]
+    ph = bench_long.phase_of(250, n, E)
+    assert np.bincount(hot.ravel(), minlength=E).argmax() == ph.hot
+
+
+def test_bad_sizes_are_refused_with_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_long.main(["--calls", "0"])
+    assert e.value.code == 2 and "--calls: must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_smoke_run_writes_rows_of_the_benchmarks_columns(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    assert bench_long.main(["--calls", "6", "--window", "3", "--decisions", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "adaptive / best" in out and "items held" in out
+    with (tmp_path / "bench_long.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert rows and all(list(r) == common.COLUMNS for r in rows)
+    got = {(r["what"], r["provider"], r["metric"]) for r in rows}
+    for metric in ("vs_best_fixed", "prediction_error", "probe_share"):
+        assert ("long_run", "adaptive", metric) in got
+    for name in (*bench_long.FIXED, "adaptive"):
+        assert ("long_run", name, "layer_time_sum") in got
+    for metric in ("items", "bytes", "decision_time", "probe_share"):
+        assert ("engine_state", "adaptive", metric) in got
+    windows = [r["x"] for r in rows if r["metric"] == "vs_best_fixed"]
+    assert windows[:2] == ["2x1/T256-64/E16/0-3", "2x1/T256-64/E16/3-6"] and windows[-1].endswith("/all")
+    assert all(float(r["p50"]) > 0 for r in rows if r["metric"] == "vs_best_fixed")

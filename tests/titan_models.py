@@ -1,0 +1,172 @@
+"""Tiny torchtitan MoE models built from torchtitan's own configs (its model registry's debug flavors), for tests.
+
+* :func:`moe_block` — one family's ``MoE`` layer from the flavor's own layer config (its router, routed experts,
+  shared experts), with the expert hidden size cut to :data:`HIDDEN` so CPU tests stay small;
+* :func:`decoder` — the whole decoder of the flavor, its first layers only, the same expert cut, and its inner
+  attention replaced by :class:`CausalAttention` (the flavors' attention is flex or varlen attention, which has no
+  backward on CPU; on a batch of whole sequences — positions ``0..L-1`` — its block-causal mask is the causal
+  mask, which :class:`CausalAttention` computes with ``scaled_dot_product_attention``). ultraep touches only the
+  routed experts, so the wrapped and the unwrapped model share whatever attention they have.
+
+qwen3_5's package imports ``fla`` (GPU kernels) at import time: its MoE block is built here from the same
+common builders its layer function calls (softmax router with ``route_norm``, routed experts, the sigmoid-gated
+shared expert), and only that block is tested.
+
+Families (:data:`FAMILIES`): every torchtitan family with routed experts, plus variants that switch on
+node-limited routing (``num_expert_groups`` / ``num_limited_groups``) and ``load_balance_coeff`` off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torch import nn
+
+#: expert hidden size of the tiny models (a multiple of 8: torch._grouped_mm's bf16 strides are 16-byte aligned)
+HIDDEN = 32
+
+
+def _registry(family: str):
+    if family == "qwen3":
+        from torchtitan.models.qwen3 import model_registry
+
+        return model_registry("debugmodel_moe")
+    if family == "deepseek_v3":
+        from torchtitan.models.deepseek_v3 import model_registry
+
+        return model_registry("debugmodel")
+    if family == "kimi_k2_7":
+        from torchtitan.models.kimi_k2_7 import model_registry
+
+        return model_registry("debugmodel")
+    if family == "gpt_oss":
+        from torchtitan.models.gpt_oss import model_registry
+
+        return model_registry("debugmodel")
+    raise KeyError(family)
+
+
+def _shrink(moe_cfg, node_limited: bool = False, load_balance: bool = True):
+    re = moe_cfg.routed_experts
+    inner = dataclasses.replace(re.inner_experts, hidden_dim=HIDDEN)
+    moe_cfg = dataclasses.replace(moe_cfg, routed_experts=dataclasses.replace(re, inner_experts=inner))
+    if node_limited:  # DeepSeek-V3's node-limited routing: 4 groups of experts, each token's top-k from 2
+        moe_cfg = dataclasses.replace(moe_cfg, router=dataclasses.replace(
+            moe_cfg.router, num_expert_groups=4, num_limited_groups=2))
+    if not load_balance:
+        moe_cfg = dataclasses.replace(moe_cfg, load_balance_coeff=None)
+    if moe_cfg.shared_experts is not None:  # the shared experts' hidden size cut alike (dims of w1/w2/w3)
+        se = moe_cfg.shared_experts
+        moe_cfg = dataclasses.replace(moe_cfg, shared_experts=dataclasses.replace(
+            se, w1=dataclasses.replace(se.w1, out_features=HIDDEN), w2=dataclasses.replace(se.w2, in_features=HIDDEN),
+            w3=dataclasses.replace(se.w3, out_features=HIDDEN)))
+    return moe_cfg
+
+
+def _qwen3_5_moe():
+    """Qwen3.5's MoE layer config, as its ``_build_..._moe_layers`` makes it (64 experts, top-8 of the debug MoE
+    flavor; dims of the debug flavor)."""
+    from torchtitan.models.common.config_utils import (make_ffn_config, make_moe_config, make_routed_experts_config,
+                                                       make_router_config)
+    from torchtitan.models.common.feed_forward import SigmoidGatedFeedForward
+    from torchtitan.models.common.linear import Linear
+
+    dim, E, K = 256, 64, 8
+    init = {"weight": functools.partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
+    ffn = make_ffn_config(dim=dim, hidden_dim=512, w1_param_init=init, w2w3_param_init=init)
+    return make_moe_config(
+        num_experts=E,
+        router=make_router_config(dim=dim, num_experts=E, gate_param_init=init, top_k=K, score_func="softmax",
+                                  route_norm=True),
+        routed_experts=make_routed_experts_config(dim=dim, hidden_dim=512, num_experts=E, top_k=K,
+                                                  param_init={n: init["weight"] for n in ("w1_EFD", "w2_EDF", "w3_EFD")},
+                                                  comm_backend="standard"),
+        shared_experts=SigmoidGatedFeedForward.Config(w1=ffn.w1, w2=ffn.w2, w3=ffn.w3, gate=Linear.Config(
+            in_features=dim, out_features=1, param_init=init)))
+
+
+#: family -> (registry family, variant options)
+FAMILIES = {
+    "qwen3": ("qwen3", {}),
+    "qwen3_5": ("qwen3_5", {}),
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v3-node-limited": ("deepseek_v3", {"node_limited": True}),
+    "kimi_k2_7": ("kimi_k2_7", {}),
+    "gpt_oss": ("gpt_oss", {}),
+    "qwen3-no-load-balance": ("qwen3", {"load_balance": False}),
+}
+
+
+def moe_config(family: str):
+    base, opts = FAMILIES[family]
+    if base == "qwen3_5":
+        return _shrink(_qwen3_5_moe(), **opts)
+    cfg = _registry(base).model
+    moe = next(layer.moe for layer in cfg.layers if getattr(layer, "moe", None) is not None)
+    return _shrink(moe, **opts)
+
+
+def _init(module: nn.Module, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    module.init_states(buffer_device=torch.device("cpu"))
+    with torch.no_grad():  # the gpt_oss biases start at zero: give every parameter a non-trivial value
+        for n, p in module.named_parameters():
+            if "bias" in n and p.abs().sum() == 0:
+                p.normal_(0, 0.02)
+    return module
+
+
+def moe_block(family: str, seed: int = 0) -> nn.Module:
+    """The family's ``MoE`` layer (fp32 parameters; gpt_oss in bf16: its experts return bf16, which its combine
+    adds into the activations' dtype)."""
+    block = _init(moe_config(family).build(), seed)
+    if FAMILIES[family][0] == "gpt_oss":
+        block.to(torch.bfloat16)
+    return block
+
+
+class CausalAttention(nn.Module):
+    """The inner attention of a flavor on whole sequences: causal ``scaled_dot_product_attention`` over
+    ``(B, L, N, H)`` q/k/v (the flavors' block-causal flex mask with one document per row)."""
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2), is_causal=True, scale=scale,
+            enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def decoder_config(family: str, layers: int = 2):
+    base, opts = FAMILIES[family]
+    cfg = _registry(base).model
+    keep = []
+    for layer in cfg.layers:  # the first `layers` MoE layers (and the dense ones before them)
+        if getattr(layer, "moe", None) is not None:
+            layer = dataclasses.replace(layer, moe=_shrink(layer.moe, **opts))
+        keep.append(layer)
+        if sum(getattr(la, "moe", None) is not None for la in keep) == layers:
+            break
+    cfg.layers = keep
+    if hasattr(cfg, "mtp_layers"):
+        cfg.mtp_layers = []
+    return cfg
+
+
+def swap_attention(model: nn.Module) -> nn.Module:
+    for module in list(model.modules()):
+        if "inner_attention" in module._modules:
+            module.inner_attention = CausalAttention()
+    return model
+
+
+def decoder(family: str, layers: int = 2, seed: int = 0) -> nn.Module:
+    """The family's decoder (its first ``layers`` MoE layers), attention as :class:`CausalAttention`."""
+    return swap_attention(_init(decoder_config(family, layers).build(), seed))
+
+
+def batch(vocab: int, rows: int, length: int, seed: int, ids: int = 3) -> torch.Tensor:
+    """Token ids ``[rows, length]`` from ``ids`` distinct tokens (concentrated routing: replicas get planned)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, ids, (rows, length), generator=g) * (vocab // max(ids, 1))
