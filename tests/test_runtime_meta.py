@@ -324,12 +324,12 @@ def test_a_wrapped_model_saved_with_dcp_loads_by_rows_on_other_ranks(tmp_path):
     """Saved from 4 ranks with MastersSavePlanner, the checkpoint is the unwrapped model's ([E, ...] expert tensors
     from four chunks); a meta model on 2 ranks loads it (rest and masters) and computes the full model exactly.
     Negative control: saved without the planner, DCP keeps one rank's [M, ...] rows, and the load is refused."""
-    run_ranks(_save_wrapped, 4, tmp_path / "ok", True)
+    run_ranks(_save_wrapped, 4, tmp_path / "ok", True, p2p=False)  # saving: nothing moves between ranks
     for r in run_ranks(_meta_from_dcp, 2, tmp_path / "ok"):
         assert "refused" not in r, r
         assert_within(r, what="saved on 4 ranks, loaded on 2")
-    run_ranks(_save_wrapped, 4, tmp_path / "bad", False)
-    for r in run_ranks(_meta_from_dcp, 2, tmp_path / "bad"):
+    run_ranks(_save_wrapped, 4, tmp_path / "bad", False, p2p=False)
+    for r in run_ranks(_meta_from_dcp, 2, tmp_path / "bad", p2p=False):  # refused before any forward
         assert "refused" in r and "holds shape [2, 32, 32]" in r["refused"], r
 
 
@@ -386,13 +386,17 @@ def test_a_plain_pytorch_model_on_meta(tmp_path):
 def _fsdp2_from_meta(rank, world, ckpt_dir, steps, break_hooks=False):
     """The order a training engine (torchtitan) runs: build on meta, wrap, fully_shard on meta with the masters
     ignored, to_empty, the rest loaded by DCP into its shards, the masters by rows; then train ``steps`` optimizer
-    steps against the unwrapped model on the global batch (tests/test_train_as_users.py's comparison)."""
+    steps against the unwrapped model on the global batch, each with its own optimizer (tests/test_train_as_users.py's
+    comparison: losses, gradients, and every parameter after each step)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
     import ultraep
-    from test_train_as_users import _batch as batch_of, _differs, _grads, _loss, _take_parameters
+    from replica_probe import served_rows
+    from test_train_as_users import _batch as batch_of, _differs, _grads, _loss, _params
+
+    served = served_rows()
 
     ref = build_model("qwen3-moe", num_experts=E)
     with torch.device("meta"):
@@ -414,11 +418,12 @@ def _fsdp2_from_meta(rank, world, ckpt_dir, steps, break_hooks=False):
         if "RotaryEmbedding" in type(m).__name__:
             model._init_weights(m)
     ultraep.load_masters(model, ultraep.DCPMasters(ckpt_dir / "dcp"))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # after to_empty: its parameters are the new ones
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # after to_empty: the new parameters
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     problems = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
         ids = batch_of(rank, step)
         loss = _loss(model(input_ids=ids, use_cache=False).logits, ids)
         loss.backward()
@@ -427,19 +432,25 @@ def _fsdp2_from_meta(rank, world, ckpt_dir, steps, break_hooks=False):
         ref_loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
-        if (d := _differs(total / world, ref_loss.detach(), rtol=1e-5)) is not None:
+        if (d := _differs(total / world, ref_loss.detach())) is not None:
             problems.append(f"step {step} loss: {d}")
         ref_params = dict(ref.named_parameters())
         for name, (g, is_master) in _grads(model, rt, rank).items():
             want = ref_params[name].grad
             if is_master:
                 want = want[rank * g.shape[0]:(rank + 1) * g.shape[0]]
-            if (d := _differs(g, want, rtol=2e-5)) is not None:
+            if (d := _differs(g, want)) is not None:
                 problems.append(f"step {step} {name}: {d}")
         opt.step()
-        _take_parameters(ref, model, rt, world)
+        ref_opt.step()
+        for name, (p, is_master) in _params(model, rt).items():  # each trained on its own: compared
+            want = ref_params[name].detach()
+            if is_master:
+                want = want[rank * p.shape[0]:(rank + 1) * p.shape[0]]
+            if (d := _differs(p, want)) is not None:
+                problems.append(f"step {step} {name} parameter after the update: {d}")
         rt.next_step(loss=float(total))
-    return {"problems": problems[:8], "replicas": sum(h[5] for h in rt.recording.history)}
+    return {"problems": problems[:8], "replicas": sum(served.values())}
 
 
 def test_the_engine_order_fsdp2_on_meta_trains_like_the_full_model(checkpoints):

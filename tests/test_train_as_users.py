@@ -32,6 +32,7 @@ import torch
 import transformers  # noqa: F401 - imported before fork so ranks start fast
 
 from dist_utils import run_ranks
+from nccl_harness import expect_p2p
 from numerics import rel_error, tolerance
 from replica_probe import served_rows
 from ultraep.models import build_model, preload
@@ -200,11 +201,28 @@ def _scenario(rank, world, family, config, how, steps=STEPS, lose_master_update:
             "policies": sorted({h[2] for h in rt.recording.history})}
 
 
-def _check(results):
+def _check(results, records=None):
+    """No mismatch on any rank, and replicas that computed tokens (rows counted where they ran). ``records``: the
+    run's point-to-point record (:func:`_train`), which must hold the weights those replicas received."""
     for r, res in enumerate(results):
         assert not res["problems"], f"rank {r}: " + "\n".join(res["problems"][:8])
     rows = sum(n for res in results for n in res["served"].values())
+    if rows == 0 and records and not records[0].sends and all(res["policies"] == ["none"] for res in results):
+        # adaptive chooses from measured times: on a machine where no balancing pays it stays on none, and the
+        # run compared the unbalanced path only — reported as such, never as a pass on replicas
+        pytest.skip("adaptive chose none at every call here: no replica ran, nothing to compare them on")
     assert rows > 0, "no replica computed a token: the test would prove nothing"
+    if records is not None:
+        assert records[0].sends > 0, f"replicas computed tokens but no weight moved: {records[0]}"
+
+
+def _train(world, family, policy, how, **config):
+    """:func:`_scenario` on ``world`` ranks; adaptive runs may move nothing (see :func:`_check`), so their record
+    is checked there rather than required up front. Returns (results, [the record])."""
+    records: list = []
+    p2p = records.append if policy == "adaptive" else (lambda rec: records.append(rec) or expect_p2p(rec, True))
+    results = run_ranks(_scenario, world, family, {**POLICIES[policy], **config}, how, p2p=p2p)
+    return results, records
 
 
 HOWS = ["ddp", "ddp-accumulate", "checkpoint-hf", "checkpoint-torch", "checkpoint-torch-reentrant", "fsdp2"]
@@ -215,7 +233,7 @@ HOWS = ["ddp", "ddp-accumulate", "checkpoint-hf", "checkpoint-torch", "checkpoin
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
 def test_two_ranks_train_like_the_unwrapped_model_on_the_global_batch(family, policy, how):
-    _check(run_ranks(_scenario, 2, family, POLICIES[policy], how))
+    _check(*_train(2, family, policy, how))
 
 
 @pytest.mark.numerics
@@ -335,4 +353,4 @@ def test_a_data_parallel_wrapper_in_the_wrong_order_is_refused_in_one_line(how, 
                                                ("mixtral", "adaptive", "checkpoint-hf"),
                                                ("qwen3-moe", "adaptive", "ddp")])
 def test_four_ranks_other_families_and_adaptive(family, policy, how):
-    _check(run_ranks(_scenario, 4, family, POLICIES[policy], how))
+    _check(*_train(4, family, policy, how))
