@@ -504,3 +504,20 @@ def test_trace_info_says_what_was_inferred(tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["inferred"] == ["num_experts"] and info["layer_names"] == {"1001": "mtp head 0, layer 1"}
     assert info["source"] == "megatron-jsonl" and info["num_ranks"] == 1
+
+
+@pytest.mark.parametrize("header", [b"1", b"[]", b'"x"',
+                                    b'{"a": {"dtype": "F32", "shape": ["x"], "data_offsets": [0, 4]}}',
+                                    b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, "4"]}}',
+                                    b'{"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}'])
+def test_a_safetensors_header_of_the_wrong_shape_is_refused_in_one_line(tmp_path, header):
+    """Valid JSON that is not a header (a number, a list; shapes or offsets that are not non-negative integers)
+    is a TraceError naming the file, never an AttributeError or TypeError from inside the reader."""
+    import struct
+
+    from ultraep.traces.importers import read_safetensors
+
+    p = tmp_path / "rank0.safetensors"
+    p.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    with pytest.raises(TraceError, match="rank0.safetensors"):
+        read_safetensors(p)

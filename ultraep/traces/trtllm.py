@@ -54,6 +54,9 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
         header = json.loads(data[8:8 + n])
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TraceError(p, f"has an unreadable safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise TraceError(p, f"has a safetensors header that is not a JSON object ({type(header).__name__})",
+                         type(header).__name__)
     buf = memoryview(data)[8 + n:]
     out = {}
     for name, spec in header.items():
@@ -63,6 +66,9 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
             dt, shape, (b0, b1) = spec["dtype"], list(spec["shape"]), spec["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise TraceError(f"{p}:{name}", f"has a malformed header entry {spec}", spec) from None
+        if not all(type(v) is int and v >= 0 for v in (*shape, b0, b1)):
+            raise TraceError(f"{p}:{name}", f"has a malformed header entry {spec}: shape and data offsets must be "
+                             "non-negative integers", spec)
         if dt not in _ST_DTYPES:
             raise TraceError(f"{p}:{name}", f"has unsupported dtype {dt}", dt)
         if not 0 <= b0 <= b1 <= len(buf):
