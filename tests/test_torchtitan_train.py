@@ -1,13 +1,23 @@
 """Training as torchtitan trains (issue 54, item 2): a torchtitan decoder wrapped by ultraep, parallelized by its
 family's own ``parallelize_fn`` (torchtitan's FSDP2 application, the expert masters left to ultraep through
 ``ultraep.integrations.torchtitan``; optionally its full activation checkpointing), its ``load_balance_coeff``
-router-bias hook (``register_moe_load_balancing_hook``) on the optimizer, on 2 and 4 gloo ranks for 4 Adam steps.
+router-bias hook (``register_moe_load_balancing_hook``) on the optimizer, on 2 and 4 gloo ranks for 4 steps.
 
-Each step's loss and every parameter's gradient equal the unwrapped model's on the global batch (the loss the
-torchtitan way: each rank's token sum divided by the global token count, FSDP summing), within bf16's tolerance
-(the experts compute in bf16); the router biases the hook moves equal the unwrapped model's; replicas served
-tokens. After each step the unwrapped model takes the wrapped one's parameters (as tests/test_train_as_users.py
-explains). A perturbed master fails the same comparison (negative control).
+The wrapped model and the unwrapped one on the global batch start from the same weights (asserted bit for bit) and
+then train on their own, each with its own optimizer. At every step the losses agree (the torchtitan way: each
+rank's token sum divided by the global token count, FSDP summing), every parameter's gradient agrees (a master's
+against its rows of the unwrapped expert tensor), the router biases the hook moves equal the unwrapped model's, and
+after the optimizer step every parameter agrees — so a lost or wrong optimizer update on a master, or a replica
+left stale after a step, shows; replicas served tokens.
+
+The experts compute in bf16 on both sides, so every gradient agrees within :func:`numerics.tolerance` of bf16
+(relative to the reference's largest magnitude). A parameter is compared by its displacement from the common
+start (``p - p0`` against ``ref - p0``, which is the parameter comparison itself since ``p0`` is shared) within the
+same bf16 tolerance: the displacement is a linear function of the gradients (SGD with momentum), so it carries
+their bf16 rounding and nothing more, whereas a tolerance relative to the weights' magnitude would hide an update
+that is small beside the weights. SGD with momentum, not Adam, for the reason tests/test_train_as_users.py gives
+(Adam turns rounding noise into full-learning-rate steps). Negative controls: a perturbed master, and a master's
+optimizer update lost, fail the comparison.
 """
 
 from __future__ import annotations
@@ -26,6 +36,13 @@ from numerics import rel_error, tolerance  # noqa: E402
 tm._registry("qwen3"), tm._registry("deepseek_v3")  # imported before fork: ranks start fast
 
 STEPS = 4
+PROBLEMS = 40
+#: SGD's learning rate. Under the loss scaled the torchtitan way (a mean over the global batch) the gradients are small
+#: beside the weights: at 0.05 the weights barely move, routing settles on experts that sit evenly on the ranks and
+#: no replica is planned (the override case, quota and adaptive). At 2 the routing moves as training moves it and the
+#: replicas serve tokens in every case; the two sides still agree within bf16's tolerance (worst figures seen: 7e-3
+#: for a gradient, 4.4e-3 for a displacement, against 1.6e-2).
+LR = 2.0
 POLICIES = {"quota": {"policy": "quota", "num_redundant_slots": 2},
             "adaptive": {"policy": "adaptive", "num_redundant_slots": 2}}
 
@@ -73,7 +90,7 @@ def _sum_reduction(model):
             m.set_force_sum_reduction_for_comms(True)
 
 
-def _train(rank, world, family, config, how, perturb=False):
+def _train(rank, world, family, config, how, perturb=False, steps=STEPS, lose_master_update=False):
     """ultraep.wrap, then the family's parallelize_fn through ultraep.integrations.torchtitan.parallelize."""
     import ultraep
     from ultraep.integrations import torchtitan as integration
@@ -89,12 +106,14 @@ def _train(rank, world, family, config, how, perturb=False):
             p[0].add_(p[0].abs().mean() * 10)
     kwargs = _parallelize_kwargs(world, how)
     integration.parallelize(spec.parallelize_fn, model, **kwargs)
-    return _loop(rank, world, model, ref, kwargs["parallel_dims"])
+    if perturb:  # the reference starts from the unperturbed weights (the start is otherwise shared bit for bit)
+        return _loop(rank, world, model, ref, kwargs["parallel_dims"], steps, shared_start=False)
+    return _loop(rank, world, model, ref, kwargs["parallel_dims"], steps, lose_master_update=lose_master_update)
 
 
 def _override(rank, world, family, policy, how):
     """The trainer's path: the model spec with ultraep's override applied (torchtitan's apply_overrides), built on
-    the meta device, parallelize_fn, to_empty, init_weights — the reference takes the result's weights."""
+    the meta device, parallelize_fn, to_empty, init_weights — the reference starts from the result's weights."""
     from torchtitan.config.override import OverrideConfig, apply_overrides
 
     import ultraep
@@ -131,7 +150,8 @@ def _override(rank, world, family, policy, how):
 
 
 def _take_parameters(ref, model, rt, world):
-    """The unwrapped model takes the wrapped one's parameters and router biases (masters gathered)."""
+    """The unwrapped model starts from the wrapped one's initial parameters and router biases (masters gathered);
+    from there it trains on its own."""
     import torch.distributed as dist
 
     masters = {id(p) for layer in rt.layers for p in layer.master_params()}
@@ -150,9 +170,22 @@ def _take_parameters(ref, model, rt, world):
                 ref_buffers[name.replace("._checkpoint_wrapped_module", "")].copy_(b)
 
 
-def _loop(rank, world, model, ref, dims):
-    """STEPS Adam steps of the wrapped model (torchtitan's loss scaling, its load-balancing hook) against the
-    unwrapped one on the global batch; returns the mismatches and the replicas planned."""
+def _params(model, masters) -> dict[str, tuple[torch.Tensor, bool]]:
+    """Every parameter of the wrapped model by the unwrapped model's name (FSDP2 shards gathered: a collective, in
+    the same order on every rank), with whether it is a master (this rank's rows only)."""
+    return {name.replace("._checkpoint_wrapped_module", ""): (_full(p.detach()).clone(), id(p) in masters)
+            for name, p in model.named_parameters()}
+
+
+def _rows(t, rank, is_master, M):
+    return t[rank * M:(rank + 1) * M] if is_master else t
+
+
+def _loop(rank, world, model, ref, dims, steps=STEPS, lose_master_update=False, shared_start=True):
+    """``steps`` SGD steps of the wrapped model (torchtitan's loss scaling, its load-balancing hook) against the
+    unwrapped one on the global batch, each with its own optimizer; returns the mismatches and the replica rows
+    planned. ``lose_master_update``: the negative control — rank 0's masters keep their weights through the first
+    optimizer step."""
     import torch.distributed as dist
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
 
@@ -161,14 +194,21 @@ def _loop(rank, world, model, ref, dims):
     rt = ultraep.runtime_of(model)
     masters = {id(p) for layer in rt.layers for p in layer.master_params()}
     _sum_reduction(model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
     register_moe_load_balancing_hook(opt, [model], dims)
     vocab = int(ref.lm_head.weight.shape[0])
     problems, tol = [], tolerance(torch.bfloat16)
     bias_ref, served = {}, 0
-    for step in range(STEPS):
+    ref_params = dict(ref.named_parameters())
+    start = _params(model, masters)  # the common start: each side's displacement from it is compared
+    assert start.keys() == ref_params.keys(), sorted(start.keys() ^ ref_params.keys())
+    if shared_start:
+        for name, (p0, is_master) in start.items():
+            assert torch.equal(p0, _rows(ref_params[name].detach(), rank, is_master, p0.shape[0])), name
+    for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
         ids = _ids(vocab, rank, step)
         n_global = world * ids[:, 1:].numel()
         loss = _ce_sum(model(ids), ids) / n_global  # torchtitan's: every rank's sum over the global token count
@@ -180,9 +220,8 @@ def _loop(rank, world, model, ref, dims):
         ref_loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
-        if (e := rel_error(total, ref_loss.detach())) > 1e-3:
+        if not (e := rel_error(total, ref_loss.detach())) <= 1e-3:
             problems.append(f"step {step} loss {float(total):.6f} vs {float(ref_loss):.6f} ({e:.2g})")
-        ref_params = dict(ref.named_parameters())
         for name, p in model.named_parameters():
             clean = name.replace("._checkpoint_wrapped_module", "")
             g = _full(p.grad) if p.grad is not None else torch.zeros(p.shape)
@@ -190,8 +229,8 @@ def _loop(rank, world, model, ref, dims):
             if id(p) in masters:
                 M = p.shape[0]
                 want = want[rank * M:(rank + 1) * M]
-            if (e := rel_error(g, want)) > tol:
-                problems.append(f"step {step} {clean}: {e:.3g}")
+            if not (e := rel_error(g, want)) <= tol:  # `not <=`: NaN fails
+                problems.append(f"step {step} {clean} gradient: {e:.3g}")
         with torch.no_grad():  # the reference's router biases, moved as torchtitan's hook moves them
             for block in ref.layers.values():
                 moe = getattr(block, "moe", None)
@@ -200,7 +239,13 @@ def _loop(rank, world, model, ref, dims):
                     delta = moe.load_balance_coeff * torch.sign(n.mean() - n)
                     moe.expert_bias_E.add_(delta - delta.mean())
                     moe.tokens_per_expert_E.zero_()
+        before = [p.detach().clone() for p in (p for layer in rt.layers for p in layer.master_params())]
         opt.step()  # the hook updates the wrapped model's biases first
+        ref_opt.step()
+        if lose_master_update and step == 0 and rank == 0:
+            with torch.no_grad():
+                for p, b in zip((p for layer in rt.layers for p in layer.master_params()), before):
+                    p.copy_(b)
         bias_ref = {n.replace("._checkpoint_wrapped_module", ""): b for n, b in ref.named_buffers()
                     if n.endswith("expert_bias_E")}
         for n, b in model.named_buffers():
@@ -208,9 +253,14 @@ def _loop(rank, world, model, ref, dims):
                 clean = n.replace("._checkpoint_wrapped_module", "")
                 if not torch.equal(b, bias_ref[clean]):
                     problems.append(f"step {step} {clean}: router bias differs")
-        _take_parameters(ref, model, rt, world)
+        # the parameters each side trained on its own: displacements from the common start (see the module doc)
+        for name, (p, is_master) in _params(model, masters).items():
+            p0 = start[name][0]
+            want = _rows(ref_params[name].detach(), rank, is_master, p.shape[0]) - p0
+            if not (e := rel_error(p - p0, want)) <= tol:
+                problems.append(f"step {step} {name} parameter after the update: {e:.3g}")
         rt.next_step(loss=float(total))
-    return {"problems": problems[:8], "replicas": served, "biases": len(bias_ref)}
+    return {"problems": problems[:PROBLEMS], "replicas": served, "biases": len(bias_ref)}
 
 
 def _check(results):
@@ -236,6 +286,7 @@ def test_four_ranks_train_like_the_unwrapped_model(family, policy):
 
 
 def test_a_perturbed_master_fails_the_training_comparison():
+    # negative control: a master perturbed after wrap (the reference starts from the unperturbed weights)
     results = run_ranks(_train, 2, "qwen3", POLICIES["quota"], "fsdp", True)
     assert any(res["problems"] for res in results), results
 
@@ -263,3 +314,15 @@ def test_without_the_exclusion_torchtitan_fsdp_takes_the_experts_and_wrap_refuse
     for res in run_ranks(_override, 2, "qwen3", "quota", "fsdp-takes-experts", p2p=False):  # refused first
         msg = res.get("refused")
         assert msg and "sharded by fully_shard" in msg and "\n" not in msg, res
+
+
+def test_the_comparison_fails_when_a_masters_optimizer_update_is_lost():
+    """Negative control: rank 0's masters keep their weights through the first step (an optimizer that skipped
+    them). The gradients of that step are right; the parameters after it are not, and the reference, training on
+    its own, does not take the wrapped model's weights back, so the next step still differs."""
+    results = run_ranks(_train, 2, "qwen3", POLICIES["quota"], "fsdp", False, 2, True)
+    first = results[0]["problems"]
+    assert first and first[0].startswith("step 0 ") and "experts" in first[0] and "parameter after the update" in \
+        first[0], first
+    assert not any("gradient" in p for p in first if p.startswith("step 0 ")), first
+    assert any(p.startswith("step 1 ") and "experts" in p and "parameter" in p for p in first), first
