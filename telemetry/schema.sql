@@ -22,7 +22,7 @@
 -- ============================================================================ raw tables
 
 -- One row when a recorder opens (status 'running') and one when it closes (status 'closed'), per rank
--- and recorder session. A run whose newest row still says 'running' is live or crashed.
+-- and recorder instance. A run whose newest row still says 'running' is live or crashed.
 CREATE TABLE runs_log (
     run_id          VARCHAR,    -- run directory name; the same on every rank of a run
     rank            INTEGER,    -- recording rank
@@ -45,7 +45,7 @@ CREATE TABLE runs_log (
     dropped_rows    BIGINT,     -- rows lost to them
     first_error     VARCHAR,    -- the first failure, for the report
     extra_json      VARCHAR,    -- Recorder.open(extra=...)
-    written_at      TIMESTAMP   -- when this row was written (the newest row per recorder session wins)
+    written_at      TIMESTAMP   -- when this row was written (the newest row per recorder instance wins)
 );
 
 -- One row per Recorder.record_step call.
@@ -199,7 +199,7 @@ CREATE TABLE metric_points (
 
 -- ============================================================================ derived views
 
--- One row per RECORDING RANK and recorder session (a run of R ranks has R rows): its newest runs_log row.
+-- One row per RECORDING RANK and recorder instance (a run of R ranks has R rows): its newest runs_log row.
 -- Join on run_summary (one row per run) instead, or filter on rank, so that a join does not multiply counts.
 CREATE VIEW runs AS
 SELECT *
