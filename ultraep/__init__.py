@@ -39,7 +39,6 @@ _LAZY = {
     "SafetensorsMasters": "ultraep.runtime",
     "DCPMasters": "ultraep.runtime",
     "InitMasters": "ultraep.runtime",
-    "MastersSavePlanner": "ultraep.runtime",
     "register_experts": "ultraep.models.adapters",
     "telemetry": "ultraep.telemetry",  # the README's `ultraep.telemetry.Recorder.open(...)` works after `import ultraep`
 }
@@ -54,7 +53,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ultraep.plan import Plan, Transfers
     from ultraep.planning import plan_layer
     from ultraep.topology import LinkSpec, Topology
-    from ultraep.runtime import (DCPMasters, InitMasters, MastersSavePlanner, SafetensorsMasters, expert_params,
+    from ultraep.runtime import (DCPMasters, InitMasters, SafetensorsMasters, expert_params,
                                  load_masters, no_sync, runtime_of, unwrap, wrap)
     from ultraep.models.adapters import register_experts
 

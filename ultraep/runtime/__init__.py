@@ -18,7 +18,9 @@ Modules, each with one job (dependencies point down the list):
 * :mod:`.masters` — a layer's topology and this rank's master slices of the experts container (``[M, ...]`` meta
   tensors for a model on the meta device), and the expert bytes a rank holds;
 * :mod:`.master_rows` — a rank's masters as rows of the ``[E, ...]`` checkpoint tensors: read for a model built
-  on the meta device (safetensors, DCP, or an init: ``load_masters``), written to DCP (``MastersSavePlanner``);
+  on the meta device (safetensors, DCP, or an init: ``load_masters``);
+* :mod:`.master_checkpoint` — the masters in the model's and the optimizers' state dicts as ``Shard(0)`` DTensors of
+  the ``[E, ...]`` tensors, so any DCP save writes every rank's experts and any load gives each rank its rows;
 * :mod:`.replicas` — replica weights posted early and waited late, gradients reduced back without a barrier;
 * :mod:`.replica_cache` — replicas kept valid until their master changes;
 * :mod:`.replica_transport` — what a job's weights and gradients become as messages (direct or tiled);
@@ -32,8 +34,8 @@ Modules, each with one job (dependencies point down the list):
 
 from ultraep.runtime.data_parallel import ParameterDivergenceError
 from ultraep.runtime.master_rows import DCPMasters, InitMasters, SafetensorsMasters
-from ultraep.runtime.wrap import (EPRuntime, MastersSavePlanner, WrapReport, expert_params, load_masters, no_sync,
+from ultraep.runtime.wrap import (EPRuntime, WrapReport, expert_params, load_masters, no_sync,
                                   replica_budget_bytes, runtime_of, unwrap, wrap)
 
-__all__ = ["DCPMasters", "EPRuntime", "InitMasters", "MastersSavePlanner", "ParameterDivergenceError", "SafetensorsMasters", "WrapReport",
+__all__ = ["DCPMasters", "EPRuntime", "InitMasters", "ParameterDivergenceError", "SafetensorsMasters", "WrapReport",
            "expert_params", "load_masters", "no_sync", "replica_budget_bytes", "runtime_of", "unwrap", "wrap"]

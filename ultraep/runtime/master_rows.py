@@ -10,16 +10,14 @@ A model built on the meta device and wrapped holds, per balanced layer, ``[M, ..
     DCP           :class:`DCPMasters`          ``torch.distributed.checkpoint.load`` with a planner that asks for
                                                rows ``first .. first + M - 1`` of ``key``: only the saved chunks
                                                that overlap them are read (a checkpoint saved sharded along the
-                                               experts, as MastersSavePlanner saves it, holds them in chunks of
-                                               their own; one saved whole is read one stored tensor at a time,
-                                               then narrowed)
+                                               experts, as a wrapped model's state_dict saves it, holds them in
+                                               chunks of their own; one saved whole is read one stored tensor at a
+                                               time, then narrowed)
     init          :class:`InitMasters`         ``fn(out [M, ...], key, experts)``: training from scratch
 
-Written: ``dcp.save(model.state_dict(), planner=ultraep.MastersSavePlanner(model))`` (:func:`save_planner`) saves
-each rank's ``[M, ...]`` masters as its chunk (rows ``first .. first + M - 1``) of one ``[E, ...]`` tensor under the
-unwrapped model's key, so the checkpoint is the unwrapped model's, loadable by rows on any number of ranks (or
-whole). Without the planner DCP
-takes the ``[M, ...]`` masters for replicated tensors and keeps one rank's.
+Written: a wrapped model's ``state_dict()`` holds each rank's masters as its rows of one ``[E, ...]`` DTensor under
+the unwrapped model's key (:mod:`ultraep.runtime.master_checkpoint`), so ``dcp.save`` with any planner writes the
+unwrapped model's checkpoint, loadable by rows on any number of ranks (or whole).
 
 A read's ``key`` is the parameter's name in the unwrapped model's ``state_dict`` (``<container path>.<name>``),
 which is what a checkpoint of the unwrapped model holds; a source's ``key`` function maps it to another
@@ -280,55 +278,3 @@ def load(layers, source: MasterSource) -> None:
     for layer in layers:
         layer.master_state.mark_loaded()
 
-
-def save_planner(layers, **kwargs):
-    """A ``torch.distributed.checkpoint`` save planner (a ``DefaultSavePlanner``; ``kwargs`` go to it) that writes
-    each of ``layers``' (balanced layers) ``[M, ...]`` masters as this rank's rows of the ``[E, ...]`` tensor (a
-    ``SHARD`` write item at offset ``[first, 0, ...]``, global size ``[E, ...]``); every other entry is written as
-    the default planner writes it."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-
-    from ultraep.models.rewrite import StackedExperts
-
-    for la in layers:
-        if isinstance(la.container, StackedExperts):
-            raise UltraEPError(la.name, f"is a {la.adapter.name} container ultraep built from its block, whose "
-                               "checkpoint layout differs from its masters'; save this model unwrapped "
-                               "(ultraep.unwrap, then dcp.save)")
-    rows = {f"{la.name}.{n}": (la.first_expert, la.topology.num_experts)
-            for la in layers for n in la.adapter.param_names}
-
-    class SavePlanner(DefaultSavePlanner):
-        def create_local_plan(self) -> SavePlan:
-            plan = super().create_local_plan()
-            items, found = [], set()
-            for item in plan.items:
-                fqn = item.index.fqn
-                if fqn not in rows:
-                    items.append(item)
-                    continue
-                t = self.state_dict[fqn]
-                first, E = rows[fqn]
-                offsets = torch.Size([first] + [0] * (t.dim() - 1))
-                items.append(WriteItem(
-                    index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
-                                                properties=TensorProperties.create_from_tensor(t),
-                                                size=torch.Size([E, *t.shape[1:]]))))
-                found.add(fqn)
-            missing = sorted(set(rows) - found)
-            if missing:
-                raise UltraEPError(missing[0], "is a master of the wrapped model but not in the state dict given to "
-                                   "dcp.save (save model.state_dict() of the wrapped model itself)")
-            plan = SavePlan(items, storage_data=plan.storage_data, planner_data=plan.planner_data, usable=plan.usable)
-            self.plan = plan
-            return plan
-
-        def lookup_object(self, index: MetadataIndex):
-            if index.fqn in rows:
-                return self.state_dict[index.fqn]  # this rank's rows: the whole local tensor
-            return super().lookup_object(index)
-
-    return SavePlanner(**kwargs)

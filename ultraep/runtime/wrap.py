@@ -20,7 +20,7 @@ from torch import nn
 from ultraep.models.adapters import UnsupportedModelError, adapter_for, prepare, supported
 from ultraep.config import BalancerConfig
 from ultraep.runtime import data_parallel
-from ultraep.runtime import master_rows
+from ultraep.runtime import master_checkpoint, master_rows
 from ultraep.runtime.layer import BalancedExperts
 from ultraep.runtime.master_rows import MasterSource
 from ultraep.runtime.recording import Recording
@@ -333,6 +333,7 @@ def wrap(model: nn.Module, config: BalancerConfig | dict | None = None, group=No
         runtime.layers.append(balanced)
         runtime.report.layers.append((layer, name, balanced.policy_name, adapter.name))
     runtime.build_engine()
+    master_checkpoint.attach(runtime)  # state dicts hold the masters as rows of the [E, ...] tensors (DTensors)
     object.__setattr__(model, _ATTR, runtime)
     runtime.model_ref = weakref.ref(model)
     # DistributedDataParallel(model) leaves the masters alone: no broadcast from rank 0, no gradient averaging
@@ -368,15 +369,6 @@ def load_masters(model: nn.Module, source: MasterSource) -> nn.Module:
     return model
 
 
-def MastersSavePlanner(model: nn.Module, **kwargs):  # noqa: N802 - named as the planner class it returns
-    """A ``torch.distributed.checkpoint`` save planner for a wrapped ``model``: ``dcp.save(model.state_dict(),
-    checkpoint_id=..., planner=ultraep.MastersSavePlanner(model))`` (collective) writes each rank's masters as its
-    rows of the ``[E, ...]`` expert tensors, under the unwrapped model's keys, so the checkpoint is the unwrapped
-    model's and loads by rows on any number of ranks (:class:`DCPMasters`) or whole. Without it DCP takes the
-    ``[M, ...]`` masters for replicated tensors and keeps one rank's. ``kwargs`` go to ``DefaultSavePlanner``."""
-    return master_rows.save_planner(runtime_of(model).layers, **kwargs)
-
-
 def runtime_of(model: nn.Module) -> EPRuntime:
     """The :class:`EPRuntime` of a wrapped model (or of its ``DistributedDataParallel`` wrapper)."""
     rt = getattr(data_parallel.model_of(model), _ATTR, None)
@@ -404,6 +396,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, layer.container)
     object.__delattr__(model, _ATTR)
+    master_checkpoint.detach(rt)
     have = getattr(model, "_ddp_params_and_buffers_to_ignore", None)
     if isinstance(have, data_parallel.MasterNames):  # the user's own names stay
         if have.user:
