@@ -167,9 +167,11 @@ def test_the_old_plain_tensor_path_loses_rows(tmp_path):
     """Negative control: masters left plain in the state dicts — DCP keeps one rank's [M, ...] copy."""
     run_ranks(_save, 2, tmp_path, "disabled", True, p2p=False)
     results = run_ranks(_load_balanced, 2, tmp_path, True, p2p=False)
-    assert any(r.get("mismatches") or r.get("refused") for r in results), results
-    with pytest.raises(Exception):  # noqa: B017 - whichever way: the unwrapped model cannot get its experts
-        assert _load_unwrapped(tmp_path) == []
+    assert any(r["mismatches"] for r in results), results  # a rank got another rank's rows, silently
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match="Size mismatch"):  # one rank's [M, ...] where [E, ...] belongs
+        _load_unwrapped(tmp_path)
 
 
 def _refuse_rows(rank, world):
