@@ -76,7 +76,8 @@ class MasterState:
         raise UltraEPError(
             f"{self.name}.masters", "are on the meta device: allocate the model (model.to_empty(device=...)) and "
             "load them (ultraep.load_masters(model, source))" if meta else "were allocated but never loaded: "
-            "ultraep.load_masters(model, SafetensorsMasters(...) | DCPMasters(...) | InitMasters(fn)) fills them")
+            "ultraep.load_masters(model, SafetensorsMasters(...) | DCPMasters(...) | InitMasters(fn)) or "
+            "model.load_state_dict(...) fills them")
 
 
 def held_bytes(layers) -> dict[str, int]:
