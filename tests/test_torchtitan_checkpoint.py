@@ -6,8 +6,11 @@ gloo ranks: every rank's experts are written, and every load gives each rank its
   on another number of ranks: every expert row equals the saved model's, exactly;
 * train 2 steps (torchtitan's FSDP application, its AdamW container), save, build everything anew, load, train 2
   more: losses and parameters equal 4 steps straight;
+* a user's own loop (``torch.optim.AdamW``, ``dcp.save`` of ``model.state_dict()`` and ``opt.state_dict()``):
+  every master row and every row of its AdamW state comes back;
 * negative controls: the plain-tensor path of before (masters left as ``[M, ...]`` tensors in the state dicts)
-  loses rows (the row comparison and the resume comparison fail on it); a plain ``[M, ...]`` tensor given to
+  loses rows (the row comparison and the resume comparison fail on it), and so does leaving only their optimizer
+  state plain (the resume and the AdamW comparisons fail on it); a plain ``[M, ...]`` tensor given to
   ``load_state_dict`` is refused in one line.
 """
 
@@ -286,3 +289,54 @@ def test_resume_through_the_old_plain_tensor_path_differs(tmp_path, old):
     not the straight one."""
     results = run_ranks(_resume, 2, tmp_path, old, timeout=300)
     assert any(problems for problems, _ in results), results
+
+
+# ------------------------------------------------------------------------------------------------ plain PyTorch
+def _plain_torch(rank, world, folder, old):
+    """A user's own loop: torch.optim.AdamW, one step, ``dcp.save`` of ``model.state_dict()`` and
+    ``opt.state_dict()``; a new model and optimizer (its state made by a zero step), ``dcp.load`` then
+    ``load_state_dict`` of both: every master row and every row of its AdamW state is this rank's own again."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.optimizer.utils import init_optim_state
+
+    import ultraep
+
+    _old_path(old)
+
+    def built(seed):
+        model = tm.decoder(FAMILY, seed=seed)
+        ultraep.wrap(model, CONFIG)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = built(0)
+    vocab = int(model.lm_head.weight.shape[0])
+    from test_torchtitan_train import _ce_sum, _ids
+
+    ids = _ids(vocab, rank, 0)
+    _ce_sum(model(ids), ids).backward()
+    opt.step()
+    masters = [p for la in ultraep.runtime_of(model).layers for p in la.master_params()]
+    want = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in masters]
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(folder))
+
+    model, opt = built(5)
+    init_optim_state(opt)  # the state to load into (a zero-gradient, zero-lr step)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=str(folder))
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    masters = [p for la in ultraep.runtime_of(model).layers for p in la.master_params()]
+    bad = []
+    for i, (p, (w, s)) in enumerate(zip(masters, want)):
+        if not torch.equal(p.detach(), w):
+            bad.append(f"master {i}")
+        bad += [f"master {i} {k}" for k, v in s.items() if not torch.equal(opt.state[p][k], v)]
+    return bad
+
+
+def test_plain_pytorch_get_state_dict_round_trips_masters_and_their_adam_state(tmp_path):
+    for r in run_ranks(_plain_torch, 2, tmp_path / "ok", False):
+        assert r == [], r
+    # negative control: only the optimizer state left plain — one rank's AdamW rows end up on both
+    results = run_ranks(_plain_torch, 2, tmp_path / "bad", "optimizer")
+    assert any(r for r in results) and all("exp_avg" in b or "step" in b for r in results for b in r), results
