@@ -1,7 +1,7 @@
 """A balanced torchtitan model checkpointed by torchtitan's own ``CheckpointManager`` (DCP, default planners), on
 gloo ranks: every rank's experts are written, and every load gives each rank its rows.
 
-* saved by the manager (sync and async) on 2 and 4 ranks, loaded by a new manager into a fresh balanced model
+* saved by the manager (sync, async, and the last step's model-only save) on 2 and 4 ranks, loaded by a new manager into a fresh balanced model
   (other weights) and, with plain ``dcp.load``, into an unwrapped model in one process and into a balanced model
   on another number of ranks: every expert row equals the saved model's, exactly;
 * train 2 steps (torchtitan's FSDP application, its AdamW container), save, build everything anew, load, train 2
@@ -93,8 +93,8 @@ def _save(rank, world, folder, async_mode, old):
     full = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     model = tm.decoder(FAMILY, seed=0)
     ultraep.wrap(model, CONFIG)
-    opt, _, ckpt = _manager(model, folder, async_mode)
-    assert ckpt.save(curr_step=1)
+    opt, _, ckpt = _manager(model, folder, "disabled" if async_mode == "last-step" else async_mode)
+    assert ckpt.save(curr_step=1, last_step=async_mode == "last-step")  # the last step: the model only
     ckpt.maybe_wait_for_saving()
     ckpt.close()
     return _row_mismatches(model, full, rank)
@@ -148,26 +148,23 @@ def _load_unwrapped(folder) -> list[str]:
     return [k for k in experts if not torch.equal(model.state_dict()[k], full[k])]
 
 
-@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+@pytest.mark.parametrize("async_mode", ["disabled", "async", "last-step"])
 def test_torchtitans_checkpointer_saves_every_ranks_experts(tmp_path, async_mode):
     for r in run_ranks(_save, 2, tmp_path, async_mode, False, p2p=False):
         assert r == [], r  # (the saved model holds the reference's rows)
-    for r in run_ranks(_load_balanced, 2, tmp_path, False, p2p=False):
-        assert r == {"mismatches": []}, r
+    if async_mode != "last-step":  # (the last step's model-only checkpoint is an export, not a resume point)
+        for r in run_ranks(_load_balanced, 2, tmp_path, False, p2p=False):
+            assert r == {"mismatches": []}, r
     assert _load_unwrapped(tmp_path) == []
     for r in run_ranks(_load_plain_dcp_balanced, 4, tmp_path, p2p=False):  # another number of ranks
         assert r == [], r
 
 
-def test_four_ranks_save_and_two_load():
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d)
-        run_ranks(_save, 4, path, "disabled", False, p2p=False)
-        for r in run_ranks(_load_balanced, 2, path, False, p2p=False):
-            assert r == {"mismatches": []}, r
-        assert _load_unwrapped(path) == []
+def test_four_ranks_save_and_two_load(tmp_path):
+    run_ranks(_save, 4, tmp_path, "disabled", False, p2p=False)
+    for r in run_ranks(_load_balanced, 2, tmp_path, False, p2p=False):
+        assert r == {"mismatches": []}, r
+    assert _load_unwrapped(tmp_path) == []
 
 
 def test_the_old_plain_tensor_path_loses_rows(tmp_path):
