@@ -2,7 +2,8 @@
 gloo ranks: every rank's experts are written, and every load gives each rank its rows.
 
 * saved by the manager (sync, async, and the last step's model-only save) on 2 and 4 ranks, loaded by a new manager into a fresh balanced model
-  (other weights) and, with plain ``dcp.load``, into an unwrapped model in one process and into a balanced model
+  (other weights), into one built the trainer's way (override, meta, FSDP2, ``init_weights``) and, with plain
+  ``dcp.load``, into an unwrapped model in one process and into a balanced model
   on another number of ranks: every expert row equals the saved model's, exactly;
 * train 2 steps (torchtitan's FSDP application, its AdamW container), save, build everything anew, load, train 2
   more: losses and parameters equal 4 steps straight;
@@ -119,6 +120,37 @@ def _load_balanced(rank, world, folder, old):
     return {"mismatches": _row_mismatches(model, full, rank)}
 
 
+def _load_trainer_path(rank, world, folder):
+    """The trainer's own order on resume: the model spec with ultraep's override, built on the meta device,
+    ``parallelize_fn`` (FSDP2), ``to_empty``, ``init_weights`` (masters initialised by rows), then the manager's
+    load: every master row and every other parameter equal the saved model's."""
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+
+    from test_torchtitan_train import _full, _parallelize_kwargs
+
+    full = {k: v.detach().clone() for k, v in tm.decoder(FAMILY, seed=0).state_dict().items()}
+    spec = tm._registry(FAMILY)
+    spec.model = tm.decoder_config(FAMILY)
+    apply_overrides(OverrideConfig(imports=[("ultraep.integrations.torchtitan.balanced", {"policy": "quota",
+                                                                                         "slots": 2})]), spec)
+    with torch.device("meta"):
+        model = spec.model.build()
+    tm.swap_attention(model)
+    model = spec.parallelize_fn(model, **_parallelize_kwargs(world, "fsdp"))
+    model.to_empty(device="cpu")
+    torch.manual_seed(3)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    assert _row_mismatches(model, full, rank), "init_weights must give other weights than the checkpoint's"
+    _, _, ckpt = _manager(model, folder)
+    assert ckpt.load()
+    ckpt.close()
+    masters = set(_expert_keys(model))
+    others = [k for k, v in model.state_dict().items() if k not in masters and k in full
+              and not torch.equal(_full(v), full[k])]
+    return _row_mismatches(model, full, rank) + others
+
+
 def _load_plain_dcp_balanced(rank, world, folder):
     """A user's own ``dcp.load(model.state_dict())`` then ``load_state_dict``, into a balanced model."""
     import torch.distributed.checkpoint as dcp
@@ -155,6 +187,9 @@ def test_torchtitans_checkpointer_saves_every_ranks_experts(tmp_path, async_mode
     if async_mode != "last-step":  # (the last step's model-only checkpoint is an export, not a resume point)
         for r in run_ranks(_load_balanced, 2, tmp_path, False, p2p=False):
             assert r == {"mismatches": []}, r
+    if async_mode == "disabled":
+        for r in run_ranks(_load_trainer_path, 2, tmp_path, p2p=False):
+            assert r == [], r
     assert _load_unwrapped(tmp_path) == []
     for r in run_ranks(_load_plain_dcp_balanced, 4, tmp_path, p2p=False):  # another number of ranks
         assert r == [], r
