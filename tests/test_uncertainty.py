@@ -56,6 +56,24 @@ def test_the_width_narrows_as_one_over_the_square_root_of_the_steps():
     assert steps_for(30, 0.10) == 120 and steps_for(30, 0.04) == 30
 
 
+def test_a_kind_too_rare_to_shift_stays_unshifted_in_every_resample():
+    """Anchoring leaves a kind of fewer than ANCHOR_MIN_CALLS calls unshifted; a resample drawing its calls twice has
+    no more evidence, so it leaves it too."""
+    from ultraep.sim.from_run import ANCHOR_MIN_CALLS
+
+    calls = _calls(30, 0.004, per_step=2)  # 30 calls of each kind
+    rare = ~calls.transfer & (calls.step >= 30 - (ANCHOR_MIN_CALLS - 1))  # the last plain calls, 3 of them
+    few = AnchorCalls(calls.step[calls.transfer | rare], calls.transfer[calls.transfer | rare],
+                      calls.diff_s[calls.transfer | rare])
+    over = resampled_overheads(few, PARAMS, 200, seed=0)
+    assert np.all(over.plain_s == PARAMS.call_overhead_s) and np.ptp(over.moving_s) > 0
+    # negative control: with one call more the plain kind is shifted, and its shift varies with the draw
+    more = ~calls.transfer & (calls.step >= 30 - ANCHOR_MIN_CALLS)
+    keep = calls.transfer | more
+    over = resampled_overheads(AnchorCalls(calls.step[keep], calls.transfer[keep], calls.diff_s[keep]), PARAMS, 200)
+    assert np.ptp(over.plain_s) > 0
+
+
 def test_no_interval_from_fewer_than_two_steps_or_no_resample():
     assert resampled_overheads(_calls(1, 0.004), PARAMS, 400) is None
     assert resampled_overheads(_calls(30, 0.004), PARAMS, 0) is None

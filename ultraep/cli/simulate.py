@@ -226,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
             intervals = summary_intervals(result.rows, [s["policy"] for s in summary], over,
                                           step_fixed_s=args.step_fixed_ms * 1e-3)
     measured = measured_summary(args.trace, run_id) if run_id is not None else None
-    console = Console(width=max(120, shutil.get_terminal_size().columns))
+    # (the interval columns need about 30 more)
+    console = Console(width=max(120 if intervals is None else 160, shutil.get_terminal_size().columns))
     print_summary(summary, result.settings, console, intervals)
     print_activation(summary, console)
     print_basis(basis, result.settings, measured, console)
