@@ -35,7 +35,7 @@ import numpy as np
 
 from ultraep.cost import moves_weights
 from ultraep.errors import ConfigError
-from ultraep.sim.from_run import ANCHOR_MIN_CALLS, AnchorCalls, _shift, anchored_overheads
+from ultraep.sim.from_run import ANCHOR_MIN_CALLS, AnchorCalls, AnchorShift, _shift, anchored_overheads
 
 #: resamples of the calibration's steps behind an interval (the CLI's default): the 5th and 95th percentiles of 400
 #: draws move by about 1/10 of the interval's width from one seed to another
@@ -79,17 +79,25 @@ def resampled_overheads(calls: AnchorCalls, params, resamples: int = DEFAULT_RES
     of_step = [np.flatnonzero(calls.step == s) for s in steps]
     plain = np.empty(resamples)
     moving = np.empty(resamples)
-    # a kind the point anchoring left unshifted for want of calls stays so: its calls drawn twice are not more calls
-    point = {k: _shift(v) for k, v in calls.kinds().items()}
-    fixed = {k: s for k, s in point.items() if s.calls < ANCHOR_MIN_CALLS}
+    point = {k: v.size for k, v in calls.kinds().items()}
     for b in range(resamples):
         take = np.concatenate([of_step[i] for i in rng.integers(0, steps.size, steps.size)])
         drawn = calls.kinds(take)
         # (a kind the draw missed: no calls, no shift; not the other kind's, as a run without it would get)
-        shifts = {k: fixed.get(k) or _shift(drawn.get(k, np.zeros(0))) for k in point}
+        shifts = {k: _shift(drawn.get(k, np.zeros(0))) if n >= ANCHOR_MIN_CALLS else _few(drawn.get(k, np.zeros(0)))
+                  for k, n in point.items()}
         p, extra = anchored_overheads(params, shifts)
         plain[b], moving[b] = p, max(0.0, p + extra)  # what a call of each kind pays (CostModel clamps at 0)
     return Overheads(plain, moving, int(steps.size))
+
+
+def _few(diff: np.ndarray) -> AnchorShift:
+    """A kind the point anchoring left unshifted for want of calls (fewer than ``ANCHOR_MIN_CALLS``): a resample moves
+    it by its drawn calls' median, unshrunk. The point cannot tell that median from noise, so it does not move; the
+    interval spans it, because the model may be off by that much (a median of its drawn calls, a call drawn twice
+    counted twice)."""
+    med = float(np.median(diff)) if diff.size else 0.0
+    return AnchorShift(int(diff.size), med, None, med)
 
 
 def resampled_times(rows: dict[str, np.ndarray], over: Overheads) -> np.ndarray:
