@@ -104,7 +104,16 @@ def test_from_run_prints_and_writes_each_figures_90_percent_interval(run, tmp_pa
     assert lo <= rows[0]["quota"]["time_per_layer_ms"] <= hi
     lo, hi = iv["speedup_vs_none"]
     assert lo <= rows[0]["quota"]["speedup_vs_none"] <= hi
-    assert rows[0]["quota"]["settings"]["interval"] == {"resamples": 40, "seed": 3, "steps": STEPS - 1}
+    kept = dict(rows[0]["quota"]["settings"]["interval"])
+    assert kept.pop("policies") == {p: r["interval"] for p, r in rows[0].items()}
+    assert kept == {"resamples": 40, "seed": 3, "steps": STEPS - 1}
+    # recorded with --out, each simulated run's config carries them
+    assert main(["simulate", str(path), "--topology", "from-run", "--policies", "none,quota", "--no-progress",
+                 "--workers", "1", "--resamples", "40", "--interval-seed", "3", "--out", str(tmp_path / "sims"),
+                 "--run-name", "iv", "--record-plans", "0"]) == 0
+    capsys.readouterr()
+    cfg = json.loads(open_run(tmp_path / "sims" / "iv-quota").execute("SELECT config_json FROM runs").fetchone()[0])
+    assert cfg["interval"]["policies"]["quota"] == iv
     # wider than ±5 %: the table says so with the steps that would narrow it; within, it says nothing
     wide = max(iv["time_half_width"], iv["speedup_half_width"]) > 0.05
     assert ("wider than ±5 %: quota" in text) == wide

@@ -225,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
         if over is not None:
             intervals = summary_intervals(result.rows, [s["policy"] for s in summary], over,
                                           step_fixed_s=args.step_fixed_ms * 1e-3)
+            # (in the settings, the recorded runs' config carries them with --out; the JSON rows each their own)
+            result.settings["interval"]["policies"] = intervals
     measured = measured_summary(args.trace, run_id) if run_id is not None else None
     # (the interval columns need about 30 more)
     console = Console(width=max(120 if intervals is None else 160, shutil.get_terminal_size().columns))
