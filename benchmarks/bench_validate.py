@@ -19,6 +19,9 @@ and noisy (:func:`timed_iters`: 5.7x at 64 tokens per rank). ``--demo`` adds ``u
 a real model; calibrated on its adaptive run, which ran every policy 4-33 times). A second table gives, per shape,
 adaptive's measured layer time over the best fixed policy's and what adaptive ran (issues 33 and 34 read it from the
 same run). ``--from DIR`` measures nothing: it re-predicts the recordings a ``--keep DIR`` run left (deterministic).
+Each predicted speed-up has its 90 % interval, as from-run computes it (``ultraep.sim.uncertainty``: the calibrating
+run's steps resampled, ``--resamples`` times), and the table says whether the measured speed-up falls inside it, with
+the count over the speed-ups and over the shape-runs (issue 56, item 8: at least 9 of 10 shape-runs).
 
 Goals (issue 35): predicted layer time within 10 % of measured, predicted speed-up over none within 5 %, at every
 shape and in the demo, three runs on a quiet machine.
@@ -26,6 +29,8 @@ shape and in the demo, three runs on a quiet machine.
     .venv/bin/python -m benchmarks.bench_validate --warmup 20 --iters 60 --demo     # the runs of record (quiet machine)
     .venv/bin/python -m benchmarks.bench_validate --shapes default --warmup 2 --iters 4   # a quick check
     .venv/bin/python -m benchmarks.bench_validate --from runs/val1 --shapes default --warmup 20   # re-predict
+    for i in 1 2 3 4 5 6 7 8 9 10; do      # the interval's check: 10 shape-runs of the cheapest shape
+      .venv/bin/python -m benchmarks.bench_validate --shapes tok64 --warmup 20 --iters 60 --keep runs/interval/$i; done
 """
 
 from __future__ import annotations
