@@ -116,7 +116,7 @@ def predict(run_dir: Path, policies, skip_steps: int = 1, anchor: bool = True, r
         return point, {}
     draws = {p: np.array([per_layer_median(res.rows[p]["step"], res.rows[p]["layer"], t, skip_steps, skip)
                           for t in resampled_times(res.rows[p], over)]) for p in policies}
-    return point, {p: bounds(draws["none"] / draws[p]) for p in policies}
+    return point, {p: bounds(draws["none"] / draws[p], point=point["none"] / point[p]) for p in policies}
 
 
 def measured_calls(con, run_id: str, skip_steps: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

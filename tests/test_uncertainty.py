@@ -164,3 +164,10 @@ def test_the_note_says_how_many_more_steps_narrow_a_wide_interval():
                                                "steps_for_5pct": 29}})
     assert "interval: none (--resamples 0)" in text(None, resamples=0)
     assert "interval: none (the run compared calls of 1 step(s), 2 needed)" in text(None, steps=1)
+
+
+def test_an_interval_holds_its_point_even_where_every_draw_lies_beside_it():
+    draws = np.linspace(1.10, 1.20, 101)
+    assert bounds(draws) == pytest.approx((1.105, 1.195))
+    assert bounds(draws, point=1.0) == pytest.approx((1.0, 1.195))  # stretched down to the point
+    assert bounds(draws, point=1.15) == pytest.approx((1.105, 1.195))  # negative control: a point inside moves nothing
