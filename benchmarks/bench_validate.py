@@ -29,8 +29,8 @@ shape and in the demo, three runs on a quiet machine.
     .venv/bin/python -m benchmarks.bench_validate --warmup 20 --iters 60 --demo     # the runs of record (quiet machine)
     .venv/bin/python -m benchmarks.bench_validate --shapes default --warmup 2 --iters 4   # a quick check
     .venv/bin/python -m benchmarks.bench_validate --from runs/val1 --shapes default --warmup 20   # re-predict
-    for i in 1 2 3 4 5 6 7 8 9 10; do      # the interval's check: 10 shape-runs of the cheapest shape
-      .venv/bin/python -m benchmarks.bench_validate --shapes tok64 --warmup 20 --iters 60 --keep runs/interval/$i; done
+    for i in 1 2 3 4 5 6 7 8 9 10; do      # the interval's check: 10 shape-runs, the cheapest shape where balancing pays
+      .venv/bin/python -m benchmarks.bench_validate --shapes tok512 --warmup 20 --iters 30 --keep runs/interval/$i; done
 """
 
 from __future__ import annotations
