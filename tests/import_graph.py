@@ -241,6 +241,14 @@ def cycles(edges: list[Edge], kinds=("top", "function")) -> list[list[Edge]]:
     return out
 
 
+def upward(edges: list[Edge], order: tuple[str, ...], kinds=KINDS) -> list[Edge]:
+    """The edges between modules of ``order`` that do not point down: a module imports only the modules listed
+    before it (every kind of import counts, ``type_checking`` too unless ``kinds`` leaves it out). A package's
+    ``__init__`` that re-exports its modules goes last: a module that imports its own package imports them all."""
+    rank = {m: i for i, m in enumerate(order)}
+    return [e for e in edges if e.kind in kinds and e.src in rank and e.dst in rank and rank[e.dst] >= rank[e.src]]
+
+
 def format_cycle(cycle: list[Edge]) -> str:
     names = " -> ".join([cycle[0].src] + [e.dst for e in cycle])
     return names + "\n" + "\n".join(f"    {e}" for e in cycle)

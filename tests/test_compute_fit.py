@@ -1,4 +1,4 @@
-"""The fit of every rank's expert compute (ultraep.cost.ComputeFit): it recovers what generated the measurements, takes
+"""The fit of every rank's expert compute (ultraep.cost.fit.ComputeFit): it recovers what generated the measurements, takes
 no co-run slowdown that the calls cannot show, and sets the calibrated model's compute parameters."""
 
 import dataclasses
@@ -155,7 +155,7 @@ def test_a_fit_whose_solve_fails_keeps_its_last_solution_against_the_others_new_
     assert backward(cal.model) == pytest.approx(want, rel=1e-6)
     old_bwd = cal.fits["compute_bwd_s"].solve()
     new_fwd = dataclasses.replace(cal.fits["compute_fwd_s"].solve(), a=0.9, b=0.0)  # solved anew: 3x, no per-instance
-    monkeypatch.setattr("ultraep.cost.FIT_SOLVE_EVERY", 1)  # every call solves again
+    monkeypatch.setattr("ultraep.cost.fit.FIT_SOLVE_EVERY", 1)  # every call solves again
     monkeypatch.setattr(cal.fits["compute_fwd_s"], "_solve", lambda: new_fwd)
     monkeypatch.setattr(cal.fits["compute_bwd_s"], "_solve", lambda: None)
     for n_, i_, p_ in _calls(rng, 2, 4):
@@ -375,9 +375,9 @@ def test_the_slowdown_only_uneven_calls_show_is_kept_through_a_thousand_balanced
 def test_without_keeping_them_apart_the_balanced_calls_decay_the_slowdown_away(monkeypatch):
     """Negative control: every call decayed alike (FIT_UNEVEN None, the fit before issue 56) loses the slowdown and
     over-states what an uneven call (``none``) costs."""
-    import ultraep.cost as cost
+    import ultraep.cost.fit as fit_module
 
-    monkeypatch.setattr(cost, "FIT_UNEVEN", None)
+    monkeypatch.setattr(fit_module, "FIT_UNEVEN", None)
     f, truth = _uneven_then_balanced(np.random.default_rng(5), 1000)
     assert f.k == 0.0
     assert _none_error(f, truth) > 0.05

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from browser_utils import CHROMIUM, CHROMIUM_ARGS, free_port, require_browser, wait_healthy
+from browser_utils import chromium, open_page, require_browser, served_dashboard
 PAGES = [("Layers", "layers"), ("Experts", "experts"), ("Policies", "policies"), ("Transfers", "transfers"),
          ("Compare", "compare"), ("SQL", "sql")]
 
@@ -124,68 +123,47 @@ def _settle(page) -> None:
 
 @pytest.mark.slow
 def test_dashboard_in_chromium_on_a_run_being_written(tmp_path):
-    from playwright.sync_api import sync_playwright
-
-    from ultraep.dashboard.cli import streamlit_command
-
     root = tmp_path / "runs"
     with Recorder.open(root, "done-train", kind="train", model="toy-moe-8x32", world_size=8, rank=0, topology=TOPO,
                        flush_interval_s=None) as done:  # a finished run of the same workload (Compare)
         record_steps(done, np.random.default_rng(2), range(40), lambda s, layer: "quota")
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "streamlit.log", "w")
     with LiveRun(root) as live:
-        proc = subprocess.Popen(streamlit_command(root, port=port, refresh=2.0), stdout=log,
-                                stderr=subprocess.STDOUT, cwd=tmp_path)
-        try:
-            wait_healthy(url, proc)
-            with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-                page = browser.new_page(viewport={"width": 1500, "height": 1100})
-                page.set_default_timeout(60_000)
-                page.goto(url + "/?run=live-train")
-                page.wait_for_selector('[data-testid="stPlotlyChart"]')
-                page.wait_for_selector('[data-testid="stMetric"]')
-                header = page.locator('[data-testid="stMain"]').inner_text()
-                assert "live-train" in header and "● live" in header, header[:300]
-                first = _row_count(page)
-                grown = first
-                deadline = time.time() + 30
-                while grown <= first and time.time() < deadline:  # the page refreshes itself
-                    page.wait_for_timeout(1000)
-                    grown = _row_count(page)
-                assert grown > first, f"the live row count stayed at {first}"
-                assert page.locator('[data-testid="stException"]').count() == 0
+        with served_dashboard(root, tmp_path, refresh=2.0) as url, chromium() as browser:
+            page = open_page(browser)
+            page.goto(url + "/?run=live-train")
+            page.wait_for_selector('[data-testid="stPlotlyChart"]')
+            page.wait_for_selector('[data-testid="stMetric"]')
+            header = page.locator('[data-testid="stMain"]').inner_text()
+            assert "live-train" in header and "● live" in header, header[:300]
+            first = _row_count(page)
+            grown = first
+            deadline = time.time() + 30
+            while grown <= first and time.time() < deadline:  # the page refreshes itself
+                page.wait_for_timeout(1000)
+                grown = _row_count(page)
+            assert grown > first, f"the live row count stayed at {first}"
+            assert page.locator('[data-testid="stException"]').count() == 0
+            _settle(page)
+            page.screenshot(path=str(shots / "overview.png"), full_page=True)
+            for title, path in PAGES:
+                page.locator('[data-testid="stSidebar"] a').filter(has_text=title).first.click()
+                page.wait_for_url(f"**/{path}*")
+                if path == "sql":
+                    page.get_by_role("button", name="Run", exact=True).click()
+                    page.wait_for_selector('[data-testid="stDataFrame"]')
+                else:
+                    page.wait_for_selector('[data-testid="stPlotlyChart"]')
                 _settle(page)
-                page.screenshot(path=str(shots / "overview.png"), full_page=True)
-                for title, path in PAGES:
-                    page.locator('[data-testid="stSidebar"] a').filter(has_text=title).first.click()
-                    page.wait_for_url(f"**/{path}*")
-                    if path == "sql":
-                        page.get_by_role("button", name="Run", exact=True).click()
-                        page.wait_for_selector('[data-testid="stDataFrame"]')
-                    else:
-                        page.wait_for_selector('[data-testid="stPlotlyChart"]')
-                    _settle(page)
-                    assert page.locator('[data-testid="stException"]').count() == 0, path
-                    assert page.locator("h1").first.inner_text().strip() == title
-                    if path == "layers":  # the activation-memory view draws its per-rank chart (issue 35)
-                        view = page.locator('[data-testid="stPlotlyChart"]').filter(
-                            has_text="expert activation memory per rank")
-                        view.first.wait_for()
-                        assert "Expert activation memory" in page.locator('[data-testid="stMain"]').inner_text()
-                    page.screenshot(path=str(shots / f"{path}.png"), full_page=True)
-                browser.close()
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:  # pragma: no cover
-                proc.kill()
-            log.close()
+                assert page.locator('[data-testid="stException"]').count() == 0, path
+                assert page.locator("h1").first.inner_text().strip() == title
+                if path == "layers":  # the activation-memory view draws its per-rank chart (issue 35)
+                    view = page.locator('[data-testid="stPlotlyChart"]').filter(
+                        has_text="expert activation memory per rank")
+                    view.first.wait_for()
+                    assert "Expert activation memory" in page.locator('[data-testid="stMain"]').inner_text()
+                page.screenshot(path=str(shots / f"{path}.png"), full_page=True)
         assert live.error is None, live.error
         assert live.step > 30
     for name in ["overview"] + [p for _, p in PAGES]:

@@ -9,13 +9,12 @@ with the reason, when either is missing. Screenshots go to the test's tmp dir.""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from browser_utils import CHROMIUM, CHROMIUM_ARGS, free_port, require_browser, wait_healthy
+from browser_utils import chromium, open_page, require_browser, served_dashboard
 PAGES = ["overview", "layers", "experts", "policies", "transfers", "compare", "sql"]
 
 require_browser()
@@ -101,12 +100,8 @@ def _settle(page) -> None:
 
 @pytest.fixture(scope="module")
 def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+    with chromium() as b:
         yield b
-        b.close()
 
 
 @pytest.mark.slow
@@ -129,21 +124,12 @@ def test_the_overlap_check_fails_on_a_chart_built_to_overlap(browser, tmp_path):
 
 @pytest.mark.slow
 def test_no_text_of_any_chart_overlaps_on_any_page(runs, browser, tmp_path):
-    from ultraep.dashboard.cli import streamlit_command
-
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "streamlit.log", "w")
-    proc = subprocess.Popen(streamlit_command(runs, port=port, refresh=30.0), stdout=log, stderr=subprocess.STDOUT,
-                            cwd=tmp_path)
     problems = {}
-    try:
-        wait_healthy(url, proc, timeout=120.0)
+    with served_dashboard(runs, tmp_path, refresh=30.0, timeout=120.0) as url:
         for width, path in [(1500, p) for p in PAGES] + [(1000, p) for p in PAGES]:  # a wide and a narrow window
-            page = browser.new_page(viewport={"width": width, "height": 2400})
-            page.set_default_timeout(90_000)
+            page = open_page(browser, width, 2400, timeout_ms=90_000)
             page.goto(f"{url}/{path}?run=demo-t-adaptive")
             _settle(page)
             if path == "sql":
@@ -171,11 +157,4 @@ def test_no_text_of_any_chart_overlaps_on_any_page(runs, browser, tmp_path):
                 a = answer.answer(open_run(runs), "demo-t-adaptive")
                 assert metrics["speed-up over none"] == f"{a.speedup:.2f}x"
             page.close()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            proc.kill()
-        log.close()
     assert not problems, problems

@@ -17,9 +17,9 @@ N = 150
 
 @pytest.fixture(autouse=True)
 def _small_history(monkeypatch):
-    import ultraep.cost as cost
+    import ultraep.cost.calibrator as calibrator
 
-    monkeypatch.setattr(cost, "HISTORY_ROWS", 256)  # the calibration rows kept: filled within ~30 calls
+    monkeypatch.setattr(calibrator, "HISTORY_ROWS", 256)  # the calibration rows kept: filled within ~30 calls
 
 
 def test_the_state_after_ten_times_the_decisions_is_the_same():

@@ -13,6 +13,7 @@ makes the lists shrink only).
 
 from __future__ import annotations
 
+import shutil
 import textwrap
 
 import pytest
@@ -23,9 +24,14 @@ import import_graph as ig
 # small modules they are made of). A vocabulary module imports only vocabulary modules.
 VOCABULARY = {
     "ultraep.plan", "ultraep.plan.metrics", "ultraep.plan.routes", "ultraep.plan.transfers", "ultraep.plan.traffic",
-    "ultraep.load", "ultraep.topology", "ultraep.config", "ultraep.cost", "ultraep.errors", "ultraep.presets",
+    "ultraep.load", "ultraep.topology", "ultraep.config", "ultraep.errors", "ultraep.presets",
     "ultraep.limits", "ultraep.timings",
+    "ultraep.cost", "ultraep.cost.params", "ultraep.cost.model", "ultraep.cost.fit", "ultraep.cost.calibrator",
 }
+# Issue 56, item 7: the cost model's rooms, bottom first. Each imports only the rooms before it; the package's
+# ``__init__`` (which re-exports them) is the top, so no room imports ``ultraep.cost`` itself.
+COST_ROOMS = ("ultraep.cost.params", "ultraep.cost.model", "ultraep.cost.fit", "ultraep.cost.calibrator",
+              "ultraep.cost")
 # Upward imports of the vocabulary, and edges of import cycles, tolerated while other work is in progress
 # (``(src, dst)`` module pairs; a cycle's edges listed in both directions). Empty since issue 19 removed the
 # last ones (the cost model prices HybridEP's typed overlay itself; the models' shared types sit in
@@ -158,3 +164,36 @@ def test_replica_work_never_imports_the_layer_or_the_runtime(edges):
     assert REPLICA_ROOMS | REPLICA_BUILDERS <= set(ig.project_modules())
     up = [str(e) for e in edges if e.src in REPLICA_ROOMS and e.dst in REPLICA_BUILDERS]
     assert up == [], "replica work imports the layer or the runtime:\n" + "\n".join(up)
+
+
+def test_the_cost_models_rooms_import_downward_only(edges):
+    """Issue 56, item 7: ``ultraep/cost/`` is params <- model <- fit <- calibrator (<- its ``__init__``), every
+    module of the package is ranked, and no edge of any kind (inside a function or for type checking too) points up."""
+    rooms = {m for m in ig.project_modules() if m == "ultraep.cost" or m.startswith("ultraep.cost.")}
+    assert rooms == set(COST_ROOMS), f"rank every module of ultraep.cost in COST_ROOMS: {sorted(rooms)}"
+    up = [str(e) for e in ig.upward(edges, COST_ROOMS)]
+    assert up == [], "the cost model's rooms import upward:\n" + "\n".join(up)
+    # the rooms do use the ones below them (the order is not vacuous)
+    pairs = {(e.src, e.dst) for e in edges}
+    assert {("ultraep.cost.model", "ultraep.cost.params"), ("ultraep.cost.calibrator", "ultraep.cost.model"),
+            ("ultraep.cost.calibrator", "ultraep.cost.fit")} <= pairs
+
+
+@pytest.mark.parametrize("room, line, kind", [
+    ("params.py", "from ultraep.cost.model import CostModel", "top"),
+    ("model.py", "def _f():\n    from ultraep.cost import Calibrator", "function"),
+    ("fit.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import calibrator", "type_checking"),
+])
+def test_negative_control_an_upward_import_in_a_cost_room_fails(tmp_path, room, line, kind):
+    """The same check on a copy of ``ultraep/cost/``: clean, nothing; one upward import added (at module level, inside
+    a function, for type checking), that edge."""
+    (tmp_path / "pyproject.toml").write_text('[tool.setuptools]\npackage-dir = { "ultraep" = "ultraep" }\n')
+    (tmp_path / "ultraep").mkdir()
+    (tmp_path / "ultraep" / "__init__.py").write_text("")
+    shutil.copytree(ig.package_dirs()["ultraep"] / "cost", tmp_path / "ultraep" / "cost",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    assert ig.upward(ig.build_graph(tmp_path), COST_ROOMS) == []
+    path = tmp_path / "ultraep" / "cost" / room
+    path.write_text(path.read_text() + "\n" + line + "\n")
+    (e,) = ig.upward(ig.build_graph(tmp_path), COST_ROOMS)
+    assert (e.src, e.kind) == ("ultraep.cost." + room[:-3], kind)

@@ -11,7 +11,6 @@ and skips, with the reason, where chromium or playwright is missing."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
@@ -86,36 +85,17 @@ def test_without_the_lookup_beside_the_run_the_answer_would_be_an_estimate(runs)
 def _overview(path, run_id: str, tmp_path) -> tuple[str, str]:
     """(the "speed-up over none" metric's value, the "Did balancing pay?" heading) of ``run_id`` on the Overview
     page of ``ultraep dashboard path``, read in chromium."""
-    from browser_utils import CHROMIUM, CHROMIUM_ARGS, free_port, wait_healthy
-    from playwright.sync_api import sync_playwright
+    from browser_utils import chromium, open_page, served_dashboard
 
-    from ultraep.dashboard.cli import streamlit_command
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(tmp_path / f"streamlit-{port}.log", "w") as log:
-        proc = subprocess.Popen(streamlit_command(path, port=port, refresh=60.0), stdout=log,
-                                stderr=subprocess.STDOUT, cwd=tmp_path)
-        try:
-            wait_healthy(url, proc)
-            with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-                page = browser.new_page(viewport={"width": 1500, "height": 1100})
-                page.set_default_timeout(60_000)
-                page.goto(url + f"/?run={run_id}")
-                metric = page.locator('[data-testid="stMetric"]').filter(has_text="speed-up over none")
-                metric.first.wait_for()
-                assert page.locator('[data-testid="stException"]').count() == 0
-                value = metric.first.locator('[data-testid="stMetricValue"]').inner_text().strip()
-                main_text = page.locator('[data-testid="stMain"]').inner_text()
-                heading = next(line for line in main_text.splitlines() if line.startswith("Did balancing pay?"))
-                browser.close()
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:  # pragma: no cover
-                proc.kill()
+    with served_dashboard(path, tmp_path, refresh=60.0) as url, chromium() as browser:
+        page = open_page(browser)
+        page.goto(url + f"/?run={run_id}")
+        metric = page.locator('[data-testid="stMetric"]').filter(has_text="speed-up over none")
+        metric.first.wait_for()
+        assert page.locator('[data-testid="stException"]').count() == 0
+        value = metric.first.locator('[data-testid="stMetricValue"]').inner_text().strip()
+        main_text = page.locator('[data-testid="stMain"]').inner_text()
+        heading = next(line for line in main_text.splitlines() if line.startswith("Did balancing pay?"))
     return value, heading
 
 

@@ -34,7 +34,8 @@ def _signatures() -> set:
     import ultraep.cost
     import ultraep.policies as pkg
 
-    mods = [ultraep.cost] + [importlib.import_module(f"{pkg.__name__}.{m.name}") for m in pkgutil.iter_modules(pkg.__path__)]
+    mods = [importlib.import_module(f"{p.__name__}.{m.name}") for p in (ultraep.cost, pkg)
+            for m in pkgutil.iter_modules(p.__path__)]
     out = set()
     for mod in mods:
         for name, obj in vars(mod).items():

@@ -178,20 +178,27 @@ class TinyMoE(torch.nn.Module):
         return self.experts(x, idx, w)
 
 
-def _custom(rank, world):
-    import torch.distributed as dist
-
-    import ultraep
-
-    ultraep.register_experts(TinyExperts, ("w_in", "w_out"), TinyExperts.expert)
+def skewed_tiny_moes() -> torch.nn.Sequential:
+    """Two :class:`TinyMoE` blocks (seed 0) whose routers lean towards experts 0 and 5, so that quota makes replicas
+    (also the model ``tests/test_runtime_meta.py`` saves and rebuilds on the meta device)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(TinyMoE(), TinyMoE())
     with torch.no_grad():  # skew the routers towards experts 0 and 5
         for blk in model:
             blk.router.weight[0] += 0.8
             blk.router.weight[5] += 0.4
-    ref = copy.deepcopy(model)
-    ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 2})
+    return model
+
+
+def tiny_errors(model, ref, rank: int) -> tuple[float, float, list[int]]:
+    """One forward and backward of the wrapped two-block ``model`` and the plain ``ref`` on this rank's batch (``[24,
+    16]``, seeded by rank): the logits' relative error, that of this rank's master rows of the first block's ``w_in``
+    gradient against the reference's (summed over the ranks: every rank's batch reaches every expert), and every
+    layer's replicas in its last plan."""
+    import torch.distributed as dist
+
+    import ultraep
+
     x = torch.randn(24, 16, generator=torch.Generator().manual_seed(rank)).abs()
     out, ref_out = model(x), ref(x)
     out.pow(2).sum().backward()
@@ -201,7 +208,17 @@ def _custom(rank, world):
     dist.all_reduce(g)
     M = rt.layers[0].topology.num_masters
     return (rel_error(out, ref_out), rel_error(model[0].experts.w_in.grad, g[rank * M:(rank + 1) * M]),
-            [layer.last_plan.num_replicas for layer in rt.layers], str(rt.report))
+            [layer.last_plan.num_replicas for layer in rt.layers])
+
+
+def _custom(rank, world):
+    import ultraep
+
+    ultraep.register_experts(TinyExperts, ("w_in", "w_out"), TinyExperts.expert)
+    model = skewed_tiny_moes()
+    ref = copy.deepcopy(model)
+    ultraep.wrap(model, {"policy": "quota", "num_redundant_slots": 2})
+    return (*tiny_errors(model, ref, rank), str(ultraep.runtime_of(model).report))
 
 
 def test_custom_pytorch_block():

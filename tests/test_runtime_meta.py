@@ -335,11 +335,11 @@ def test_a_wrapped_model_saved_with_dcp_loads_by_rows_on_other_ranks(tmp_path):
 
 def _plain_pytorch(rank, world, path):
     """A plain PyTorch model (a registered experts container, its own router) built on meta, loaded by rows."""
-    import torch.distributed as dist
     from safetensors.torch import load_file
 
     import ultraep
-    from test_runtime import TinyExperts, TinyMoE
+    from test_runtime import TinyExperts, TinyMoE, tiny_errors
+    from ultraep.runtime.masters import held_bytes
 
     ultraep.register_experts(TinyExperts, ("w_in", "w_out"), TinyExperts.expert)
     ref = torch.nn.Sequential(TinyMoE(), TinyMoE())
@@ -351,31 +351,15 @@ def _plain_pytorch(rank, world, path):
     sd = load_file(str(path))
     model.load_state_dict({k: v for k, v in sd.items() if "router" in k}, strict=False)
     ultraep.load_masters(model, ultraep.SafetensorsMasters(path))
-    x = torch.randn(24, 16, generator=torch.Generator().manual_seed(rank)).abs()
-    out, ref_out = model(x), ref(x)
-    out.pow(2).sum().backward()
-    ref_out.pow(2).sum().backward()
-    rt = ultraep.runtime_of(model)
-    g = ref[0].experts.w_in.grad.clone()
-    dist.all_reduce(g)
-    M = rt.layers[0].topology.num_masters
-    from ultraep.runtime.masters import held_bytes
-
-    return (rel_error(out, ref_out), rel_error(model[0].experts.w_in.grad, g[rank * M:(rank + 1) * M]),
-            [la.last_plan.num_replicas for la in rt.layers], held_bytes(rt.layers))
+    return (*tiny_errors(model, ref, rank), held_bytes(ultraep.runtime_of(model).layers))
 
 
 def test_a_plain_pytorch_model_on_meta(tmp_path):
     from safetensors.torch import save_file
 
-    from test_runtime import TinyMoE
+    from test_runtime import skewed_tiny_moes
 
-    torch.manual_seed(0)
-    full = torch.nn.Sequential(TinyMoE(), TinyMoE())
-    with torch.no_grad():  # skew the routers towards experts 0 and 5
-        for blk in full:
-            blk.router.weight[0] += 0.8
-            blk.router.weight[5] += 0.4
+    full = skewed_tiny_moes()
     save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(tmp_path / "tiny.safetensors"))
     for logits, grad, replicas, held in run_ranks(_plain_pytorch, 2, tmp_path / "tiny.safetensors"):
         assert_within({"logits": logits, "w_in.grad": grad})

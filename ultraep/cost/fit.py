@@ -1,0 +1,304 @@
+"""The compute fit: what expert compute costs, fitted over every rank of every measured call (:class:`ComputeFit`,
+issue 35), and the per-instance cost from one call's slowest and least busy rank (:func:`half_tokens_from_spread`).
+:class:`~ultraep.cost.calibrator.Calibrator` feeds both and writes what they find into
+:class:`~ultraep.cost.params.CostParams`; nothing here reads the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations
+
+import numpy as np
+
+
+#: a call teaches the per-instance cost only when its busiest rank has this many times the tokens of the least busy
+#: one (ranks with about equal tokens cannot tell a per-instance cost from a per-token one)
+HALF_TOKENS_MIN_SPREAD = 1.3
+#: the largest per-instance cost, in tokens, the calibrator learns (a bound against a noisy ratio)
+MAX_HALF_TOKENS = 1e5
+
+
+def half_tokens_from_spread(tokens_R: np.ndarray, instances_R: np.ndarray, measured_ratio: float) -> float | None:
+    """The per-instance cost h (tokens) with which the rank with the most tokens (a) and the one with the fewest (b)
+    compute in the measured ratio slowest / fastest: ``(n_a + h i_a) / (n_b + h i_b) = ratio``, so
+    ``h = (n_a - ratio n_b) / (ratio i_b - i_a)``, kept in [0, :data:`MAX_HALF_TOKENS`]. None when the ranks'
+    tokens are too even to tell (:data:`HALF_TOKENS_MIN_SPREAD`) or the ratio is not a number."""
+    n = np.asarray(tokens_R, dtype=np.float64)
+    i = np.asarray(instances_R, dtype=np.float64)
+    busy = np.flatnonzero((n > 0) & (i > 0))
+    if busy.size < 2 or not np.isfinite(measured_ratio) or measured_ratio <= 0:
+        return None
+    a, b = busy[np.argmax(n[busy])], busy[np.argmin(n[busy])]
+    if n[a] < HALF_TOKENS_MIN_SPREAD * n[b]:
+        return None
+    # as h grows from 0 the ratio moves from the tokens' ratio r_n towards the instances' ratio r_i
+    r_n, r_i = n[a] / n[b], i[a] / i[b]
+    if abs(r_n - r_i) <= 1e-9 * r_n:
+        return None
+    if (measured_ratio - r_n) * (r_i - r_n) <= 0:  # not moved towards r_i: no per-instance cost explains it
+        return 0.0
+    if (measured_ratio - r_i) * (r_n - r_i) <= 0:  # at or past r_i: only an unbounded cost would
+        return MAX_HALF_TOKENS
+    return float(min(MAX_HALF_TOKENS, (n[a] - measured_ratio * n[b]) / (measured_ratio * i[b] - i[a])))
+
+
+# ---------------------------------------------------------------------------------------------- compute fit
+# What expert compute costs, fitted over every rank of every measured call (issue 35).
+#
+# Legend: R ranks, K slowdowns tried (FIT_SLOWDOWNS), 4 unknowns.
+#
+# A rank's expert compute, as alone, is ``w_r = a·n_r + b·i_r + d·p_r + e·m_r`` in model seconds: ``n_r`` tokens and
+# ``i_r`` active instances at the layer's seconds per token (``CostModel.sec_per_token``), so ``a`` is
+# ``compute_scale`` and ``b / a`` the per-instance cost in tokens (``half_tokens``), ``p_r`` replica instances at
+# ``d`` seconds each (``replica_instance_s``) and ``m_r`` replica copies the rank sends or receives at ``e`` seconds
+# each (``replica_move_s``: on a host, the transport's copies run on the cores that compute; 0 where not modelled).
+# Ranks that share one host slow each other while they compute (``CostParams.corun_slowdown`` = k): ordered by work,
+# the rank with the least finishes at ``(1 + k (R - 1)) w``, the next that plus ``(1 + k (R - 2))`` times its
+# remaining work, and so on. For a fixed k every rank's measured time is linear in ``(a, b, d, e)``, and every rank's
+# row is linear in k, so three matrices hold the least-squares sums of every k of FIT_SLOWDOWNS at once, and the best
+# k wins.
+#
+#     Step 1 (:meth:`ComputeFit.add`, every measured call): each rank gives one row, divided by its measured seconds so
+#            that every rank weighs by its relative error; older sums decay by FIT_DECAY per call of the same
+#            policy and FIT_STALE_DECAY per call of another (the machine drifts, and one policy's calls must not
+#            wash out the few of a probed one: :class:`ComputeFit`).
+#     Step 2 (:meth:`ComputeFit.solve`): per k the non-negative least squares of the four unknowns (every subset
+#            of them tried: 15 small solves, batched over k); the smallest k whose residual is within FIT_TIE of the
+#            best one's (balanced calls cannot tell a slowdown from a slower machine: only uneven ones can).
+#
+# Why: one ratio per uneven call (the slowest rank over the least busy) learned the per-instance cost from a few
+# probes, and the scale followed whatever policy ran last, so a balanced policy's run over-predicted ``none`` by 3-7 %
+# (2026-11-26 validation). The fit uses every rank of every call, balanced ones too (their instance counts differ).
+
+#: the co-run slowdowns tried (0: ranks do not slow each other)
+FIT_SLOWDOWNS = np.round(np.arange(0.0, 1.0001, 0.025), 3)
+#: weight of a regime's sums kept from its calls before, per new call of that regime (its last ~20 calls count)
+FIT_DECAY = 0.95
+#: ...and per call of another regime (a probe's calls keep half their weight for ~35 calls of the policy in force,
+#: about one probe period, so a drifting machine still moves the fit)
+FIT_STALE_DECAY = 0.98
+#: the smallest slowdown whose residual is within this (relative) of the best one's is taken
+FIT_TIE = 0.01
+#: a call whose ranks' tokens differ by this share of the busiest's or more shows the co-run slowdown (its rows are
+#: kept apart: :class:`ComputeFit`); quota's balanced plans are within its ``balance_eps`` (1 %) of their mean, so they
+#: stay out. None: nothing kept apart (every call decays alike: the fit before issue 56)
+FIT_UNEVEN: float | None = 0.1
+#: calls a fit needs before it is used
+FIT_MIN_CALLS = 4
+#: a solved fit is kept for this many calls (the sums move slowly; a solve costs ~0.15 ms on the decision's path)
+FIT_SOLVE_EVERY = 4
+#: the unknowns: a (tokens), b (instances), d (replica instances), e (replica copies)
+FIT_UNKNOWNS = 4
+#: ``[15, 4]`` which unknowns each subset solves for (every non-empty subset)
+_FIT_MASKS = np.array([[float(j in sub) for j in range(FIT_UNKNOWNS)] for m in range(1, FIT_UNKNOWNS + 1)
+                       for sub in combinations(range(FIT_UNKNOWNS), m)])
+
+
+@dataclass(frozen=True)
+class FittedCompute:
+    """One solved fit: the slowdown ``k``, ``a`` (s per model second of tokens), ``b`` (s per instance's model
+    second), ``d`` (s per replica instance), ``e`` (s per replica copy sent or received), and the calls behind it."""
+
+    k: float
+    a: float
+    b: float
+    d: float
+    calls: int
+    noise: float = 0.0  # the ranks' relative spread around the fit within a call (CostParams.compute_noise)
+    e: float = 0.0
+
+
+def corun_matrices(t_R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``[R, R]`` A0, A1 with ``finish_R = (A0 + k A1) @ work_R`` for ranks ordered as ``t_R`` orders them (the rank
+    measured last has the most work): rank ``order[j]`` runs ``1 + k (R - m - 1)`` times slower while ``m`` ranks
+    have finished, so its finish is ``sum_{m <= j} (1 + k (R - m - 1)) (w_(m) - w_(m-1))``: linear in k."""
+    R = t_R.shape[0]
+    order = np.argsort(t_R, kind="stable")
+    steps = np.eye(R) - np.eye(R, k=-1)  # row m: w_(m) - w_(m-1), in sorted order
+    lower = np.tril(np.ones((R, R)))  # finish of the j-th: the sum over m <= j
+    slope = (R - 1 - np.arange(R)).astype(np.float64)
+    perm = np.eye(R)[order]  # sorted = perm @ unsorted
+    A0 = perm.T @ lower @ steps @ perm
+    A1 = perm.T @ lower @ (slope[:, None] * steps) @ perm
+    return A0, A1
+
+
+def uneven(tokens_R: np.ndarray, share: float) -> bool:
+    """Whether ranks carrying ``tokens_R`` (> 0) differ by ``share`` of the busiest's or more."""
+    return tokens_R.size > 1 and float(tokens_R.max() - tokens_R.min()) >= share * float(tokens_R.max())
+
+
+class _FitSums:
+    """The decaying least-squares sums of one regime's calls (see :class:`ComputeFit`)."""
+
+    def __init__(self) -> None:
+        U = FIT_UNKNOWNS
+        self.G = np.zeros((3, U, U))  # sums of D0'D0, D0'D1 + D1'D0, D1'D1: G(k) = G[0] + k G[1] + k^2 G[2]
+        self.g = np.zeros((2, U))  # sums of D0, D1: g(k) = g[0] + k g[1] (the target is 1 per row)
+        self.c = 0.0  # rows
+        self.H = np.zeros((3, U, U))  # the same sums over rows centred within their call: the ranks' spread
+        self.dof = 0.0  # rows minus calls (the spread's degrees of freedom)
+
+    def decay(self, w: float) -> None:
+        for acc in (self.G, self.g, self.H):
+            acc *= w
+        self.c *= w
+        self.dof *= w
+
+    def add(self, D0: np.ndarray, D1: np.ndarray) -> None:
+        """One call's rows ``[R', U]`` (``D0 + k D1`` per rank, over its measurement)."""
+        C0, C1 = D0 - D0.mean(axis=0), D1 - D1.mean(axis=0)  # centred: their fitted values are the ranks' spread
+        self.G += np.stack([D0.T @ D0, D0.T @ D1 + D1.T @ D0, D1.T @ D1])
+        self.g += np.stack([D0.sum(axis=0), D1.sum(axis=0)])
+        self.H += np.stack([C0.T @ C0, C0.T @ C1 + C1.T @ C0, C1.T @ C1])
+        self.c += float(D0.shape[0])
+        self.dof += float(D0.shape[0]) - 1.0
+
+    @classmethod
+    def total(cls, parts) -> "_FitSums":
+        out = cls()
+        for r in parts:
+            out.G += r.G
+            out.g += r.g
+            out.H += r.H
+            out.c += r.c
+            out.dof += r.dof
+        return out
+
+
+class ComputeFit:
+    """Decaying least-squares sums of every rank's measured compute. Every rank's row is ``D0 + k D1`` (linear in the
+    slowdown k), so three matrices and two vectors hold the sums of every k of :data:`FIT_SLOWDOWNS` at once.
+
+    The sums are kept per *regime* (the policy whose plan ran the call): a call decays its own regime's sums by
+    FIT_DECAY and the others' only by FIT_STALE_DECAY, and the fit solves over their total. Why: one regime's calls
+    (``none``'s: every rank the same instance count) cannot tell a per-instance cost from a slowdown; a probe's
+    calls of another policy can, and the policy in force's calls must not decay them away before they are used
+    (2026-11-26 validation, tok64: 34 calls of ``none`` after 5 balanced ones left those at 0.95^34 = 17 % of their
+    weight, and the fit under-predicted the balanced policies' backward by 13-15 %).
+
+    The co-run slowdown k is kept apart: only *uneven* calls show it (ranks whose tokens differ by FIT_UNEVEN of the
+    busiest's or more: on balanced ones every rank finishes at ``(1 + k (R - 1)) w``, which a slower machine
+    explains as well). Their rows also go into sums of their own that decay by FIT_DECAY per uneven call and never
+    otherwise. The regimes' sums pick k as before: the smallest whose residual is within FIT_TIE of the best one's;
+    where several are (the calls weighed now cannot tell them apart) and the uneven sums (once FIT_MIN_CALLS calls
+    went there) pick one of them, that one is taken, and the other unknowns are solved at it. Why: a run of balanced
+    calls decayed the uneven ones away (FIT_STALE_DECAY leaves 3 % of their weight after 170 calls) and the fit took
+    k = 0 and a scale that over-stated ``none``'s cost by 10 % in a 90-step run (issue 56). The scale still follows
+    the machine (it is solved from the regimes' decaying sums), and where the calls weighed now do show k, theirs is
+    taken."""
+
+    def __init__(self) -> None:
+        self._regimes: dict[str, _FitSums] = {}
+        self._uneven = _FitSums()  # the uneven calls' rows, decayed only by uneven calls: what k is solved from
+        self.uneven_calls = 0
+        self.calls = 0
+        self._solved: tuple[int, FittedCompute | None] | None = None  # (calls when solved, the fit)
+
+    # the sums over every regime, which the solve reads (summed when read: a solve runs every FIT_SOLVE_EVERY calls)
+    G = property(lambda self: sum(r.G for r in self._regimes.values()))
+    g = property(lambda self: sum(r.g for r in self._regimes.values()))
+    c = property(lambda self: sum(r.c for r in self._regimes.values()))
+    H = property(lambda self: sum(r.H for r in self._regimes.values()))
+    dof = property(lambda self: sum(r.dof for r in self._regimes.values()))
+
+    def add(self, tokens_R, instances_R, replicas_R, t_R, sec_per_token: float, regime: str = "",
+            moves_R=None) -> bool:
+        """Fold one call in: ``[R]`` tokens, active instances, replica instances and measured seconds per rank;
+        ``regime``: the policy whose plan ran it; ``moves_R``: replica copies each rank sent or received (None: 0).
+        Ranks that computed nothing or measured nothing are left out; False when no rank was usable."""
+        n, i, p, t = (np.asarray(x, dtype=np.float64) for x in (tokens_R, instances_R, replicas_R, t_R))
+        m = np.zeros_like(n) if moves_R is None else np.asarray(moves_R, dtype=np.float64)
+        use = (t > 0) & (n > 0)
+        if use.sum() == 0 or not np.all(np.isfinite(t)):
+            return False
+        X = np.stack([n * sec_per_token, i * sec_per_token, p, m], axis=1)  # [R, 4] model seconds
+        A0, A1 = corun_matrices(t)
+        D0, D1 = ((A @ X)[use] / t[use, None] for A in (A0, A1))  # [R', 4]: each row over its measurement
+        for key, sums in self._regimes.items():
+            sums.decay(FIT_DECAY if key == regime else FIT_STALE_DECAY)
+        self._regimes.setdefault(regime, _FitSums()).add(D0, D1)
+        if FIT_UNEVEN is not None and uneven(n[use], FIT_UNEVEN):
+            self._uneven.decay(FIT_DECAY)
+            self._uneven.add(D0, D1)
+            self.uneven_calls += 1
+        self.calls += 1
+        return True
+
+    def solve(self) -> FittedCompute | None:
+        """The best non-negative fit (see the comment above :class:`ComputeFit`), or None before
+        :data:`FIT_MIN_CALLS` calls; solved again once :data:`FIT_SOLVE_EVERY` calls were added since the last. A
+        solve that fails (no non-negative fit with a token cost: two ranks whose calls all look alike can be fitted
+        without one) keeps the last solution: see :meth:`Calibrator._fit_compute` for what mixing did."""
+        if self.calls < FIT_MIN_CALLS:
+            return None
+        if self._solved is not None and self.calls - self._solved[0] < FIT_SOLVE_EVERY:
+            return self._solved[1]
+        fit = self._solve()
+        if fit is None and self._solved is not None:
+            fit = self._solved[1]
+        self._solved = (self.calls, fit)
+        return fit
+
+    def _solve(self) -> FittedCompute | None:
+        total = _FitSums.total(self._regimes.values())
+        got = _best_per_slowdown(total)
+        if got is None:
+            return None
+        best_r, best_w = got
+        near = _near_best(best_r, total.c)  # the slowdowns the calls cannot tell from the best
+        kk = int(near[0])
+        if self.uneven_calls >= FIT_MIN_CALLS and near.size > 1:  # the one the uneven calls showed, if it is one
+            kept = _best_per_slowdown(self._uneven)
+            if kept is not None:
+                kept_k = int(_near_best(kept[0], self._uneven.c)[0])
+                kk = kept_k if kept_k in near else kk
+        if not np.isfinite(best_r[kk]) or best_w[kk, 0] <= 0:
+            return None
+        a, b, d, e = (float(x) for x in best_w[kk])
+        k_ = float(FIT_SLOWDOWNS[kk])
+        # the ranks' relative spread within a call: a rank's residual minus its call's mean residual is C w (the
+        # target, 1 per row, centres to 0), so its mean square is w' H(k) w over the degrees of freedom
+        H = total.H
+        spread = float(best_w[kk] @ (H[0] + k_ * H[1] + k_ * k_ * H[2]) @ best_w[kk])
+        noise = float(np.sqrt(max(spread, 0.0) / total.dof)) if total.dof > 0 else 0.0
+        return FittedCompute(k_, a, b, d, self.calls, min(noise, 1.0), e)
+
+
+def _best_per_slowdown(sums: _FitSums) -> tuple[np.ndarray, np.ndarray] | None:
+    """``([K], [K, 4])`` per slowdown of FIT_SLOWDOWNS the least residual of a non-negative fit of ``sums`` and its
+    unknowns (inf where none is feasible), or None where no k has one."""
+    K = len(FIT_SLOWDOWNS)
+    k = FIT_SLOWDOWNS[:, None]
+    G, g = sums.G, sums.g
+    GK = G[0] + FIT_SLOWDOWNS[:, None, None] * G[1] + (FIT_SLOWDOWNS ** 2)[:, None, None] * G[2]  # [K, U, U]
+    gK = g[0] + k * g[1]  # [K, U]
+    # every subset of the unknowns for every k in one batched solve: an unknown left out of a subset gets the
+    # identity row and a 0 right-hand side, so it solves to 0
+    # (solved in unknowns scaled to a unit diagonal: tokens, instances and replicas differ by orders of magnitude)
+    diag = np.einsum("kii->ki", GK)
+    u = np.where(diag > 0, 1.0 / np.sqrt(np.where(diag > 0, diag, 1.0)), 1.0)  # [K, U]
+    U = FIT_UNKNOWNS
+    GU = GK * u[:, :, None] * u[:, None, :] + 1e-12 * np.eye(U)
+    M = _FIT_MASKS[:, None, :]  # [S, 1, U]
+    sel = M[..., :, None] * M[..., None, :]  # [S, 1, U, U]
+    A = np.where(sel > 0, GU[None], np.eye(U))  # [S, K, U, U]
+    try:
+        W = np.linalg.solve(A, (gK * u)[None, ..., None] * M[..., None])[..., 0] * u[None]  # [S, K, U]
+    except np.linalg.LinAlgError:
+        return None
+    resid = np.einsum("ski,kij,skj->sk", W, GK, W) - 2 * np.einsum("ski,ki->sk", W, gK) + sums.c  # [S, K]
+    feasible = (W >= 0).all(axis=2) & (W.sum(axis=2) > 0)
+    resid = np.where(feasible, resid, np.inf)
+    s_best = resid.argmin(axis=0)  # [K]
+    best_r = resid[s_best, np.arange(K)]
+    if not np.isfinite(best_r).any():
+        return None
+    return best_r, W[s_best, np.arange(K)]
+
+
+def _near_best(best_r: np.ndarray, rows: float) -> np.ndarray:
+    """The indices of the slowdowns whose residual is within FIT_TIE of the best one's, smallest first (balanced
+    calls cannot tell a slowdown from a slower machine: all of them are)."""
+    floor = max(float(best_r.min()), 0.0)
+    return np.flatnonzero(best_r <= floor * (1 + FIT_TIE) + 1e-9 * rows)
