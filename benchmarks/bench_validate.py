@@ -400,7 +400,7 @@ def print_tables(sources: list[tuple[str, list, dict, dict]], title: str) -> lis
             vs.add_row(src, ", ".join(f"{k} {v}" for k, v in ran.items()) or "-", best, f"{ratio:.3f}",
                        f"{pred_ratio:.3f}")
             out.append(row(WHAT, "adaptive", "measured_adaptive_vs_best_fixed", "ratio", f"2x1/{src}", [ratio]))
-    console = Console(width=160)
+    console = Console(width=200)  # (13 columns: the interval and its two checks need the room)
     console.print(table)
     console.print(vs)
     console.print(f"worst |predicted / measured - 1|: layer time {100 * worst_t:.1f} % (goal <= 10 %), speed-up over none "
