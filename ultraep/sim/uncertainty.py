@@ -7,8 +7,9 @@ calls, and a sample of 30 noisy steps leaves them uncertain. The interval is a b
 
     for b in 1..B:  draw the run's compared steps with replacement (every call of a drawn step, a step drawn twice
                     counted twice: the calls of one step share the machine's moment), re-derive each kind's shift
-                    from the drawn calls' differences (the same median and shrinkage), hence the anchored overheads,
-                    and re-predict every replayed call with them
+                    from the drawn calls' differences (the same median and shrinkage; a kind too few calls to shift
+                    at the point: its drawn median, unshrunk, :func:`_few`), hence the anchored overheads, and
+                    re-predict every replayed call with them
     interval = the 5th and 95th percentiles over the B re-predictions (a 90 % percentile interval), stretched to
                hold the point figure where the draws all lie on one side of it (:func:`bounds`)
 
