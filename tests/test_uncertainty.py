@@ -171,3 +171,20 @@ def test_an_interval_holds_its_point_even_where_every_draw_lies_beside_it():
     assert bounds(draws) == pytest.approx((1.105, 1.195))
     assert bounds(draws, point=1.0) == pytest.approx((1.0, 1.195))  # stretched down to the point
     assert bounds(draws, point=1.15) == pytest.approx((1.105, 1.195))  # negative control: a point inside moves nothing
+
+
+def test_building_the_simulate_command_imports_no_simulator():
+    """The interval's defaults sit in ``ultraep.config``: the ``simulate`` parser's help names them without importing
+    the simulator (numba, the policies), which every ``ultraep`` command would otherwise pay at start."""
+    import subprocess
+    import sys
+
+    probe = ("import argparse, sys; from ultraep.cli import simulate; "
+             "simulate.register(argparse.ArgumentParser().add_subparsers()); {extra}"
+             "print(sorted(m for m in ('numba', 'ultraep.sim') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe.format(extra="")], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    # negative control: the module that computes the interval does import them
+    out = subprocess.run([sys.executable, "-c", probe.format(extra="import ultraep.sim.uncertainty; ")],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['numba', 'ultraep.sim']"

@@ -47,8 +47,7 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from ultraep.presets import PRESETS
-    from ultraep.config import ALL_POLICIES, DEFAULT_MAX_PLANS
-    from ultraep.sim.uncertainty import DEFAULT_RESAMPLES, MIN_RESAMPLES
+    from ultraep.config import ALL_POLICIES, DEFAULT_MAX_PLANS, DEFAULT_RESAMPLES, MIN_RESAMPLES
 
     p = sub.add_parser(
         "simulate",
@@ -182,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
                              ("--record-plans", args.record_plans, 0), ("--step-fixed-ms", args.step_fixed_ms, 0)):
         if value is not None and value < low:
             raise ConfigError(flag, f"must be >= {low}, got {value}", value)
-    from ultraep.sim.uncertainty import DEFAULT_RESAMPLES, check_resamples
+    from ultraep.config import DEFAULT_RESAMPLES
+    from ultraep.sim.uncertainty import check_resamples
 
     if args.topology != "from-run" and (args.resamples is not None or args.interval_seed):
         flag = "--resamples" if args.resamples is not None else "--interval-seed"
@@ -238,10 +238,9 @@ def run(args: argparse.Namespace) -> int:
         print_intervals(intervals, result.settings["interval"], console)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        extra = ({} if calls is None else
-                 {"interval": lambda s: None if intervals is None else intervals.get(s["policy"])})
         args.json.write_text(json.dumps([{**s, "basis": basis, "measured": measured, "settings": result.settings,
-                                          **{k: f(s) for k, f in extra.items()}} for s in summary], indent=2))
+                                          **({} if calls is None else {"interval": (intervals or {}).get(s["policy"])})}
+                                         for s in summary], indent=2))
         err.print(f"wrote {args.json}")
     if args.out is not None:
         ids = record(result, args.out, run_name=args.run_name, trace_path=str(args.trace), model=trace.meta.model,

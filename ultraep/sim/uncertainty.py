@@ -35,16 +35,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ultraep.config import DEFAULT_RESAMPLES, MIN_RESAMPLES  # noqa: F401 - re-exported
 from ultraep.cost import moves_weights
 from ultraep.errors import ConfigError
 from ultraep.sim.from_run import ANCHOR_MIN_CALLS, AnchorCalls, AnchorShift, _shift, anchored_overheads
 
-#: resamples of the calibration's steps behind an interval (the CLI's default): from one seed to another the bounds of
-#: 400 draws move by 3-7 % of the interval's width (standard deviation over 20 seeds, 30 steps of calls 4 ms noisy),
-#: against 8-11 % with 100 draws and 2-4 % with 1000
-DEFAULT_RESAMPLES = 400
-#: fewer resamples than this cannot place a 5th percentile: 0 (no interval) or at least this many
-MIN_RESAMPLES = 20
+#: DEFAULT_RESAMPLES (in ``ultraep.config``, so that building the CLI imports no simulator): resamples of the
+#: calibration's steps behind an interval. From one seed to another the bounds of 400 draws move by 3-7 % of the
+#: interval's width (standard deviation over 20 seeds, 30 steps of calls 4 ms noisy), against 8-11 % with 100 draws
+#: and 2-4 % with 1000. MIN_RESAMPLES: fewer cannot place a 5th percentile: 0 (no interval) or at least this many
 #: the interval's coverage
 LEVEL = 0.90
 #: a relative half-width above this is flagged, with the calibration steps that would narrow it to this
