@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import os
 import sys
 
@@ -26,7 +27,7 @@ def recorded(tmp_path_factory):
     behind the predictions, the dir)."""
     runs = tmp_path_factory.mktemp("validate") / "tiny"
     args = argparse.Namespace(slots=2, iters=4, warmup=1, seed=0, backend="gloo", calibrate_on="calibration",
-                              max_iters_scale=1.0)
+                              max_iters_scale=1.0, resamples=40, interval_seed=0)
     rows, ran, calls = bench_validate._shape_rows(Shape("tiny", tokens=64, hidden=32, ffn=32), args, runs)
     return rows, ran, calls, runs
 
@@ -34,10 +35,12 @@ def recorded(tmp_path_factory):
 def test_every_policy_has_a_measured_and_a_predicted_layer_time(recorded):
     rows, ran, calls, _ = recorded
     assert [r[1] for r in rows] == ["none", "quota", "feplb", "adaptive"]
-    for src, pol, m, p, mx, px, se in rows:
+    for src, pol, m, p, mx, px, se, iv in rows:
         assert src == "tiny" and m > 0 and p > 0 and math.isfinite(m) and math.isfinite(p), (pol, m, p)
         assert mx == pytest.approx(rows[0][2] / m) and px == pytest.approx(rows[0][3] / p)
         assert se == 0.0 if pol == "none" else 0.0 < se < 1.0, (pol, se)  # the measured speed-up's own uncertainty
+        # the predicted speed-up's 90 % interval, by the same statistic: it holds the point (none's is 1, 1)
+        assert iv[0] <= px <= iv[1] and (iv == (1.0, 1.0) if pol == "none" else iv[0] < iv[1] or iv[0] == px), (pol, iv)
     assert rows[0][4] == 1.0 and rows[0][5] == 1.0
     # adaptive ran one policy or several, one decision per timed call (4 asked, rounded up to the 10 interleaving
     # orders of 5 runs: the four policies and the calibration run)
@@ -46,6 +49,40 @@ def test_every_policy_has_a_measured_and_a_predicted_layer_time(recorded):
     # of the table. (At least once: it probes one candidate a decision, and with eplb among them a policy the model
     # predicts to lose may get a single call of the 11; CI saw none 4, quota 1, feplb 3 on 2026-11-27.)
     assert set(calls) == {"none", "quota", "feplb"} and sum(calls.values()) <= 11 and min(calls.values()) >= 1, calls
+
+
+def test_the_inside_count_takes_each_measured_speed_up_against_its_interval():
+    def rows(src, *hits):
+        out = [(src, "none", 2.0, 2.0, 1.0, 1.0, 0.0, (1.0, 1.0))]
+        for pol, measured in zip(("quota", "feplb", "adaptive"), hits):
+            out.append((src, pol, 1.0, 1.0, measured, 1.5, 0.01, (1.4, 1.6)))
+        return out
+
+    a = rows("a", 1.45, 1.6, 1.4)  # inside, the bounds included
+    b = rows("b", 1.45, 1.39, 1.5)  # negative control: one below its interval
+    assert [bench_validate.inside(r) for r in a] == [None, True, True, True]
+    assert [bench_validate.inside(r) for r in b] == [None, True, False, True]
+    assert bench_validate.inside_counts([("a", a, {}, {}), ("b", b, {}, {})]) == (5, 6, 1, 2)
+    no_interval = [r[:7] + (None,) for r in a]  # a source without intervals is not counted
+    assert bench_validate.inside_counts([("a", no_interval, {}, {})]) == (0, 0, 0, 0)
+    # with the measured speed-up's own noise: feplb's 1.39 is 0.11 below the point 1.5, whose interval reaches
+    # 0.1 below it and whose measurement is 1 % uncertain: sqrt(0.1^2 + (1.645 x 0.01 x 1.39)^2) = 0.1026 < 0.11
+    assert bench_validate.inside(b[2], noise=True) is False
+    noisy = b[2][:6] + (0.04,) + b[2][7:]  # 4 %: sqrt(0.1^2 + (1.645 x 0.04 x 1.39)^2) = 0.1355 > 0.11, inside
+    assert bench_validate.inside(noisy, noise=True) is True and bench_validate.inside(noisy) is False
+    assert bench_validate.with_noise(noisy) == pytest.approx((1.5 - 0.1355, 1.5 + 0.1355), abs=2e-4)
+    # a certain prediction ([1, 1]: adaptive predicted to run none throughout) leaves only the measurement's noise
+    certain = ("c", "adaptive", 1.0, 1.0, 1.01, 1.0, 0.01, (1.0, 1.0))
+    assert bench_validate.inside(certain) is False and bench_validate.inside(certain, noise=True) is True
+    assert bench_validate.inside_counts([("b", b, {}, {})], noise=True) == (2, 3, 0, 1)
+
+
+def test_bad_interval_options_exit_with_one_line(monkeypatch):
+    for argv, msg in ((["--resamples", "5"], "--resamples: must be 0 (no interval) or >= 20, got 5"),
+                      (["--interval-seed", "-1"], "--interval-seed: must be >= 0, got -1")):
+        monkeypatch.setattr(sys, "argv", ["bench_validate", "--shapes", "", *argv])
+        with pytest.raises(SystemExit, match=re.escape(msg)):
+            bench_validate.main()
 
 
 def test_adaptive_against_the_best_fixed_policy():
@@ -73,9 +110,18 @@ def test_the_tables_print_and_from_re_predicts_the_same(recorded, capsys, monkey
                                           "measured_adaptive_vs_best_fixed", "calibration_calls",
                                           "measured_speedup_relative_se"}
     assert "its SE" in text and "largest standard error of a measured speed-up" in text
+    assert "predicted 90 %" in text and "inside" in text and "measured speed-up inside the predicted 90 % interval" in text
+    assert "with its SE" in text and "With the measured speed-up's own noise" in " ".join(text.split())
+    k, n, _, _ = bench_validate.inside_counts([("tiny", rows, ran, calls)])
+    assert n == 3 and f"{k} of 3 speed-ups" in " ".join(text.split())
+    assert {r["metric"] for r in out} >= {"predicted_speedup_lo90", "predicted_speedup_hi90",
+                                          "measured_speedup_inside_90"}
     again, ran2, calls2 = bench_validate.recorded_rows(runs, "tiny", ["none", "quota", "feplb", "adaptive"],
-                                                      "calibration", 1)
+                                                      "calibration", 1, resamples=40)
     assert again == rows and ran2 == ran and calls2 == calls  # deterministic: the recordings, re-predicted
+    other, _, _ = bench_validate.recorded_rows(runs, "tiny", ["none", "quota", "feplb", "adaptive"], "calibration", 1,
+                                               resamples=40, seed=1)
+    assert [r[:7] for r in other] == [r[:7] for r in rows]  # another seed: the same points, its own draws
     # calibrated on the adaptive run instead, the calls behind each prediction are the ones its engine ran
     _, ran3, calls3 = bench_validate.recorded_rows(runs, "tiny", ["none", "quota", "feplb", "adaptive"], "adaptive", 1)
     assert sum(calls3.values()) <= 11 and all(calls3[p] >= ran3.get(p, 0) for p in calls3)
@@ -91,7 +137,8 @@ def test_the_tables_print_and_from_re_predicts_the_same(recorded, capsys, monkey
     # side is the same, the predictions are the model's alone
     raw, _, _ = bench_validate.recorded_rows(runs, "tiny", ["none", "quota", "feplb", "adaptive"], "calibration", 1,
                                              anchor=False)
-    assert [r[:3] for r in raw] == [r[:3] for r in rows] and all(p > 0 for _, _, _, p, _, _, _ in raw)
+    assert [r[:3] for r in raw] == [r[:3] for r in rows] and all(p > 0 for _, _, _, p, _, _, _, _ in raw)
+    assert all(r[7] is None for r in raw)  # no anchoring, nothing resampled
     bench_validate.print_unanchored(runs.parent, [("tiny", rows, ran, calls)], ["none", "quota", "feplb", "adaptive"],
                                     args)
     assert "not anchored on the calibrating runs' own calls" in capsys.readouterr().out

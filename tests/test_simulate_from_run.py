@@ -84,6 +84,71 @@ def test_from_run_replays_the_runs_routing_on_its_own_model(run, tmp_path, capsy
     assert rows["quota"]["settings"]["topology"] == learned["topology"]["name"]
 
 
+def test_from_run_prints_and_writes_each_figures_90_percent_interval(run, tmp_path, capsys):
+    """Item 8 of issue 56: every predicted layer time and speed-up gets an interval from the run's own compared steps,
+    in the table and in the JSON; the same seed gives the same interval."""
+    path, _ = run
+    outs = [tmp_path / f"sim{i}.json" for i in range(2)]
+    for out in outs:
+        assert main(["simulate", str(path), "--topology", "from-run", "--policies", "none,quota", "--json", str(out),
+                     "--no-progress", "--workers", "1", "--resamples", "40", "--interval-seed", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "ms/layer 90%" in text and "speedup 90%" in text
+    line = " ".join(text[text.index("interval (90 %)"):].split())
+    # the calls after the first step: STEPS - 1 steps compared
+    assert f"a bootstrap of the run's {STEPS - 1} compared steps (40 resamples, seed 3)" in line
+    rows = [{r["policy"]: r for r in json.loads(out.read_text())} for out in outs]
+    assert rows[0]["quota"]["interval"] == rows[1]["quota"]["interval"]  # seeded
+    iv = rows[0]["quota"]["interval"]
+    lo, hi = iv["time_per_layer_ms"]
+    assert lo <= rows[0]["quota"]["time_per_layer_ms"] <= hi
+    lo, hi = iv["speedup_vs_none"]
+    assert lo <= rows[0]["quota"]["speedup_vs_none"] <= hi
+    kept = dict(rows[0]["quota"]["settings"]["interval"])
+    assert kept.pop("policies") == {p: r["interval"] for p, r in rows[0].items()}
+    assert kept == {"resamples": 40, "seed": 3, "steps": STEPS - 1}
+    # recorded with --out, each simulated run's config carries them
+    assert main(["simulate", str(path), "--topology", "from-run", "--policies", "none,quota", "--no-progress",
+                 "--workers", "1", "--resamples", "40", "--interval-seed", "3", "--out", str(tmp_path / "sims"),
+                 "--run-name", "iv", "--record-plans", "0"]) == 0
+    capsys.readouterr()
+    cfg = json.loads(open_run(tmp_path / "sims" / "iv-quota").execute("SELECT config_json FROM runs").fetchone()[0])
+    assert cfg["interval"]["policies"]["quota"] == iv
+    # wider than ±5 %: the table says so with the steps that would narrow it; within, it says nothing
+    wide = max(iv["time_half_width"], iv["speedup_half_width"]) > 0.05
+    assert ("wider than ±5 %: quota" in text) == wide
+    # --resamples 0: no interval, and the output says the uncertainty is not known
+    assert main(["simulate", str(path), "--topology", "from-run", "--policies", "none,quota", "--json", str(outs[0]),
+                 "--no-progress", "--workers", "1", "--resamples", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "ms/layer 90%" not in text and "interval: none (--resamples 0)" in text
+    assert json.loads(outs[0].read_text())[0]["interval"] is None
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--resamples", "5"], "--resamples: must be 0 (no interval) or >= 20, got 5"),
+    (["--resamples", "-1"], "--resamples: must be 0 (no interval) or >= 20, got -1"),
+    (["--interval-seed", "-2"], "--interval-seed: must be >= 0, got -2"),
+])
+def test_bad_interval_options_exit_2_with_one_line(run, capsys, argv, flag):
+    path, _ = run
+    assert main(["simulate", str(path), "--topology", "from-run", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and len(err.strip().splitlines()) == 1
+
+
+def test_interval_options_apply_to_from_run_only(run, capsys):
+    path, _ = run
+    assert main(["simulate", str(path), "--topology", "gb200-nvl72", "--ranks", "8", "--tile-ranks",
+                 "--resamples", "40", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--resamples: applies to --topology from-run only" in err and len(err.strip().splitlines()) == 1
+    # negative control: the smallest number of resamples allowed runs
+    assert main(["simulate", str(path), "--topology", "from-run", "--policies", "none", "--resamples", "20",
+                 "--no-progress", "--workers", "1"]) == 0
+    assert "interval (90 %)" in capsys.readouterr().out
+
+
 def test_a_preset_projects_the_run_and_says_so(run, tmp_path, capsys):
     path, _ = run
     out = tmp_path / "sim.json"

@@ -24,6 +24,10 @@ RelayMode = Literal["auto", "direct", "always"]
 #: (here, not in ``ultraep.sim.replay``, so that building the CLI imports neither numba nor the cost model)
 ALL_POLICIES = ("none", "eplb", "quota", "feplb", "hybridep", "adaptive")
 DEFAULT_MAX_PLANS = 30_000
+#: a from-run figure's 90 % interval: the default resamples behind it and the fewest that can place a 5th percentile
+#: (``ultraep.sim.uncertainty``; here for the same reason)
+DEFAULT_RESAMPLES = 400
+MIN_RESAMPLES = 20
 
 # Strict scalars: lax pydantic turns ``True`` into 1 and ``2.0`` or ``"2"`` into 2, which hides mistakes
 # (``num_redundant_slots=True``). Floats still take ints (1 means 1.0); none takes a bool or a string.

@@ -47,7 +47,7 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from ultraep.presets import PRESETS
-    from ultraep.config import ALL_POLICIES, DEFAULT_MAX_PLANS
+    from ultraep.config import ALL_POLICIES, DEFAULT_MAX_PLANS, DEFAULT_RESAMPLES, MIN_RESAMPLES
 
     p = sub.add_parser(
         "simulate",
@@ -95,6 +95,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "not replayed), ms: the percent of the ideal and the speed-up then weigh the replayed layers against the whole step")
     p.add_argument("--policy-opt", action="append", metavar="POLICY.KEY=VALUE",
                    help="policy option, e.g. eplb.interval=100 or adaptive.margin=0.01")
+    p.add_argument("--resamples", type=int, default=None, metavar="B",
+                   help=f"from-run: bootstrap resamples of the run's compared steps behind each figure's 90 %% interval "
+                   f"(default {DEFAULT_RESAMPLES}; 0 = no interval; otherwise at least {MIN_RESAMPLES})")
+    p.add_argument("--interval-seed", type=int, default=0, metavar="S",
+                   help="from-run: seed of the interval's resampling (default 0; the same seed gives the same interval)")
     p.add_argument("--json", type=Path, default=None, help="write one JSON object per policy to this file")
     p.add_argument("--out", type=Path, default=None, help="record one telemetry run per policy under RUNS_DIR")
     p.add_argument("--run-name", default=None, help="prefix of the recorded run ids (default sim-<time>-<rand>)")
@@ -142,6 +147,7 @@ def read_trace(path: Path, fmt: str, options: dict, layers: list[int] | None):
 
 
 def run(args: argparse.Namespace) -> int:
+    import numpy as np
     from rich.console import Console
 
     from ultraep.presets import parse_overrides
@@ -175,12 +181,21 @@ def run(args: argparse.Namespace) -> int:
                              ("--record-plans", args.record_plans, 0), ("--step-fixed-ms", args.step_fixed_ms, 0)):
         if value is not None and value < low:
             raise ConfigError(flag, f"must be >= {low}, got {value}", value)
+    from ultraep.config import DEFAULT_RESAMPLES
+    from ultraep.sim.uncertainty import check_resamples
+
+    if args.topology != "from-run" and (args.resamples is not None or args.interval_seed):
+        flag = "--resamples" if args.resamples is not None else "--interval-seed"
+        raise ConfigError(flag, "applies to --topology from-run only (a preset's figures rest on no calibration run)",
+                          args.resamples if args.resamples is not None else args.interval_seed)
+    resamples = DEFAULT_RESAMPLES if args.resamples is None else args.resamples
+    check_resamples(resamples, args.interval_seed)
     if args.out is not None:  # fail now, not after the replay, if the runs directory cannot be made
         args.out.mkdir(parents=True, exist_ok=True)
         check_new_runs(args.out, args.run_name, policies)
-    shifts = None
+    shifts = calls = recorded = None
     if args.topology == "from-run":
-        cm, shifts = _from_run_model(args, run_id, ranks, trace)
+        cm, shifts, calls, recorded = _from_run_model(args, run_id, ranks, trace)
     else:
         params = sim_params(mode=args.mode or "training", non_moe_fwd_s=args.non_moe_ms[0] * 1e-3,
                             non_moe_bwd_s=args.non_moe_ms[1] * 1e-3, resend_all_replicas=args.resend_replicas,
@@ -200,16 +215,31 @@ def run(args: argparse.Namespace) -> int:
     result.settings["basis"] = basis
     if shifts is not None:  # what anchoring on the run's own calls moved, per kind of call (seconds)
         result.settings["anchor"] = {k: dataclasses.asdict(v) for k, v in shifts.items()}
+    intervals = None
+    if calls is not None:  # the calibration's uncertainty, propagated to every figure (ultraep.sim.uncertainty)
+        from ultraep.sim.uncertainty import resampled_overheads, summary_intervals
+
+        over = resampled_overheads(calls, recorded, resamples, args.interval_seed)
+        result.settings["interval"] = {"resamples": resamples, "seed": args.interval_seed,
+                                       "steps": int(np.unique(calls.step).size)}
+        if over is not None:
+            intervals = summary_intervals(result.rows, [s["policy"] for s in summary], over,
+                                          step_fixed_s=args.step_fixed_ms * 1e-3)
+            # (in the settings, the recorded runs' config carries them with --out; the JSON rows each their own)
+            result.settings["interval"]["policies"] = intervals
     measured = measured_summary(args.trace, run_id) if run_id is not None else None
-    console = Console(width=max(120, shutil.get_terminal_size().columns))
-    print_summary(summary, result.settings, console)
+    # (the interval columns need about 30 more)
+    console = Console(width=max(120 if intervals is None else 160, shutil.get_terminal_size().columns))
+    print_summary(summary, result.settings, console, intervals)
     print_activation(summary, console)
     print_basis(basis, result.settings, measured, console)
     if shifts is not None:
         print_anchor(shifts, console)
+        print_intervals(intervals, result.settings["interval"], console)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([{**s, "basis": basis, "measured": measured, "settings": result.settings}
+        args.json.write_text(json.dumps([{**s, "basis": basis, "measured": measured, "settings": result.settings,
+                                          **({} if calls is None else {"interval": (intervals or {}).get(s["policy"])})}
                                          for s in summary], indent=2))
         err.print(f"wrote {args.json}")
     if args.out is not None:
@@ -222,9 +252,10 @@ def run(args: argparse.Namespace) -> int:
 def _from_run_model(args, run_id: str, ranks: int, trace):
     """The cost model of ``--topology from-run``: the one the recorded run's engine learned, anchored on the run's own
     measured calls (:func:`~ultraep.sim.from_run.anchored_cost_model`), on the run's EP group (its slots, mode and
-    per-layer time outside the MoE block unless given); and the anchoring's shifts per kind of call."""
+    per-layer time outside the MoE block unless given); the anchoring's shifts per kind of call, the calls it compared
+    and the recorded model's parameters (what the interval re-anchors, :mod:`ultraep.sim.uncertainty`)."""
     from ultraep.cost import CostModel
-    from ultraep.sim.from_run import anchored_cost_model, recorded_cost_model
+    from ultraep.sim.from_run import anchor, anchor_calls, recorded_cost_model
 
     for flag, given in (("--set", bool(args.overrides)), ("--resend-replicas", args.resend_replicas)):
         if given:
@@ -237,10 +268,13 @@ def _from_run_model(args, run_id: str, ranks: int, trace):
                           "project the run to another size with a preset --topology", ranks)
     if args.slots is not None and args.slots != t.num_redundant_slots:
         t = t.with_slots(args.slots)
-    cm, shifts = anchored_cost_model(args.trace, run_id, cm, trace, workers=args.workers)  # the run's own group
+    recorded = cm.params
+    calls = anchor_calls(args.trace, run_id, cm, trace, workers=args.workers)  # on the run's own group
+    cm, shifts = anchor(cm, calls)
     update = {k: v for k, v in (("mode", args.mode), ("non_moe_fwd_s", args.non_moe_ms[0] * 1e-3 or None),
                                 ("non_moe_bwd_s", args.non_moe_ms[1] * 1e-3 or None)) if v is not None}
-    return CostModel(t, cm.hardware, cm.expert, cm.params.model_copy(update=update) if update else cm.params), shifts
+    cm = CostModel(t, cm.hardware, cm.expert, cm.params.model_copy(update=update) if update else cm.params)
+    return cm, shifts, calls, recorded
 
 
 #: a policy the recorded run ran in fewer layer calls than this is flagged as predicted from few calls (from-run):
@@ -299,6 +333,31 @@ def print_anchor(shifts: dict, console) -> None:
     console.print("[bold]anchored[/bold] on the run's own calls (docs/simulator.md): " + "; ".join(parts))
 
 
+def print_intervals(intervals: dict | None, settings: dict, console) -> None:
+    """How sure the from-run figures are: what the 90 % intervals were drawn from and, per policy whose layer time or
+    speed-up interval is wider than ±5 %, how wide, and how many more calibration steps would narrow it to ±5 %
+    (the width going as 1 / sqrt(steps); :mod:`ultraep.sim.uncertainty`)."""
+    from ultraep.sim.uncertainty import TARGET
+
+    n = settings["steps"]
+    if intervals is None:
+        why = "--resamples 0" if not settings["resamples"] else f"the run compared calls of {n} step(s), 2 needed"
+        console.print(f"[bold]interval[/bold]: none ({why}): the figures' uncertainty is not known")
+        return
+    console.print(f"[bold]interval[/bold] (90 %): a bootstrap of the run's {n} compared steps ({settings['resamples']} "
+                  f"resamples, seed {settings['seed']}), each re-anchoring the model and re-predicting every call "
+                  "(docs/simulator.md)")
+    for pol, iv in intervals.items():
+        parts = [f"{what} ±{100 * w:.1f} %" for what, w in (("ms/layer", iv["time_half_width"]),
+                                                             ("speed-up", iv.get("speedup_half_width", 0.0)))
+                 if w > TARGET]
+        if parts:
+            more = iv["steps_for_5pct"] - n
+            console.print(f"[bold]wider than ±{100 * TARGET:.0f} %[/bold]: {pol} {', '.join(parts)}; about {more} more "
+                          f"calibration steps ({iv['steps_for_5pct']} in all, the width going as 1/sqrt(steps)) would "
+                          f"narrow it to ±{100 * TARGET:.0f} %")
+
+
 def print_activation(summary: list[dict], console) -> None:
     """Activation memory, the third cost of imbalance: the expert activations the busiest rank holds at its peak
     (rows it computes x the expert's activation width x dtype), without and with balancing, against the mean rank."""
@@ -314,22 +373,32 @@ def print_activation(summary: list[dict], console) -> None:
     console.print(table)
 
 
-def print_summary(summary: list[dict], settings: dict, console) -> None:
+def print_summary(summary: list[dict], settings: dict, console, intervals: dict | None = None) -> None:
+    """The table; with ``intervals`` (from-run, :func:`~ultraep.sim.uncertainty.summary_intervals`) a 90 % interval
+    column next to the layer time and next to the speed-up."""
     from rich.table import Table
 
     s = settings
     table = Table(title=f"ultraep simulate · {s['topology']} EP{s['num_ranks']} · {s['num_experts']} experts · "
                   f"{s['num_redundant_slots']} slots · domain {s['domain_size']} · {s['mode']}")
-    for col in ("policy", "imb.before", "p99", "imb.after", "p99 ", "replicas", "MB/layer", "ms/layer",
-                "%ideal", "%own", "speedup"):
+    cols = ["policy", "imb.before", "p99", "imb.after", "p99 ", "replicas", "MB/layer", "ms/layer", "%ideal", "%own",
+            "speedup"]
+    if intervals is not None:
+        cols.insert(cols.index("ms/layer") + 1, "ms/layer 90%")
+        cols.append("speedup 90%")
+    for col in cols:
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in summary:
-        table.add_row(
-            r["policy"], f"{r['imbalance_before']:.3f}", f"{r['imbalance_before_p99']:.3f}",
-            f"{r['imbalance_after']:.3f}", f"{r['imbalance_after_p99']:.3f}", f"{r['replicas']:.1f}",
-            f"{r['transfer_bytes_per_layer'] / 1e6:.1f}", f"{r['time_per_layer_ms']:.3f}", f"{r['pct_of_ideal']:.1f}",
-            f"{r['pct_of_scheme_ideal']:.1f}", f"{r['speedup_vs_none']:.3f}",
-        )
+        cells = [r["policy"], f"{r['imbalance_before']:.3f}", f"{r['imbalance_before_p99']:.3f}",
+                 f"{r['imbalance_after']:.3f}", f"{r['imbalance_after_p99']:.3f}", f"{r['replicas']:.1f}",
+                 f"{r['transfer_bytes_per_layer'] / 1e6:.1f}", f"{r['time_per_layer_ms']:.3f}",
+                 f"{r['pct_of_ideal']:.1f}", f"{r['pct_of_scheme_ideal']:.1f}", f"{r['speedup_vs_none']:.3f}"]
+        if intervals is not None:
+            iv = intervals.get(r["policy"], {})
+            t, x = iv.get("time_per_layer_ms"), iv.get("speedup_vs_none")
+            cells.insert(cols.index("ms/layer 90%"), f"{t[0]:.3f}-{t[1]:.3f}" if t else "-")
+            cells.append(f"{x[0]:.3f}-{x[1]:.3f}" if x else "-")
+        table.add_row(*cells)
     console.print(table)
     console.print(f"replayed {s['layer_steps_per_policy']} layer-steps per policy ({len(s['layers'])} layers, stride "
                   f"{s['stride']} over {s['points']} points) in {s['wall_s']:.1f} s with {s['workers']} worker(s); "

@@ -171,12 +171,27 @@ def run_call_policies(con, run_id: str) -> dict[tuple[int, int, int], str]:
     return {(int(s), int(m), int(l)): policy for s, m, l in calls}
 
 
-def anchored_cost_model(path, run_id: str, cm: CostModel, trace, workers: int = 1
-                        ) -> tuple[CostModel, dict[str, AnchorShift]]:
-    """``cm`` (the run's recorded model) with each kind of call's overhead shifted so that the model reproduces the
-    run's own measured calls (see the comment above), and the shifts per kind (``{}``: nothing to compare, e.g. a run
-    without measured layer times or of a policy the simulator does not replay). ``trace``: the run's routing
-    (``load_trace(path, "recorded-run")``, any of its layers); ``workers``: the replay's processes."""
+@dataclass(frozen=True)
+class AnchorCalls:
+    """The calls anchoring compares, one entry each: ``step`` [C] (int), ``transfer`` [C] (bool: the call moved expert
+    weights) and ``diff_s`` [C], its measured minus predicted layer time on the recorded model, both net of planning.
+    What :func:`anchor` derives the shifts from, and what :mod:`ultraep.sim.uncertainty` resamples."""
+
+    step: np.ndarray
+    transfer: np.ndarray
+    diff_s: np.ndarray
+
+    def kinds(self, take: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """``{kind: diffs}`` of the calls ``take`` indexes (default all; an index drawn twice counts twice), kinds
+        without a call left out."""
+        t, d = (self.transfer, self.diff_s) if take is None else (self.transfer[take], self.diff_s[take])
+        return {k: v for k, v in ((PLAIN, d[~t]), (TRANSFER, d[t])) if v.size}
+
+
+def anchor_calls(path, run_id: str, cm: CostModel, trace, workers: int = 1) -> AnchorCalls:
+    """Steps 1 of the anchoring (the comment above): every measured call of the run (its first step and warm-up steps
+    left out) paired with the prediction of ``cm`` (the run's recorded model) for the policy that ran it. Empty:
+    nothing to compare (a run without measured layer times or of a policy the simulator does not replay)."""
     from ultraep.cost import moves_weights
     from ultraep.sim.replay import SIM_POLICIES, simulate
 
@@ -185,29 +200,52 @@ def anchored_cost_model(path, run_id: str, cm: CostModel, trace, workers: int = 
     measured = con.execute(
         "SELECT step, microbatch, layer, max(measured_s), coalesce(max(plan_s), 0) FROM timings WHERE run_id = ? "
         "AND measured_s IS NOT NULL AND step NOT IN (SELECT step FROM warmup_steps WHERE run_id = ?) "
-        "AND step > (SELECT min(step) FROM timings WHERE run_id = ?) GROUP BY ALL", [run_id] * 3).fetchall()
+        "AND step > (SELECT min(step) FROM timings WHERE run_id = ?) GROUP BY ALL ORDER BY ALL", [run_id] * 3).fetchall()
     con.close()
     names = sorted({p for p in policy_of.values() if p in SIM_POLICIES})
-    if not names or not measured:
-        return cm, {}
-    res = simulate(trace, cm, names, max_plans=None, workers=workers)
-    where = {n: {(int(s), int(m), int(l)): i for i, (s, m, l) in
-                 enumerate(zip(res.rows[n]["step"], res.rows[n]["microbatch"], res.rows[n]["layer"]))} for n in names}
-    diffs: dict[str, list[float]] = {PLAIN: [], TRANSFER: []}
-    for s, m, l, total, plan in measured:
-        key = (int(s), int(m), int(l))
-        n = policy_of.get(key)
-        i = where.get(n, {}).get(key)
-        if i is None:
-            continue
-        r = res.rows[n]
-        kind = TRANSFER if moves_weights(r["weight_sync_s"][i], r["copy_s"][i], r["grad_reduce_s"][i]) else PLAIN
-        diffs[kind].append((float(total) - float(plan)) - (float(r["time_s"][i]) - float(r["plan_s"][i])))
-    shifts = {k: _shift(np.asarray(v, dtype=np.float64)) for k, v in diffs.items() if v}
-    p = cm.params
-    plain = max(0.0, p.call_overhead_s + (shifts[PLAIN].shift_s if PLAIN in shifts else 0.0))
+    steps, moving, diffs = [], [], []
+    if names and measured:
+        res = simulate(trace, cm, names, max_plans=None, workers=workers)
+        where = {n: {(int(s), int(m), int(l)): i for i, (s, m, l) in
+                     enumerate(zip(res.rows[n]["step"], res.rows[n]["microbatch"], res.rows[n]["layer"]))}
+                 for n in names}
+        for s, m, l, total, plan in measured:
+            key = (int(s), int(m), int(l))
+            n = policy_of.get(key)
+            i = where.get(n, {}).get(key)
+            if i is None:
+                continue
+            r = res.rows[n]
+            steps.append(key[0])
+            moving.append(moves_weights(r["weight_sync_s"][i], r["copy_s"][i], r["grad_reduce_s"][i]))
+            diffs.append((float(total) - float(plan)) - (float(r["time_s"][i]) - float(r["plan_s"][i])))
+    return AnchorCalls(np.asarray(steps, dtype=np.int64), np.asarray(moving, dtype=bool),
+                       np.asarray(diffs, dtype=np.float64))
+
+
+def anchored_overheads(params, shifts: dict[str, AnchorShift]) -> tuple[float, float]:
+    """Step 3's result on the recorded model's ``params``: ``(call_overhead_s, transfer_call_overhead_s)`` after each
+    kind's shift (a kind without calls: a call moving weights keeps its difference to the plain calls)."""
+    plain = max(0.0, params.call_overhead_s + (shifts[PLAIN].shift_s if PLAIN in shifts else 0.0))
     # what a call moving weights paid before, and after: its own shift, or the plain calls' where none was measured
-    moving = max(0.0, p.call_overhead_s + p.transfer_call_overhead_s)
-    moving += shifts[TRANSFER].shift_s if TRANSFER in shifts else plain - p.call_overhead_s
-    update = {"call_overhead_s": plain, "transfer_call_overhead_s": moving - plain}
-    return cm.with_params(p.model_copy(update=update)), shifts
+    moving = max(0.0, params.call_overhead_s + params.transfer_call_overhead_s)
+    moving += shifts[TRANSFER].shift_s if TRANSFER in shifts else plain - params.call_overhead_s
+    return plain, moving - plain
+
+
+def anchor(cm: CostModel, calls: AnchorCalls) -> tuple[CostModel, dict[str, AnchorShift]]:
+    """Steps 2 and 3: ``cm`` with each kind's call overhead shifted by what ``calls`` say it missed, and the shifts."""
+    shifts = {k: _shift(v) for k, v in calls.kinds().items()}
+    if not shifts:
+        return cm, {}
+    plain, extra = anchored_overheads(cm.params, shifts)
+    return cm.with_params(cm.params.model_copy(update={"call_overhead_s": plain, "transfer_call_overhead_s": extra})), shifts
+
+
+def anchored_cost_model(path, run_id: str, cm: CostModel, trace, workers: int = 1
+                        ) -> tuple[CostModel, dict[str, AnchorShift]]:
+    """``cm`` (the run's recorded model) with each kind of call's overhead shifted so that the model reproduces the
+    run's own measured calls (see the comment above), and the shifts per kind (``{}``: nothing to compare, e.g. a run
+    without measured layer times or of a policy the simulator does not replay). ``trace``: the run's routing
+    (``load_trace(path, "recorded-run")``, any of its layers); ``workers``: the replay's processes."""
+    return anchor(cm, anchor_calls(path, run_id, cm, trace, workers))
