@@ -30,7 +30,7 @@ Steps (one layer, one microbatch; each part in its own module):
             measurement is not from the previous decision runs it once as a probe instead; the switch happens at
             the next decision if the fresh measurement still wins.
     Step 5b: a probe (:mod:`.probes`): a candidate due, within ``probe_max_loss`` of the best, runs once to be
-            measured (:mod:`.outcomes` keeps what it measured).
+            measured (:mod:`.outcomes` keeps what it measured), paced by its cost (``probe_cost_share``).
     Step 6: the chosen plan is returned as policy ``adaptive`` with the engine's exposed overhead
             (``plan.engine_s``: decision time plus the planning of candidates slower than the chosen
             one's own planner, since they ran before the choice).

@@ -100,8 +100,12 @@ class ProbeSchedule:
 
     def warming(self) -> bool:
         """Whether a probe now would be measured in the outcome warm-up (where paced by cost): its measurement would
-        be discarded and the probe repeated, so its cost would buy nothing."""
-        return self.cost_share is not None and self.outcomes.observed < OUTCOME_WARMUP
+        be discarded and the probe repeated, so its cost would buy nothing. The first OUTCOME_WARMUP decisions, and
+        after them while measurements are arriving but fewer than OUTCOME_WARMUP (a simulation, which measures
+        nothing, probes as the runtime does after its first OUTCOME_WARMUP calls)."""
+        if self.cost_share is None:
+            return False
+        return self.decisions < OUTCOME_WARMUP or 0 < self.outcomes.observed < OUTCOME_WARMUP
 
     def has_run(self, name: str) -> bool:
         return name in self._ran

@@ -56,17 +56,21 @@ def test_where_nothing_pays_and_the_model_says_so_it_stays_on_none():
 
 
 # ---------------------------------------------------------------------------------------------- the schedule's rules
-def _schedule(cost_share=0.02, observed=OUTCOME_WARMUP):
+def _schedule(cost_share=0.02, observed=OUTCOME_WARMUP, decisions=OUTCOME_WARMUP):
     t = OutcomeTracker(None, 5, 0.02, 32)
     t.observed = observed
-    return ProbeSchedule(32, 0.25, 0.02, t, None, 0, cost_share)
+    s = ProbeSchedule(32, 0.25, 0.02, t, None, 0, cost_share)
+    s.decisions = decisions
+    return s
 
 
 def test_no_probe_in_the_outcome_warm_up():
-    s = _schedule(observed=OUTCOME_WARMUP - 1)
-    assert s.probe({"a": 1.0, "b": 1.0}, "a", "a") is None
-    assert _schedule(observed=OUTCOME_WARMUP).probe({"a": 1.0, "b": 1.0}, "a", "a") == "b"
-    assert _schedule(None, observed=OUTCOME_WARMUP - 1).probe({"a": 1.0, "b": 1.0}, "a", "a") == "b"  # unpaced
+    even = {"a": 1.0, "b": 1.0}
+    assert _schedule(observed=OUTCOME_WARMUP - 1).probe(even, "a", "a") is None  # measured in the warm-up
+    assert _schedule(observed=0, decisions=OUTCOME_WARMUP - 1).probe(even, "a", "a") is None  # the first decisions
+    assert _schedule(observed=OUTCOME_WARMUP).probe(even, "a", "a") == "b"
+    assert _schedule(observed=0).probe(even, "a", "a") == "b"  # nothing measured (a simulation): after the first
+    assert _schedule(None, observed=OUTCOME_WARMUP - 1).probe(even, "a", "a") == "b"  # unpaced: at once
 
 
 def test_a_probe_waits_until_the_run_has_earned_its_predicted_cost():
