@@ -7,7 +7,9 @@ since it was last planned, and its losing streak; from these it says which candi
 (its outcome is uncertain), read from the :class:`~ultraep.policies.outcomes.OutcomeTracker`.
 
 Regret bound: a resting candidate is re-planned at least once per ``probe_every`` decisions, and a probe runs
-a candidate predicted at most ``probe_max_loss`` slower than the best, once per ``probe_every`` decisions.
+a candidate predicted at most ``probe_max_loss`` slower than the best, once per ``probe_every`` decisions. What the
+probes cost is paced (``cost_share``): their predicted seconds over the policy in force stay within a share of its
+predicted time at every decision, from a fresh wrap's first (:meth:`ProbeSchedule.probe`).
 
 Re-check after a switch: where outcomes are measured, the policy a switch left is probed again after
 ``probe_every / 8`` decisions, and that fresh measurement replaces its history (the tracker's ``restart``). A
@@ -30,7 +32,7 @@ from .outcomes import FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker
 #: confirmed by benchmarks/bench_long.py's ``--probe-share``). Beside it each candidate may be probed PROBE_BURST times
 PROBE_SHARE = 0.05
 #: probes per candidate (the fallback too) allowed beyond the share: FEW_RUNS, the measurements until its outcome is
-#: trusted (a fresh wrap measures every candidate as it did before the share; the share bounds the run after them)
+#: trusted (what they cost is paced by PROBE_COST_SHARE; the share bounds the run after them)
 PROBE_BURST = FEW_RUNS
 #: the probes' predicted seconds over the policy in force may sum to at most this share of the policy in force's
 #: predicted time, at every decision from the wrap's first (``adaptive.probe_cost_share``). Over a fresh wrap's

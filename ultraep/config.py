@@ -174,8 +174,8 @@ class AdaptiveOptions(_Options):
     probe_cost_share: StrictFloat | None = Field(
         default=0.02, ge=0.0, le=1.0,
         description="Probes' predicted seconds over the policy in force may sum to at most this share of its predicted "
-        "time, over every stretch of the run from its start; the cheapest due probe runs first, none in the outcome "
-        "warm-up (null: probes are paced only by probe_share).",
+        "time so far, at every decision from the first; the cheapest due probe runs first, none in the first 2 calls "
+        "(null: probes are paced only by probe_share, every rival probed from the second call).",
     )
     outcome_window: StrictInt = Field(
         default=5, ge=1,
