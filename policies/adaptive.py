@@ -238,7 +238,7 @@ class AdaptivePolicy:
         if confirm is not None:  # Step 5a: a switch on stale or no measurement of its own is measured first
             reason, pending, probe = f"confirm: {reason[len('switch '):]}; {confirm}", None, True
         elif self.schedule.probe_every > 0 and self.current is not None:  # Step 5b: bounded-regret probe
-            probe_of = self.schedule.probe(feasible, chosen, best, self.fallback)
+            probe_of = self.schedule.probe(feasible, chosen, best, self.fallback, switching=switch)
             if probe_of is not None and probe_of != self.current:  # the policy in force is measured anyway (a
                 # "probe" of it cancelled the switch this decision had chosen)
                 chosen, reason, probe = probe_of, self.schedule.reason(probe_of, self.current), True

@@ -100,3 +100,12 @@ def test_the_cheapest_due_probe_runs_first_and_is_charged_what_it_measured():
     assert s.loss_s == pytest.approx(0.05)
     s.settle("b", 1.3)  # it measured 0.3 s over a
     assert s.loss_s == pytest.approx(0.3)
+
+
+def test_a_switch_on_fresh_evidence_is_not_displaced_by_a_probe():
+    s = _schedule()
+    s.base_s = 100.0  # room for any probe
+    feasible = {"a": 1.0, "b": 0.8, "c": 1.05}  # b measured faster at the last decision: the switch a -> b is taken
+    assert s.probe(feasible, "b", "b", switching=True) is None
+    assert s.probe(feasible, "b", "b") in ("a", "c")  # not switching: due rivals are probed
+    assert _schedule(None).probe(feasible, "b", "b", switching=True) in ("a", "c")  # negative control: unpaced
