@@ -36,10 +36,10 @@ PROBE_SHARE = 0.05
 PROBE_BURST = FEW_RUNS
 #: the probes' predicted seconds over the policy in force may sum to at most this share of the policy in force's
 #: predicted time, at every decision from the wrap's first (``adaptive.probe_cost_share``). Over a fresh wrap's
-#: first 20 calls that is 0.6 of a call: the 5 % the engine may lose there to the best fixed policy (issue 56)
-#: less room for its weighing. Without it the burst probed every rival FEW_RUNS times at ``probe_every / 8``,
-#: ``none`` whatever its prediction: 8 probes in 20 calls, 8-10 % over quota at the default shape
-#: (tests/first_calls_replay.py, the runtime measured 6-8 %)
+#: first 20 calls that is 0.4 of a call, within the 5 % the engine may lose there to the best fixed policy (issue
+#: 56), with room for its weighing and a wrong first pick. Without it the burst probed every rival FEW_RUNS times at
+#: ``probe_every / 8``, ``none`` whatever its prediction: 8 probes in 20 calls, 8-10 % over quota at the default
+#: shape (tests/first_calls_replay.py; the runtime measured 8 %)
 PROBE_COST_SHARE = 0.02
 
 #: a candidate that lost clearly this many planned decisions in a row rests — not planned, not predicted — until
