@@ -25,6 +25,8 @@ force-balanced at the default shape. A second table gives quota's per-phase time
     .venv/bin/python benchmarks/bench_runtime.py --warmup 20 --iters 30   # the runs of record (about 20 min):
                     # with fewer timed calls the 90 % interval of adaptive / best fixed is wider than 3 %
     .venv/bin/python benchmarks/bench_runtime.py --shapes default,mixtral --iters 3
+    .venv/bin/python benchmarks/bench_runtime.py --shapes default,tok64 --policies quota,feplb,adaptive \
+        --warmup 20 --iters 30 --repeats 5     # issue 56's first calls: 5 fresh runs per shape, a row per run
     .venv/bin/python benchmarks/bench_runtime.py --shapes custom --tokens 2048 --hidden 1024 --ffn 1024
     .venv/bin/python benchmarks/bench_runtime.py --mode serve        # forward only (benchmarks/bench_serving.py)
     .venv/bin/python benchmarks/bench_runtime.py --backend nccl      # 2 GPUs, NCCL (make gpu-check runs it)
@@ -226,6 +228,54 @@ def _run_shape(shape: Shape, args, policies, runs_dir=None) -> dict:
     return res
 
 
+def _report_shape(shape: Shape, res: dict, x: str, main_t, phase_t, rows: list) -> tuple | None:
+    """One run of ``shape`` (``res``: :func:`_run_shape`'s) into the tables and ``rows`` (x column ``x``). Returns
+    adaptive's figures for the per-run table (first calls, steady state with its interval, vs none, what it chose), or
+    None without an adaptive run."""
+    fig = None
+    t_none = float(np.median(res["none"][0]))
+    t_ideal = float(np.median(res["force-balanced"][0])) if "force-balanced" in res else float("nan")
+    fixed = {n: float(np.median(t)) for n, (t, _) in res.items() if n not in ("adaptive", "force-balanced")}
+    best = min(fixed, key=fixed.get)
+    for name, (t, out) in res.items():
+        p50 = float(np.median(t))
+        info = out[0]
+        chose = vs_best = ""
+        if name == "adaptive":
+            ch = [c for o in out for c in o["chosen"]]
+            chose = ", ".join(f"{c} {ch.count(c)}" for c in sorted(set(ch)))
+            lo, hi = ratio_interval(t, res[best][0])
+            vs_best = f"{p50 / fixed[best]:.3f} [{lo:.3f}, {hi:.3f}] ({best})"
+            rows.append(row("runtime_layer_fwd_bwd", name, "vs_best_fixed", "ratio", x, p50 / fixed[best]))
+            rows.append(row("runtime_layer_fwd_bwd", name, "vs_best_fixed_lo90", "ratio", x, lo))
+            rows.append(row("runtime_layer_fwd_bwd", name, "vs_best_fixed_hi90", "ratio", x, hi))
+            first = {n: float(np.sum(o[0]["first_calls"])) for n, (_, o) in res.items() if n in fixed or n == name}
+            best_first = min((n for n in first if n != name), key=first.get)
+            n_first = len(out[0]["first_calls"])
+            vs_best += f"; first {n_first} calls {first[name] / first[best_first]:.3f} ({best_first})"
+            rows.append(row("runtime_layer_fwd_bwd", name, f"vs_best_fixed_first{n_first}", "ratio", x,
+                            first[name] / first[best_first]))
+            fig = (f"{first[name] / first[best_first]:.3f} ({best_first}, {n_first} calls)",
+                   f"{p50 / fixed[best]:.3f} [{lo:.3f}, {hi:.3f}] ({best})", f"{t_none / p50:.3f}x", chose)
+        main_t.add_row(shape.label() if name == "none" else "", name, f"{info['imb_before']:.3f}",
+                       f"{info['imb_after']:.3f}", str(info["replicas"]), f"{p50:.3f}",
+                       f"{t.min():.3f}..{t.max():.3f}", f"{t_none / p50:.2f}x", f"{100 * t_ideal / p50:.1f} %", chose,
+                       vs_best)
+        rows.append(row("runtime_layer_fwd_bwd", name, "layer_time", "s", x, t))
+        rows.append(row("runtime_layer_fwd_bwd", name, "speedup_vs_none", "ratio", x, t_none / p50))
+        rows.append(row("runtime_layer_fwd_bwd", name, "pct_of_force_balanced", "%", x, 100 * t_ideal / p50))
+    if "quota" in res:
+        cells = []
+        for key, _, _ in PHASES:
+            per_rank = [float(np.median([ph.get(key, 0.0) for ph in o["phases"]])) for o in res["quota"][1]]
+            cells.append(" / ".join(f"{v:.3f}" for v in per_rank))
+            for r, v in enumerate(per_rank):
+                rows.append(row("runtime_phase", f"quota/rank{r}", key, "s", x, v))
+        phase_t.add_row(x.split("/", 1)[1], *cells)
+    main_t.add_section()
+    return fig
+
+
 def main() -> None:
     reexec_with_settings()  # the host memory settings of the runs of record (benchmarks/host_memory.py)
     if "--mode" in sys.argv:  # serving / gradient accumulation: the replica cache's benchmark
@@ -248,9 +298,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each shape, each a fresh pair of processes (fresh wraps: their own first calls); "
+                    "rows per run (x <shape>/run<k>) and a table of adaptive's first-calls and steady figures per run")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
                     help="gloo: CPU ranks (the runs of record); nccl: one GPU per rank (needs 2 GPUs)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats: must be >= 1, got {args.repeats}")
     if args.backend == "nccl" and torch.cuda.device_count() < 2:
         ap.error(f"--backend nccl: needs 2 CUDA GPUs, this machine has "
                  f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
@@ -281,50 +336,24 @@ def main() -> None:
     phase_t.add_column("shape")
     for _, label, _ in PHASES:
         phase_t.add_column(label, justify="right")
+    runs_t = Table(title=f"adaptive per run: its first {FIRST_CALLS} calls (a fresh wrap's, warm-up included) and the "
+                   "timed calls after the warm-up, against the best fixed policy of each")
+    for c in ["shape", "run", f"first {FIRST_CALLS}: adaptive / best fixed", "steady: adaptive / best fixed [90 %]",
+              "steady: vs none", "adaptive chose"]:
+        runs_t.add_column(c, justify="right")
     rows = []
     for shape in shapes:
-        res = _run_shape(shape, args, policies)
-        t_none = float(np.median(res["none"][0]))
-        t_ideal = float(np.median(res["force-balanced"][0])) if "force-balanced" in res else float("nan")
-        x = f"2x1/{shape.name}"
-        fixed = {n: float(np.median(t)) for n, (t, _) in res.items() if n not in ("adaptive", "force-balanced")}
-        best = min(fixed, key=fixed.get)
-        for name, (t, out) in res.items():
-            p50 = float(np.median(t))
-            info = out[0]
-            chose = vs_best = ""
-            if name == "adaptive":
-                ch = [c for o in out for c in o["chosen"]]
-                chose = ", ".join(f"{c} {ch.count(c)}" for c in sorted(set(ch)))
-                lo, hi = ratio_interval(t, res[best][0])
-                vs_best = f"{p50 / fixed[best]:.3f} [{lo:.3f}, {hi:.3f}] ({best})"
-                rows.append(row("runtime_layer_fwd_bwd", name, "vs_best_fixed", "ratio", x, p50 / fixed[best]))
-                rows.append(row("runtime_layer_fwd_bwd", name, "vs_best_fixed_lo90", "ratio", x, lo))
-                rows.append(row("runtime_layer_fwd_bwd", name, "vs_best_fixed_hi90", "ratio", x, hi))
-                first = {n: float(np.sum(o[0]["first_calls"])) for n, (_, o) in res.items() if n in fixed or n == name}
-                best_first = min((n for n in first if n != name), key=first.get)
-                n_first = len(out[0]["first_calls"])
-                vs_best += f"; first {n_first} calls {first[name] / first[best_first]:.3f} ({best_first})"
-                rows.append(row("runtime_layer_fwd_bwd", name, f"vs_best_fixed_first{n_first}", "ratio", x,
-                                first[name] / first[best_first]))
-            main_t.add_row(shape.label() if name == "none" else "", name, f"{info['imb_before']:.3f}",
-                           f"{info['imb_after']:.3f}", str(info["replicas"]), f"{p50:.3f}",
-                           f"{t.min():.3f}..{t.max():.3f}", f"{t_none / p50:.2f}x", f"{100 * t_ideal / p50:.1f} %", chose,
-                           vs_best)
-            rows.append(row("runtime_layer_fwd_bwd", name, "layer_time", "s", x, t))
-            rows.append(row("runtime_layer_fwd_bwd", name, "speedup_vs_none", "ratio", x, t_none / p50))
-            rows.append(row("runtime_layer_fwd_bwd", name, "pct_of_force_balanced", "%", x, 100 * t_ideal / p50))
-        if "quota" in res:
-            cells = []
-            for key, _, _ in PHASES:
-                per_rank = [float(np.median([ph.get(key, 0.0) for ph in o["phases"]])) for o in res["quota"][1]]
-                cells.append(" / ".join(f"{v:.3f}" for v in per_rank))
-                for r, v in enumerate(per_rank):
-                    rows.append(row("runtime_phase", f"quota/rank{r}", key, "s", x, v))
-            phase_t.add_row(shape.name, *cells)
-        main_t.add_section()
+        for k in range(args.repeats):
+            x = f"2x1/{shape.name}" + (f"/run{k + 1}" if args.repeats > 1 else "")
+            res = _run_shape(shape, args, policies)
+            fig = _report_shape(shape, res, x, main_t, phase_t, rows)
+            if fig is not None:
+                runs_t.add_row(shape.name if k == 0 else "", str(k + 1), *fig)
+        runs_t.add_section()
     console.print(main_t)
     console.print(phase_t)
+    if args.repeats > 1 and "adaptive" in {p for p, _, _ in policies}:
+        console.print(runs_t)
     print(f"rows appended to {write_rows('bench_runtime', rows)}")
 
 

@@ -30,7 +30,7 @@ Steps (one layer, one microbatch; each part in its own module):
             measurement is not from the previous decision runs it once as a probe instead; the switch happens at
             the next decision if the fresh measurement still wins.
     Step 5b: a probe (:mod:`.probes`): a candidate due, within ``probe_max_loss`` of the best, runs once to be
-            measured (:mod:`.outcomes` keeps what it measured).
+            measured (:mod:`.outcomes` keeps what it measured), paced by its cost (``probe_cost_share``).
     Step 6: the chosen plan is returned as policy ``adaptive`` with the engine's exposed overhead
             (``plan.engine_s``: decision time plus the planning of candidates slower than the chosen
             one's own planner, since they ran before the choice).
@@ -55,7 +55,7 @@ from .candidates import Candidates
 from .exploration import OF_GAIN, SHARE, ExplorationBudget
 from .outcomes import CLOCK_RUNS, FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker
 from .hysteresis import Hysteresis
-from .probes import LOSING_STREAK, PROBE_BURST, PROBE_SHARE, ProbeSchedule
+from .probes import LOSING_STREAK, PROBE_BURST, PROBE_COST_SHARE, PROBE_SHARE, ProbeSchedule
 from .screening import Screen
 
 DEFAULT_CANDIDATES = ("none", "quota", "eplb", "feplb", "hybridep")
@@ -79,8 +79,8 @@ class AdaptivePolicy:
         screen: skip planning stateless candidates that cannot pay for their own planner (Step 1).
         probe_every, probe_max_loss: a candidate not run for ``probe_every`` decisions runs once if predicted at
             most ``probe_max_loss`` (relative) slower than the best (Step 5b).
-        probe_share: probes may run on at most this share of the decisions over the run, beside PROBE_BURST per
-            candidate (:data:`.probes.PROBE_SHARE`; None: no bound).
+        probe_share, probe_cost_share: probes may run on at most ``probe_share`` of the decisions beside PROBE_BURST
+            per candidate, and cost at most ``probe_cost_share`` of the policy in force's time (:mod:`.probes`).
         outcome_window: measured outcomes per candidate whose median corrects its predictions.
         explore_share, explore_of_gain: weighing may cost ``explore_share`` of the run's layer time plus
             ``explore_of_gain`` of what it found, over the run (:mod:`.exploration`; ``explore_share=None``: no bound).
@@ -99,7 +99,7 @@ class AdaptivePolicy:
     def __init__(self, candidates=DEFAULT_CANDIDATES, margin: float = 0.005, patience: int = 2,
                  switch_now: float = 0.02, deadline_s: float | None = None, screen: bool = True,
                  probe_every: int = 32, probe_max_loss: float = 0.25, probe_share: float | None = PROBE_SHARE,
-                 outcome_window: int = 5,
+                 probe_cost_share: float | None = PROBE_COST_SHARE, outcome_window: int = 5,
                  explore_share: float | None = SHARE, explore_of_gain: float = OF_GAIN,
                  candidate_options: dict | None = None, cost_model=None, policies: dict | None = None,
                  owns_candidates: bool = True) -> None:
@@ -116,7 +116,7 @@ class AdaptivePolicy:
         # candidate's correction does not drift when calibration (learned from other candidates' runs) moves
         self.outcomes = OutcomeTracker(cost_model, outcome_window, self.switch_now, probe_every)
         self.schedule = ProbeSchedule(probe_every, probe_max_loss, self.switch_now, self.outcomes, probe_share,
-                                      PROBE_BURST * len(self.policies))
+                                      PROBE_BURST * len(self.policies), probe_cost_share)
         self.budget = ExplorationBudget(None if explore_share is None else float(explore_share),
                                         float(explore_of_gain))
         self.screening = Screen(self.candidates, self.schedule, self.outcomes, self.budget, screen)
@@ -136,9 +136,10 @@ class AdaptivePolicy:
     # ------------------------------------------------------------------ measured outcomes
     def observe_outcome(self, name: str, predicted_s: float, measured_s: float) -> None:
         """Fold one measured layer time of candidate ``name`` into its outcome corrections (the tracker's
-        :meth:`~ultraep.policies.outcomes.OutcomeTracker.observe`); a probe measured in the warm-up is probed again."""
+        :meth:`~ultraep.policies.outcomes.OutcomeTracker.observe`) and a probe's cost (:meth:`.ProbeSchedule.settle`)."""
         if measured_s <= 0 or name not in self.policies:
             return
+        self.schedule.settle(name, measured_s)
         if not self.outcomes.observe(name, predicted_s, measured_s, self.current):
             self.schedule.forget(name)
 
@@ -205,7 +206,7 @@ class AdaptivePolicy:
         fb_s = self.estimate(fb, bd.total_s)
         stake = bd.total_s - cm.ideal(load_RE).total_s
         # a rival the engine would probe is weighed when its probe is due (else within switch_now, as everywhere)
-        due = self.schedule.probe_range(self.policies)
+        due = self.schedule.probe_range(self.policies, fb_s, self.budget.standing)
         if not self.budget.idle(self.policies, fb, fb_s, stake, self.switch_now, cm.params.engine_overhead_s, due):
             return None
         return self.decide({fb: pl}, topology, screened=sorted(n for n in self.policies if n != fb),
@@ -237,7 +238,7 @@ class AdaptivePolicy:
         if confirm is not None:  # Step 5a: a switch on stale or no measurement of its own is measured first
             reason, pending, probe = f"confirm: {reason[len('switch '):]}; {confirm}", None, True
         elif self.schedule.probe_every > 0 and self.current is not None:  # Step 5b: bounded-regret probe
-            probe_of = self.schedule.probe(feasible, chosen, best, self.fallback)
+            probe_of = self.schedule.probe(feasible, chosen, best, self.fallback, switching=switch)
             if probe_of is not None and probe_of != self.current:  # the policy in force is measured anyway (a
                 # "probe" of it cancelled the switch this decision had chosen)
                 chosen, reason, probe = probe_of, self.schedule.reason(probe_of, self.current), True
@@ -284,13 +285,14 @@ class AdaptivePolicy:
         self.outcomes.restart = chosen if a.get("confirm") else None  # a confirmation replaces its stale history
         self.outcomes.decisions += 1
         same, idle = set(a.get("same_as_none", ())), bool(a.get("idle"))
+        ref_s = preds.get(a.get("previous"), preds[chosen]) if a.get("probe") else preds[chosen]  # in force's
+        loss = preds[chosen] - ref_s
         self.schedule.record(self.policies, chosen, preds, same, bool(a.get("none_clear")), weighed=not idle,
                              left=None if a.get("probe") else a.get("previous"),
-                             probed=bool(a.get("probe")) and not a.get("confirm"))
+                             probed=bool(a.get("probe")) and not a.get("confirm"), ref_s=ref_s, loss_s=loss)
         weighing, self._weighing = self._weighing, None
         if not idle and weighing is not None:
             self.budget.note(preds, self.fallback, same, weighing["floors"], weighing["stake_s"])
-        loss = preds[chosen] - preds.get(a.get("previous"), preds[chosen]) if a.get("probe") else 0.0
         self.budget.charge(a.get("predicted_s", 0.0), a.get("saved_s", 0.0), plan.engine_s + max(0.0, loss), loss)
         if self.owns_candidates:
             self._commit_candidates(plan, a)

@@ -7,7 +7,9 @@ since it was last planned, and its losing streak; from these it says which candi
 (its outcome is uncertain), read from the :class:`~ultraep.policies.outcomes.OutcomeTracker`.
 
 Regret bound: a resting candidate is re-planned at least once per ``probe_every`` decisions, and a probe runs
-a candidate predicted at most ``probe_max_loss`` slower than the best, once per ``probe_every`` decisions.
+a candidate predicted at most ``probe_max_loss`` slower than the best, once per ``probe_every`` decisions. What the
+probes cost is paced (``cost_share``): their predicted seconds over the policy in force stay within a share of its
+predicted time at every decision, from a fresh wrap's first (:meth:`ProbeSchedule.probe`).
 
 Re-check after a switch: where outcomes are measured, the policy a switch left is probed again after
 ``probe_every / 8`` decisions, and that fresh measurement replaces its history (the tracker's ``restart``). A
@@ -22,7 +24,7 @@ the engine alternate between them on re-checks.
 
 from __future__ import annotations
 
-from .outcomes import FEW_RUNS, OutcomeTracker
+from .outcomes import FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker
 
 #: the share of decisions that may run a probe (Step 5b), over the run: a probe runs a candidate predicted up to
 #: ``probe_max_loss`` (25 %) slower than the best, so at this share probing costs at most 0.25 x 0.05 = 1.25 % of the
@@ -30,8 +32,15 @@ from .outcomes import FEW_RUNS, OutcomeTracker
 #: confirmed by benchmarks/bench_long.py's ``--probe-share``). Beside it each candidate may be probed PROBE_BURST times
 PROBE_SHARE = 0.05
 #: probes per candidate (the fallback too) allowed beyond the share: FEW_RUNS, the measurements until its outcome is
-#: trusted (a fresh wrap measures every candidate as it did before the share; the share bounds the run after them)
+#: trusted (what they cost is paced by PROBE_COST_SHARE; the share bounds the run after them)
 PROBE_BURST = FEW_RUNS
+#: the probes' predicted seconds over the policy in force may sum to at most this share of the policy in force's
+#: predicted time, at every decision from the wrap's first (``adaptive.probe_cost_share``). Over a fresh wrap's
+#: first 20 calls that is 0.4 of a call, within the 5 % the engine may lose there to the best fixed policy (issue
+#: 56), with room for its weighing and a wrong first pick. Without it the burst probed every rival FEW_RUNS times at
+#: ``probe_every / 8``, ``none`` whatever its prediction: 8 probes in 20 calls, 8-10 % over quota at the default
+#: shape (tests/first_calls_replay.py; the runtime measured 8 %)
+PROBE_COST_SHARE = 0.02
 
 #: a candidate that lost clearly this many planned decisions in a row rests — not planned, not predicted — until
 #: it is due for re-evaluation: its planning and prediction are then paid once per ``probe_every`` decisions
@@ -50,12 +59,19 @@ class ProbeSchedule:
         probe_share: the share of decisions that may run a probe, over the run, beside ``burst`` probes (None: no
             bound: every due candidate within ``probe_max_loss`` is probed).
         burst: probes allowed beyond the share (the chooser passes PROBE_BURST per candidate).
+        cost_share: the probes' predicted seconds over the policy in force may sum to at most this share of its
+            predicted time so far (:meth:`loss_room`); None: not paced by cost (the schedule before issue 56's
+            first-calls item: no warm-up wait, never-run candidates first).
     """
 
     def __init__(self, probe_every: int, probe_max_loss: float, switch_now: float, outcomes: OutcomeTracker,
-                 probe_share: float | None = None, burst: int = 0) -> None:
+                 probe_share: float | None = None, burst: int = 0, cost_share: float | None = None) -> None:
         self.probe_share = None if probe_share is None else float(probe_share)
         self.burst = int(burst)
+        self.cost_share = None if cost_share is None else float(cost_share)
+        self.loss_s = 0.0  # the probes' predicted seconds over the policy in force, summed (what cost_share bounds)
+        self.base_s = 0.0  # the policy in force's predicted seconds over the decisions recorded
+        self._charged: tuple[str, float, float] | None = None  # the last probe: name, in force's time, its charge
         self.decisions = 0  # decisions recorded
         self.probes = 0  # of them, probes of Step 5b (what the share bounds)
         self.probe_every = int(probe_every)
@@ -76,6 +92,23 @@ class ProbeSchedule:
         ``burst``."""
         return self.probe_share is None or self.probes + 1 <= self.probe_share * (self.decisions + 1) + self.burst
 
+    def loss_room(self, ref_s: float) -> float:
+        """Predicted seconds a probe may cost over the policy in force this decision (``ref_s``: its predicted time
+        now): ``cost_share`` of the policy in force's predicted time up to and including this decision, less what
+        the probes cost so far (inf without ``cost_share``)."""
+        if self.cost_share is None:
+            return float("inf")
+        return self.cost_share * (self.base_s + max(0.0, ref_s)) - self.loss_s
+
+    def warming(self) -> bool:
+        """Whether a probe now would be measured in the outcome warm-up (where paced by cost): its measurement would
+        be discarded and the probe repeated, so its cost would buy nothing. The first OUTCOME_WARMUP decisions, and
+        after them while measurements are arriving but fewer than OUTCOME_WARMUP (a simulation, which measures
+        nothing, probes as the runtime does after its first OUTCOME_WARMUP calls)."""
+        if self.cost_share is None:
+            return False
+        return self.decisions < OUTCOME_WARMUP or 0 < self.outcomes.observed < OUTCOME_WARMUP
+
     def has_run(self, name: str) -> bool:
         return name in self._ran
 
@@ -92,12 +125,15 @@ class ProbeSchedule:
         """Whether ``name`` is due for a probe: it has not run for its :meth:`period`."""
         return self.probe_every > 0 and self.since_run(name) >= self.period(name)
 
-    def probe_range(self, names) -> dict[str, float]:
+    def probe_range(self, names, ref_s: float = 0.0, standing: dict | None = None) -> dict[str, float]:
         """Where outcomes are measured, the candidates of ``names`` due for a probe, each with the range it is
-        probed within (``probe_max_loss``): the exploration budget weighs them (``ExplorationBudget.in_contention``)."""
-        if not self.outcomes.observed or not self.affordable():  # no probe could run now: none is due
+        probed within (``probe_max_loss``): the exploration budget weighs them (``ExplorationBudget.in_contention``).
+        ``ref_s``, ``standing``: the policy in force's predicted time now and each candidate's at its last weighing;
+        one whose probe would cost more than :meth:`loss_room` is not due yet (weighing for it would buy nothing)."""
+        if not self.outcomes.observed or not self.affordable() or self.warming():  # no probe could run now
             return {}
-        return {n: self.probe_max_loss for n in names if self.due(n)}
+        room, standing = self.loss_room(ref_s), standing or {}
+        return {n: self.probe_max_loss for n in names if self.due(n) and standing.get(n, 0.0) - ref_s <= room}
 
     def reevaluate(self, name: str) -> bool:
         """Whether ``name`` must be planned this decision whatever the screen says: it was not planned for
@@ -116,7 +152,8 @@ class ProbeSchedule:
         return self.probe_every > 0 and (self._lost.get(name, 0) >= LOSING_STREAK or (
             fallback_in_force and self._none_streak >= self.probe_every))
 
-    def probe(self, feasible: dict[str, float], chosen: str, best: str, fallback: str | None = None) -> str | None:
+    def probe(self, feasible: dict[str, float], chosen: str, best: str, fallback: str | None = None,
+              switching: bool = False) -> str | None:
         """The candidate to probe this decision, if any: due, not the chosen one, and predicted within
         ``probe_max_loss`` of the best (``feasible``: corrected predictions). Never-run candidates come first:
         until a candidate has run, its prediction borrows the others' measured/predicted ratio, which says
@@ -129,15 +166,35 @@ class ProbeSchedule:
         and the engine ran feplb, or quota at 0.8x of none, for 20 calls or the whole run.
 
         None while a probe would exceed the budget (:meth:`affordable`): the due candidates wait, the oldest first
-        once it allows one."""
-        if not self.affordable():
+        once it allows one.
+
+        Paced by cost (``cost_share``): no probe in the outcome warm-up (:meth:`warming`); a probe whose predicted
+        time over ``chosen``'s exceeds :meth:`loss_room` waits; of the others the unmeasured fallback runs first (the
+        reference of every gain: at 64 tokens per rank, 16 experts, the model's pick quota measured 13 % over ``none``
+        and an eplb probe predicted cheaper delayed ``none``'s), then the cheapest (then the never-run, the oldest).
+        The unmeasured fallback's probe counts at most ``probe_max_loss`` of ``chosen``'s time: the model can be off
+        on ``none`` by any factor (17x in ``test_the_fallback_is_measured_even_when_the_model_puts_it_far_behind``), and
+        charged its prediction it would wait for good; so it waits at most ``probe_max_loss / cost_share`` decisions
+        (12.5 at the defaults) after the warm-up. What it measured is charged when it is measured (:meth:`settle`).
+        A switch this decision takes on fresh evidence (``switching``) is not displaced by a probe: each probe that
+        displaced it kept the slower policy in force one more call (in a replay of the 16-expert shape, two probes
+        in a row cancelled the switch from quota to ``none``, measured 16 % faster)."""
+        if not self.affordable() or self.warming() or (switching and self.cost_share is not None):
             return None
         unmeasured_fallback = fallback if (self.outcomes.observed and fallback is not None
                                            and self.outcomes.runs(fallback) == 0) else None
-        due = [n for n in sorted(feasible) if n != chosen and self.due(n)
+        room, ref = self.loss_room(feasible[chosen]), feasible[chosen]
+
+        def cost(n: str) -> float:  # the unmeasured fallback's at most probe_max_loss: the model's error on it is open
+            loss = max(0.0, feasible[n] - ref)
+            return min(loss, self.probe_max_loss * ref) if n == unmeasured_fallback else loss
+
+        due = [n for n in sorted(feasible) if n != chosen and self.due(n) and cost(n) <= room
                and (feasible[n] <= (1 + self.probe_max_loss) * feasible[best] or n == unmeasured_fallback)]
         if not due:
             return None
+        if self.cost_share is not None:
+            return min(due, key=lambda n: (n != unmeasured_fallback, cost(n), n in self._ran, -self.since_run(n), n))
         return max(due, key=lambda n: (n not in self._ran, self.since_run(n), n))
 
     def confirm(self, target: str, current: str | None) -> str | None:
@@ -166,12 +223,23 @@ class ProbeSchedule:
         return f"probe: {name} {why} (kept {current})"
 
     # ------------------------------------------------------------------ advancing it
+    def settle(self, name: str, measured_s: float) -> None:
+        """The last probe, of ``name``, measured ``measured_s``: its charge becomes what it measured over the policy in
+        force's predicted time (the prediction that paced it can be far off for a candidate that never ran: at 64
+        tokens per rank eplb's first probe measured 35 % over the policy in force, predicted at a few %)."""
+        if self._charged is None or self._charged[0] != name:
+            return
+        _, ref_s, charged = self._charged
+        self.loss_s += max(0.0, float(measured_s) - ref_s) - charged
+        self._charged = None
+
     def forget(self, name: str) -> None:
         """``name``'s run says nothing (measured in the warm-up): it counts as not run yet."""
         self._ran.discard(name)
 
     def record(self, names, chosen: str, predictions: dict[str, float], same: set[str], fallback_clear: bool,
-               weighed: bool = True, left: str | None = None, probed: bool = False) -> None:
+               weighed: bool = True, left: str | None = None, probed: bool = False, ref_s: float = 0.0,
+               loss_s: float = 0.0) -> None:
         """One committed decision: ``chosen`` ran; the candidates in ``predictions`` were planned (the others in
         ``names`` were not); a planned candidate lost clearly if predicted slower than the chosen one by more
         than ``switch_now``, or did what the fallback does (``same``); ``fallback_clear``: the fallback won clearly.
@@ -179,9 +247,14 @@ class ProbeSchedule:
         ``left``: the policy in force before this decision, unless this decision was a probe (a switch from
         ``left`` to ``chosen`` marks ``left`` for a re-check, at most once per ``probe_every`` decisions, counted by
         ``outcomes.decisions``, which the chooser advances before it records). ``probed``: this decision ran a probe of
-        Step 5b (counted against ``probe_share``)."""
+        Step 5b (counted against ``probe_share``). ``ref_s``: the policy in force's predicted time on this decision;
+        ``loss_s``: a probe's predicted seconds over it (both for ``cost_share``)."""
         self.decisions += 1
         self.probes += bool(probed)
+        self.base_s += max(0.0, float(ref_s))
+        if probed:
+            self.loss_s += max(0.0, float(loss_s))
+            self._charged = (chosen, float(ref_s), max(0.0, float(loss_s)))
         self._ran.add(chosen)
         if chosen in self._recheck:  # the re-check: its fresh measurement replaces its history
             self._recheck.discard(chosen)

@@ -77,7 +77,7 @@ def run_scenario(name, seed, R, E, tokens, n, opts, resident, truth) -> list[dic
     pre = get_preset("gb200-nvl72")
     cm = CostModel(pre.topology(R, E, 2), pre.hardware, pre.expert)
     # explore_share=None: the fixture pins the engine as it was split, before issue 35's exploration budget
-    opts = {"explore_share": None, **opts}
+    opts = {"explore_share": None, "probe_cost_share": None, **opts}
     eng = Engine(BalancerConfig(policy="adaptive", layers={0: AdaptiveOptions(**opts)}), cm.topology, cost_model=cm)
     held = np.zeros((R, E), dtype=bool)
     out = []

@@ -150,6 +150,11 @@ def test_engine_fixed_policy_and_prefill_mode():
     assert isinstance(make_policy("adaptive"), AdaptivePolicy)
 
 
+#: the mechanisms these tests pin (outcome bases, clocks, credits, re-checks) on the probe schedule without the
+#: cost pacing of a fresh wrap's first calls (``probe_cost_share``; tests/test_adaptive_first_calls.py tests it)
+UNPACED = {"probe_cost_share": None}
+
+
 def _run(pol, cm, load, measured):
     """One decision, committed, and its measured layer time ``measured(chosen)`` fed back as the engine does."""
     plan = pol.plan(load, cm.topology)
@@ -163,7 +168,8 @@ def test_a_candidate_that_ran_keeps_its_measured_time_when_calibration_drifts():
     from ultraep.policies.adaptive import OUTCOME_WARMUP
 
     cm = _cm()
-    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=8, probe_max_loss=10.0)
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=8, probe_max_loss=10.0,
+                         **UNPACED)
     load = _load(1.0)
     truth = {"none": 2e-3, "quota": 1e-3}  # what each really takes on this machine
     for _ in range(OUTCOME_WARMUP + 12):
@@ -182,7 +188,8 @@ def test_a_candidate_measured_only_once_or_twice_is_probed_again_sooner():
     from ultraep.policies.adaptive import FEW_RUNS, OUTCOME_WARMUP
 
     cm = _cm()
-    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=32, probe_max_loss=10.0)
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=32, probe_max_loss=10.0,
+                         **UNPACED)
     load = _load(1.0)
     runs = []
     for _ in range(OUTCOME_WARMUP + 40):
@@ -250,7 +257,8 @@ def test_the_policy_in_force_is_compared_on_the_same_basis_as_its_rivals():
     from ultraep.policies.adaptive import OUTCOME_WARMUP
 
     cm = _cm()
-    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=8, probe_max_loss=10.0)
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=8, probe_max_loss=10.0,
+                         **UNPACED)
     load = _load(1.0)
     truth = {"none": 2e-3, "quota": 1e-3}
     for _ in range(OUTCOME_WARMUP + 30):
@@ -279,7 +287,8 @@ def test_a_probe_measured_while_the_whole_machine_ran_slower_is_credited(monkeyp
 
     def run(credit: bool):
         cm = _cm()
-        pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=128, probe_max_loss=10.0)
+        pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=128, probe_max_loss=10.0,
+                             **UNPACED)
         if not credit:
             monkeypatch.setattr(pol.outcomes, "credit", lambda ref, when, now=None: 0.0)
         truth = {"none": 0.9e-3, "quota": 1.0e-3}  # the model picks quota first; none is really faster
@@ -299,7 +308,8 @@ def test_a_policy_in_force_that_slows_down_itself_does_not_make_its_rivals_look_
     """Only a faster machine is credited: the policy in force getting slower (its own cost) is not read as
     the machine slowing down, which would have raised every rival's estimate with it and kept it in force."""
     cm = _cm()
-    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=128, probe_max_loss=10.0)
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=128, probe_max_loss=10.0,
+                         **UNPACED)
     truth = {"none": 1.1e-3, "quota": 1.0e-3}
     chosen = _drive(pol, cm, _load(0.2), truth, lambda i, n: 1.3 if (i >= 6 and n == "quota") else 1.0, 14)
     assert chosen[:2] == ["quota", "none"] and pol.current == "none"
@@ -308,7 +318,9 @@ def test_a_policy_in_force_that_slows_down_itself_does_not_make_its_rivals_look_
 def test_the_fallback_is_measured_even_when_the_model_puts_it_far_behind():
     """At 64 tokens per rank the uncalibrated model put none 27 % above FEPLB, past ``probe_max_loss``, so none was
     never probed and the engine ran a balancing policy slower than none for the whole run. Where outcomes are
-    measured, the fallback is probed until it has run; once measured faster, it takes over."""
+    measured, the fallback is probed until it has run; once measured faster, it takes over. Paced by cost, its first
+    probe is charged at most ``probe_max_loss`` of the policy in force (here the model puts it 17x above quota):
+    it waits at most ``probe_max_loss / probe_cost_share`` decisions after the warm-up."""
     from ultraep.policies.adaptive import OUTCOME_WARMUP
 
     cm = _cm()
@@ -320,8 +332,9 @@ def test_the_fallback_is_measured_even_when_the_model_puts_it_far_behind():
     pol.commit(plan)
     truth = {"none": 1e-3, "quota": 2e-3}  # on this machine none is twice as fast as the model says it is
     pol.observe_outcome("quota", first["predicted_s"], truth["quota"])
-    runs = [_run(pol, cm, load, truth.get) for _ in range(OUTCOME_WARMUP + 8)]
-    assert any(r["chosen"] == "none" and r["probe"] for r in runs[:OUTCOME_WARMUP + 2])
+    wait = OUTCOME_WARMUP + int(0.25 / pol.schedule.cost_share) + 1
+    runs = [_run(pol, cm, load, truth.get) for _ in range(wait + 8)]
+    assert any(r["chosen"] == "none" and r["probe"] for r in runs[:wait])
     assert pol.current == "none" and [r["chosen"] for r in runs[-3:]] == ["none"] * 3
 
 
@@ -331,7 +344,8 @@ def test_a_switch_on_a_stale_measurement_measures_the_target_again_first():
     from ultraep.policies.adaptive import OUTCOME_WARMUP
 
     cm = _cm()
-    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=32, probe_max_loss=10.0)
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=32, probe_max_loss=10.0,
+                         **UNPACED)
     load = _load(1.0)
     truth = {"none": 1.0e-3, "quota": 1.5e-3}
     for _ in range(OUTCOME_WARMUP + 16):
@@ -351,7 +365,8 @@ def test_the_policy_a_switch_left_is_measured_again_and_taken_back_when_it_wins(
     to eplb, and quota was not measured again in the run (11 % slower than quota's own run). The policy a switch
     left is re-checked within probe_every / 8 decisions, its fresh measurement replacing its history."""
     cm = _cm()
-    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota", "eplb"), probe_every=32)
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota", "eplb"), probe_every=32,
+                         **UNPACED)
     truth = {"none": 2e-3, "quota": 1.0e-3, "eplb": 1.08e-3}
     chosen = _drive(pol, cm, _load(1.0), truth, lambda i, n: 1.2 if i < 8 else 1.0, 40)  # slow first 8 calls
     switch = next(i for i in range(1, 40) if chosen[i] == chosen[i - 1] == "eplb")  # eplb in force (not a probe)

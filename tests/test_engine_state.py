@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_long import run_engine  # noqa: E402
 
 # a short probe period and no probe bound: every window the engine keeps fills within a few dozen decisions
-OPTIONS = {"probe_every": 4, "probe_share": None}
+OPTIONS = {"probe_every": 4, "probe_share": None, "probe_cost_share": None}
 N = 150
 
 

@@ -175,6 +175,12 @@ class AdaptiveOptions(_Options):
         description="Probes may run on at most this share of the decisions, over the run, beside one per candidate "
         "(null: every due candidate within probe_max_loss is probed).",
     )
+    probe_cost_share: StrictFloat | None = Field(
+        default=0.02, ge=0.0, le=1.0,
+        description="Probes' predicted seconds over the policy in force may sum to at most this share of its predicted "
+        "time so far, at every decision from the first; the cheapest due probe runs first, none in the first 2 calls "
+        "(null: probes are paced only by probe_share, every rival probed from the second call).",
+    )
     outcome_window: StrictInt = Field(
         default=5, ge=1,
         description="A candidate's measured/predicted layer-time ratio is the median of its last this many runs.",
@@ -330,6 +336,6 @@ def calibration_config(**overrides: Any) -> dict[str, Any]:
     the adaptive run of the same recordings within 6.9 / 5.7 / 25.9 / 8.4 % (``quota`` at 64 tokens per rank,
     predicted from the 4 / 1 / 4 calls the adaptive engine ran of it in the first, third and fourth)."""
     adaptive = {"probe_every": CALIBRATION_PROBE_EVERY, "probe_max_loss": 1e6, "explore_share": None,
-                "probe_share": None,
+                "probe_share": None, "probe_cost_share": None,
                 **dict(overrides.pop("adaptive", None) or {})}
     return {"policy": "adaptive", "adaptive": adaptive, **overrides}

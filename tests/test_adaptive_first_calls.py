@@ -1,0 +1,111 @@
+"""A fresh wrap's first calls (issue 56, items 4 and 5): the adaptive engine explores at the pace the run can afford.
+
+The probes' predicted seconds over the policy in force are paid from ``probe_cost_share`` of its predicted time,
+at every decision from the first; none runs in the outcome warm-up; the cheapest due probe runs first (the
+unmeasured fallback before the others); a probe is charged what it measured once measured. Replayed on the runtime
+benchmark's layer (``tests/first_calls_replay.py``: the real engine, synthetic measured times), the schedule before
+(``probe_cost_share=None``: every rival probed FEW_RUNS times at ``probe_every / 8`` from the second call) is the
+negative control."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from first_calls_replay import SCENARIOS, compare, window  # noqa: E402
+
+from ultraep.policies.outcomes import OUTCOME_WARMUP, OutcomeTracker  # noqa: E402
+from ultraep.policies.probes import ProbeSchedule  # noqa: E402
+
+UNPACED = {"probe_cost_share": None}
+#: adaptive >= 0.95x of the best fixed policy over the first 20 calls: its summed time at most this over the best's
+FIRST_BOUND = 1 / 0.95
+
+
+@pytest.mark.parametrize("shape", ["default", "tok64"])
+def test_the_first_20_calls_lose_at_most_5_percent_to_the_best_fixed_policy(shape):
+    for seed in range(5):
+        paced = window(compare(SCENARIOS[shape], 20, seed), 0, 20)
+        assert paced["ratio"] <= FIRST_BOUND, (shape, seed, paced["ratio"], paced["best"])
+        # negative control: the burst probed every rival from the second call, none whatever its prediction
+        burst = window(compare(SCENARIOS[shape], 20, seed, UNPACED), 0, 20)
+        assert burst["ratio"] > FIRST_BOUND, (shape, seed, burst["ratio"])
+        assert paced["probes"] < burst["probes"]
+
+
+@pytest.mark.parametrize("shape", ["default", "tok64"])
+def test_from_call_20_on_it_stays_within_3_percent(shape):
+    """The probes the first calls did not run are not deferred into a loss later: calls 20-60 stay within 3 % of the
+    best fixed policy (it measures every rival in time to choose right)."""
+    for seed in range(3):
+        later = window(compare(SCENARIOS[shape], 60, seed), 20)
+        assert later["ratio"] <= 1.03, (shape, seed, later["ratio"], later["best"])
+
+
+def test_where_nothing_pays_and_the_model_says_so_it_stays_on_none():
+    """64 tokens per rank, 16 experts, 2 slots, ``none`` measured fastest and predicted so: adaptive within 2 % of
+    ``none`` over the first 20 calls and over 60. The burst's probes of every rival cost 3.5 % of the first 20."""
+    s = SCENARIOS["tok64-e16"]
+    for seed in (0, 4):  # the seeds whose load the model puts none first on (the others: test above's kind)
+        c = compare(s, 60, seed)
+        assert c["adaptive"]["chosen"][0] == "none"
+        assert window(c, 0, 20)["vs_none"] >= 0.98 and window(c)["vs_none"] >= 0.98, (seed, window(c, 0, 20))
+        burst = compare(s, 20, seed, UNPACED)
+        assert window(burst, 0, 20)["vs_none"] < 0.98, seed  # negative control
+
+
+# ---------------------------------------------------------------------------------------------- the schedule's rules
+def _schedule(cost_share=0.02, observed=OUTCOME_WARMUP, decisions=OUTCOME_WARMUP):
+    t = OutcomeTracker(None, 5, 0.02, 32)
+    t.observed = observed
+    s = ProbeSchedule(32, 0.25, 0.02, t, None, 0, cost_share)
+    s.decisions = decisions
+    return s
+
+
+def test_no_probe_in_the_outcome_warm_up():
+    even = {"a": 1.0, "b": 1.0}
+    assert _schedule(observed=OUTCOME_WARMUP - 1).probe(even, "a", "a") is None  # measured in the warm-up
+    assert _schedule(observed=0, decisions=OUTCOME_WARMUP - 1).probe(even, "a", "a") is None  # the first decisions
+    assert _schedule(observed=OUTCOME_WARMUP).probe(even, "a", "a") == "b"
+    assert _schedule(observed=0).probe(even, "a", "a") == "b"  # nothing measured (a simulation): after the first
+    assert _schedule(None, observed=OUTCOME_WARMUP - 1).probe(even, "a", "a") == "b"  # unpaced: at once
+
+
+def test_a_probe_waits_until_the_run_has_earned_its_predicted_cost():
+    s = _schedule()
+    feasible = {"a": 1.0, "b": 1.09}  # b's probe is predicted to cost 0.09 s over a
+    for i in range(4):  # the room at decision i: 0.02 * (i + 1) * 1.0 < 0.09: waits
+        assert s.probe(feasible, "a", "a") is None, i
+        s.record(feasible, "a", feasible, set(), False, ref_s=1.0)
+    assert s.loss_room(1.0) == pytest.approx(0.1)
+    assert s.probe(feasible, "a", "a") == "b"
+    assert _schedule(None).probe(feasible, "a", "a") == "b"  # negative control: unpaced, at once
+
+
+def test_the_cheapest_due_probe_runs_first_and_is_charged_what_it_measured():
+    s = _schedule()
+    s._ran.update({"b", "c"})  # both ran long ago: the unpaced order takes the oldest, c
+    s._since.update({"b": 40, "c": 50})
+    for _ in range(30):
+        s.base_s += 1.0
+    feasible = {"a": 1.0, "b": 1.05, "c": 1.2}
+    assert s.probe(feasible, "a", "a") == "b"
+    unpaced = _schedule(None)
+    unpaced._ran.update({"b", "c"})
+    unpaced._since.update({"b": 40, "c": 50})
+    assert unpaced.probe(feasible, "a", "a") == "c"  # negative control: the oldest, whatever it costs
+    s.record(feasible, "b", feasible, set(), False, probed=True, ref_s=1.0, loss_s=0.05)
+    assert s.loss_s == pytest.approx(0.05)
+    s.settle("b", 1.3)  # it measured 0.3 s over a
+    assert s.loss_s == pytest.approx(0.3)
+
+
+def test_a_switch_on_fresh_evidence_is_not_displaced_by_a_probe():
+    s = _schedule()
+    s.base_s = 100.0  # room for any probe
+    feasible = {"a": 1.0, "b": 0.8, "c": 1.05}  # b measured faster at the last decision: the switch a -> b is taken
+    assert s.probe(feasible, "b", "b", switching=True) is None
+    assert s.probe(feasible, "b", "b") in ("a", "c")  # not switching: due rivals are probed
+    assert _schedule(None).probe(feasible, "b", "b", switching=True) in ("a", "c")  # negative control: unpaced

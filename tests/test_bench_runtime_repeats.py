@@ -1,0 +1,43 @@
+"""``benchmarks/bench_runtime.py --repeats N`` (issue 56, item 5): each run of a shape reports adaptive's first-calls
+figure and its steady-state figure on rows of its own (x ``<shape>/run<k>``), from that run's calls only."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_runtime import SHAPES, _report_shape  # noqa: E402
+
+
+def _res(first: dict, steady: dict) -> dict:
+    """What ``_run_shape`` returns for policies with these per-call seconds (first calls, timed calls)."""
+    out = {}
+    for name in steady:
+        info = {"times": [], "phases": [{}], "chosen": ["quota"] * 4, "imb_before": 1.6, "imb_after": 1.0,
+                "replicas": 2, "first_calls": np.full(20, first[name])}
+        out[name] = (np.full(4, steady[name]), [info, dict(info)])
+    return out
+
+
+def _rows(rows, x):
+    return {r["metric"]: r["p50"] for r in rows if r["x"] == x and r["provider"] == "adaptive"}
+
+
+def test_each_run_has_its_own_first_calls_and_steady_rows():
+    from rich.table import Table
+
+    main_t, phase_t, rows = Table(), Table(), []
+    runs = [({"none": 1.4, "quota": 1.0, "adaptive": 1.03}, {"none": 1.4, "quota": 1.0, "adaptive": 1.01}),
+            ({"none": 1.4, "quota": 1.0, "adaptive": 1.10}, {"none": 1.4, "quota": 1.0, "adaptive": 0.99})]
+    figs = [_report_shape(SHAPES["default"], _res(*r), f"2x1/default/run{k + 1}", main_t, phase_t, rows)
+            for k, r in enumerate(runs)]
+    one, two = _rows(rows, "2x1/default/run1"), _rows(rows, "2x1/default/run2")
+    assert one["vs_best_fixed_first20"] == pytest.approx(1.03) and one["vs_best_fixed"] == pytest.approx(1.01)
+    assert two["vs_best_fixed_first20"] == pytest.approx(1.10) and two["vs_best_fixed"] == pytest.approx(0.99)
+    assert figs[0][0].startswith("1.030 (quota") and figs[1][0].startswith("1.100 (quota")
+    # negative control: a run without adaptive has no figures, and its rows carry no adaptive metric
+    assert _report_shape(SHAPES["default"], _res({"none": 1.4, "quota": 1.0}, {"none": 1.4, "quota": 1.0}),
+                         "2x1/default/run3", main_t, phase_t, rows) is None
+    assert not _rows(rows, "2x1/default/run3")
