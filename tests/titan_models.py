@@ -24,6 +24,8 @@ import functools
 import torch
 from torch import nn
 
+#: the largest vocabulary of the tiny decoders (the debug flavors' 2048)
+VOCAB = 2048
 #: expert hidden size of the tiny models (a multiple of 8: torch._grouped_mm's bf16 strides are 16-byte aligned)
 HIDDEN = 32
 
@@ -41,10 +43,14 @@ def _registry(family: str):
         from torchtitan.models.kimi_k2_7 import model_registry
 
         return model_registry("debugmodel")
-    if family == "gpt_oss":
+    if family == "gpt_oss":  # flex: the attention masks are flex BlockMasks the test attention reads
         from torchtitan.models.gpt_oss import model_registry
 
-        return model_registry("debugmodel")
+        return model_registry("debugmodel", attn_backend="flex")
+    if family == "qwen3_5":
+        from torchtitan.models.qwen3_5 import model_registry
+
+        return model_registry("debugmodel_moe")
     raise KeyError(family)
 
 
@@ -128,14 +134,42 @@ def moe_block(family: str, seed: int = 0) -> nn.Module:
 
 
 class CausalAttention(nn.Module):
-    """The inner attention of a flavor on whole sequences: causal ``scaled_dot_product_attention`` over
-    ``(B, L, N, H)`` q/k/v (the flavors' block-causal flex mask with one document per row)."""
+    """The inner attention of a flavor, with a backward on CPU (flex and varlen attention have none there), over
+    ``(B, L, N, H)`` q/k/v:
 
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2), is_causal=True, scale=scale,
-            enable_gqa=enable_gqa)
-        return out.transpose(1, 2)
+    * called without a mask and without ``out_transform`` (the flavors' block-causal mask on whole sequences is
+      the causal mask): causal ``scaled_dot_product_attention``;
+    * called with torchtitan's own flex ``BlockMask`` (from the model's ``get_attention_masks``) or an
+      ``out_transform`` (GPT-OSS's attention sinks, which rescale by the log-sum-exp): flex attention's math in
+      full — scores ``q·kᵀ·scale`` where the mask's ``mask_mod`` allows (evaluated for every position pair,
+      ``create_mask``), softmax, the log-sum-exp (natural log, as flex returns it), then ``out_transform(out, lse)``;
+      grouped-query heads as flex's ``enable_gqa`` (query head ``n`` reads key/value head ``n // (N / N_kv)``).
+      tests/test_torchtitan.py checks it against torchtitan's ``FlexAttention`` itself (forward, which flex runs
+      on CPU)."""
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False,
+                out_transform=None, **kwargs):
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))  # (B, N, L, H)
+        if attention_masks is None and out_transform is None:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                   enable_gqa=enable_gqa)
+            return out.transpose(1, 2)
+        from torch.nn.attention.flex_attention import create_mask
+
+        B, N, L, H = q.shape
+        if k.shape[1] != N:  # grouped-query attention
+            k, v = (t.repeat_interleave(N // t.shape[1], dim=1) for t in (k, v))
+        if attention_masks is None:
+            allowed = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        else:
+            allowed = create_mask(attention_masks.mask_mod, B, 1, L, L, device=q.device)  # (B, 1, L, L)
+        scores = (q @ k.transpose(-2, -1)).float() * (H ** -0.5 if scale is None else scale)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        lse_BNL = torch.logsumexp(scores, dim=-1)
+        out = (torch.softmax(scores, dim=-1).to(v.dtype) @ v).transpose(1, 2)  # (B, L, N, Hv)
+        if out_transform is None:
+            return out
+        return out_transform(out, lse_BNL.transpose(1, 2))
 
 
 def decoder_config(family: str, layers: int = 2):
@@ -143,6 +177,8 @@ def decoder_config(family: str, layers: int = 2):
     cfg = _registry(base).model
     keep = []
     for layer in cfg.layers:  # the first `layers` MoE layers (and the dense ones before them)
+        if getattr(layer, "delta_net", None) is not None:  # qwen3_5's linear attention: fla's Triton kernels only
+            continue
         if getattr(layer, "moe", None) is not None:
             layer = dataclasses.replace(layer, moe=_shrink(layer.moe, **opts))
         keep.append(layer)
@@ -151,6 +187,12 @@ def decoder_config(family: str, layers: int = 2):
     cfg.layers = keep
     if hasattr(cfg, "mtp_layers"):
         cfg.mtp_layers = []
+    if getattr(cfg, "vision_encoder", None) is not None and base == "kimi_k2_7":  # text only, as its Moonlight
+        cfg.vision_encoder = None                                                  # flavor (qwen3_5 needs one)
+    if cfg.vocab_size > VOCAB:  # qwen3_5's debug flavor has the full 248k vocabulary
+        cfg.vocab_size = VOCAB
+        cfg.tok_embeddings = dataclasses.replace(cfg.tok_embeddings, num_embeddings=VOCAB)
+        cfg.lm_head = dataclasses.replace(cfg.lm_head, out_features=VOCAB)
     return cfg
 
 
