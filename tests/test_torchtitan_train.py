@@ -61,13 +61,13 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _dims(world):
+def _dims(world, backend="partial_dtensor"):
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
     titan_dims.device_type = "cpu"  # torchtitan 0.3.0 falls back to "cuda" without an accelerator
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor")  # the plain FSDP2 path (docs/guide/torchtitan.md)
+    parallelism = ParallelismConfig(spmd_backend=backend)  # partial_dtensor: the plain FSDP2 path (docs/guide/torchtitan.md)
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
     return parallelism, dims
@@ -88,13 +88,13 @@ SEEDS = {"qwen3_5": 1}
 POSITIONS = {"qwen3_5"}
 
 
-def _parallelize_kwargs(world, how, family=None):
+def _parallelize_kwargs(world, how, family=None, backend="partial_dtensor"):
     import tempfile
 
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import FullAC
 
-    parallelism, dims = _dims(world)
+    parallelism, dims = _dims(world, backend)
     param_dtype = "bfloat16" if tm.FAMILIES.get(family, ("",))[0] in MIXED else "float32"
     return dict(parallel_dims=dims, training=TrainingConfig(mixed_precision_param=param_dtype), parallelism=parallelism,
                 compile_config=CompileConfig(), ac_config=FullAC.Config() if how == "fsdp-ac" else None,
@@ -384,6 +384,43 @@ def test_without_the_exclusion_torchtitan_fsdp_takes_the_experts_and_wrap_refuse
     for res in run_ranks(_override, 2, "qwen3", "quota", "fsdp-takes-experts", p2p=False):  # refused first
         msg = res.get("refused")
         assert msg and "sharded by fully_shard" in msg and "\n" not in msg, res
+
+
+def _spmd(rank, world, backend, path):
+    """A balanced qwen3 parallelized under torchtitan's SPMD backend ``backend``: through ultraep's ``parallelize``
+    (a loop of one's own: ``path='loop'``) or built by the override's model class on the meta device and handed to
+    the family's ``parallelize_fn`` (the trainer's path). Returns the refusal, or None."""
+    import ultraep
+    from ultraep.integrations import torchtitan as integration
+
+    spec = tm._registry("qwen3")
+    kwargs = _parallelize_kwargs(world, "fsdp-ac", backend=backend)
+    try:
+        if path == "loop":
+            model = tm.decoder("qwen3")
+            ultraep.wrap(model, POLICIES["quota"])
+            integration.parallelize(spec.parallelize_fn, model, **kwargs)
+        else:
+            from torchtitan.config.override import OverrideConfig, apply_overrides
+
+            spec.model = tm.decoder_config("qwen3")
+            apply_overrides(OverrideConfig(imports=[("ultraep.integrations.torchtitan.balanced",
+                                                     {"policy": "quota", "slots": 2})]), spec)
+            with torch.device("meta"):
+                model = spec.model.build()
+            spec.parallelize_fn(model, **kwargs)
+    except ultraep.UltraEPError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("path", ["loop", "trainer"])
+@pytest.mark.parametrize("backend", ["spmd_types", "full_dtensor"])
+def test_the_full_mesh_spmd_backends_are_refused_in_one_line(backend, path):
+    # torchtitan 0.3.0's default is spmd_types: the balanced model runs under partial_dtensor (every test above)
+    for msg in run_ranks(_spmd, 2, backend, path, p2p=False):
+        assert msg and "parallelism.spmd_backend" in msg and f"'{backend}'" in msg and "partial_dtensor" in msg \
+            and "\n" not in msg, msg
 
 
 def test_the_comparison_fails_when_a_masters_optimizer_update_is_lost():
