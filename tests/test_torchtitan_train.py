@@ -16,8 +16,14 @@ start (``p - p0`` against ``ref - p0``, which is the parameter comparison itself
 same bf16 tolerance: the displacement is a linear function of the gradients (SGD with momentum), so it carries
 their bf16 rounding and nothing more, whereas a tolerance relative to the weights' magnitude would hide an update
 that is small beside the weights. SGD with momentum, not Adam, for the reason tests/test_train_as_users.py gives
-(Adam turns rounding noise into full-learning-rate steps). Negative controls: a perturbed master, and a master's
-optimizer update lost, fail the comparison.
+(Adam turns rounding noise into full-learning-rate steps). Negative controls: a perturbed master (in every
+family's test), and a master's optimizer update lost, fail the comparison.
+
+Every torchtitan 0.3.0 family with routed experts trains whole (:data:`FAMILIES`; tests/titan_models.py builds the
+decoders). gpt_oss trains in torchtitan's bf16 mixed precision (:data:`MIXED`): the unwrapped model computes with
+bf16 copies of its parameters on each rank's batch, its gradients summed in fp32, as FSDP computes; and since two
+bf16 trainings part ways by rounding (a token whose top-k flips), it takes the balanced model's parameters after
+each step's comparisons, so that each step is compared from one state. The full-mesh SPMD backends are refused.
 """
 
 from __future__ import annotations
@@ -261,8 +267,13 @@ def _loop(rank, world, model, ref, dims, steps=STEPS, lose_master_update=False, 
         loss.backward()
         for layer in rt.layers:  # rows this call's plan sent to replica slots: tokens served by replicas
             served += int(layer.last_plan.routes_RRS[:, :, layer.topology.num_masters:].sum())
-        everyone = torch.cat([_ids(vocab, r, step) for r in range(world)])
-        ref_loss = _ce_sum(_forward(ref, everyone, masks, mixed, positions), everyone) / n_global
+        batches = [_ids(vocab, r, step) for r in range(world)]
+        if mixed:  # in bf16 a gradient's sum over tokens rounds by the batch it runs on: each rank's batch, as data
+            # parallelism computes it, the gradients summed in fp32 (each batch's own bf16 parameter copies)
+            ref_loss = sum(_ce_sum(_forward(ref, b, masks, mixed, positions), b) for b in batches) / n_global
+        else:
+            everyone = torch.cat(batches)
+            ref_loss = _ce_sum(_forward(ref, everyone, masks, mixed, positions), everyone) / n_global
         ref_loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -414,13 +425,19 @@ def _spmd(rank, world, backend, path):
     return None
 
 
-@pytest.mark.parametrize("path", ["loop", "trainer"])
-@pytest.mark.parametrize("backend", ["spmd_types", "full_dtensor"])
-def test_the_full_mesh_spmd_backends_are_refused_in_one_line(backend, path):
-    # torchtitan 0.3.0's default is spmd_types: the balanced model runs under partial_dtensor (every test above)
-    for msg in run_ranks(_spmd, 2, backend, path, p2p=False):
-        assert msg and "parallelism.spmd_backend" in msg and f"'{backend}'" in msg and "partial_dtensor" in msg \
-            and "\n" not in msg, msg
+SPMD_CASES = [(backend, path) for backend in ("spmd_types", "full_dtensor") for path in ("loop", "trainer")]
+
+
+def _spmd_cases(rank, world):
+    return [_spmd(rank, world, backend, path) for backend, path in SPMD_CASES]
+
+
+def test_the_full_mesh_spmd_backends_are_refused_in_one_line():
+    # torchtitan 0.3.0's default is spmd_types; the balanced model runs under partial_dtensor (every test above)
+    for per_rank in run_ranks(_spmd_cases, 2, p2p=False):
+        for (backend, path), msg in zip(SPMD_CASES, per_rank):
+            assert msg and "parallelism.spmd_backend" in msg and f"'{backend}'" in msg and "partial_dtensor" in msg \
+                and "\n" not in msg, (backend, path, msg)
 
 
 def test_the_comparison_fails_when_a_masters_optimizer_update_is_lost():

@@ -5,12 +5,13 @@
 * :func:`decoder` — the whole decoder of the flavor, its first layers only, the same expert cut, and its inner
   attention replaced by :class:`CausalAttention` (the flavors' attention is flex or varlen attention, which has no
   backward on CPU; on a batch of whole sequences — positions ``0..L-1`` — its block-causal mask is the causal
-  mask, which :class:`CausalAttention` computes with ``scaled_dot_product_attention``). ultraep touches only the
+  mask, which :class:`CausalAttention` computes with ``scaled_dot_product_attention``, or flex's math on the
+  model's own flex masks where it passes them: GPT-OSS's sinks and sliding windows). ultraep touches only the
   routed experts, so the wrapped and the unwrapped model share whatever attention they have.
 
-qwen3_5's package imports ``fla`` (GPU kernels) at import time: its MoE block is built here from the same
-common builders its layer function calls (softmax router with ``route_norm``, routed experts, the sigmoid-gated
-shared expert), and only that block is tested.
+qwen3_5's model module imports ``fla`` (flash-linear-attention's ops, installed by ``make setup``) at import time;
+its GatedDeltaNet (linear-attention) layers call fla's Triton kernels, which need a GPU: :func:`decoder` keeps its
+full-attention layers only, and no test runs fla's code.
 
 Families (:data:`FAMILIES`): every torchtitan family with routed experts, plus variants that switch on
 node-limited routing (``num_expert_groups`` / ``num_limited_groups``) and ``load_balance_coeff`` off.
@@ -19,7 +20,6 @@ node-limited routing (``num_expert_groups`` / ``num_limited_groups``) and ``load
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 from torch import nn
@@ -71,28 +71,6 @@ def _shrink(moe_cfg, node_limited: bool = False, load_balance: bool = True):
     return moe_cfg
 
 
-def _qwen3_5_moe():
-    """Qwen3.5's MoE layer config, as its ``_build_..._moe_layers`` makes it (64 experts, top-8 of the debug MoE
-    flavor; dims of the debug flavor)."""
-    from torchtitan.models.common.config_utils import (make_ffn_config, make_moe_config, make_routed_experts_config,
-                                                       make_router_config)
-    from torchtitan.models.common.feed_forward import SigmoidGatedFeedForward
-    from torchtitan.models.common.linear import Linear
-
-    dim, E, K = 256, 64, 8
-    init = {"weight": functools.partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
-    ffn = make_ffn_config(dim=dim, hidden_dim=512, w1_param_init=init, w2w3_param_init=init)
-    return make_moe_config(
-        num_experts=E,
-        router=make_router_config(dim=dim, num_experts=E, gate_param_init=init, top_k=K, score_func="softmax",
-                                  route_norm=True),
-        routed_experts=make_routed_experts_config(dim=dim, hidden_dim=512, num_experts=E, top_k=K,
-                                                  param_init={n: init["weight"] for n in ("w1_EFD", "w2_EDF", "w3_EFD")},
-                                                  comm_backend="standard"),
-        shared_experts=SigmoidGatedFeedForward.Config(w1=ffn.w1, w2=ffn.w2, w3=ffn.w3, gate=Linear.Config(
-            in_features=dim, out_features=1, param_init=init)))
-
-
 #: family -> (registry family, variant options)
 FAMILIES = {
     "qwen3": ("qwen3", {}),
@@ -107,8 +85,6 @@ FAMILIES = {
 
 def moe_config(family: str):
     base, opts = FAMILIES[family]
-    if base == "qwen3_5":
-        return _shrink(_qwen3_5_moe(), **opts)
     cfg = _registry(base).model
     moe = next(layer.moe for layer in cfg.layers if getattr(layer, "moe", None) is not None)
     return _shrink(moe, **opts)
