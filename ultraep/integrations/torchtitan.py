@@ -55,6 +55,8 @@ def check_spmd_backend(backend: str | None) -> None:
                                     "DTensor on the full SPMD mesh, and ultraep's expert masters (other experts on "
                                     "each rank) have no such placement; set --parallelism.spmd_backend "
                                     f"{SPMD_BACKEND}")
+
+
 _CLASSES: dict[tuple[type, str], type] = {}
 
 
@@ -87,10 +89,6 @@ def install() -> None:
     def fully_shard(module, *args, ignored_params=None, **kwargs):
         mods = module if isinstance(module, (list, tuple)) else [module]
         ours = set().union(*(_ultraep_params(m) for m in mods))
-        if ours and kwargs.get("dp_mesh_dims") is not None:  # torchtitan passes it under the full-mesh backends
-            from torchtitan.distributed.utils import get_spmd_backend
-
-            check_spmd_backend(get_spmd_backend() if get_spmd_backend() != SPMD_BACKEND else "full_dtensor")
         if ours:
             ignored_params = set(ignored_params or ()) | ours
         return original(module, *args, ignored_params=ignored_params, **kwargs)
