@@ -368,7 +368,8 @@ def test_two_ranks_train_like_the_unwrapped_model(family):
                                    [("kimi_k2_7", "adaptive"), ("gpt_oss", "quota"), ("qwen3_5", "adaptive")]],
                          ids=lambda cases: "+".join(f for f, _ in cases))
 def test_four_ranks_train_like_the_unwrapped_model(cases):
-    cases = [(family, policy, "fsdp-ac", False) for family, policy in cases]
+    # negative control: the first family with a perturbed master fails the same comparison on 4 ranks
+    cases = [(family, policy, "fsdp-ac", False) for family, policy in cases] + [(cases[0][0], "quota", "fsdp-ac", True)]
     _check_cases(run_ranks(_cases, 4, cases), cases)
 
 
