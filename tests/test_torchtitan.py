@@ -149,6 +149,41 @@ def test_the_one_expert_functions_equal_the_containers_grouped_mm():
         assert rel_error(ours, ref.view(16, D)) <= tolerance(torch.bfloat16), family
 
 
+def test_the_test_attention_computes_torchtitans_flex_attention_with_gpt_oss_sinks_and_windows():
+    """tm.CausalAttention (the training tests' attention: flex has no backward on CPU) against torchtitan's own
+    FlexAttention, forward (which flex runs on CPU), in GPT-OSS's attention with its sinks, on its own sliding-window
+    and full masks from ``get_attention_masks``; a window shorter than the sequence, so the masks differ."""
+    import dataclasses
+
+    from torchtitan.models.common.attention import FlexAttention
+
+    cfg = tm.decoder_config("gpt_oss")
+    cfg.layers = [dataclasses.replace(la, attention=dataclasses.replace(la.attention, sliding_window_size=5)
+                                      if la.attention.sliding_window_size else la.attention) for la in cfg.layers]
+    model = tm.swap_attention(tm._init(cfg.build(), 0))
+    B, L = 2, 12
+    with torch.compiler.set_stance("force_eager"):  # (torchtitan compiles flex and its mask builder)
+        masks = model.get_attention_masks(torch.arange(L).repeat(B, 1))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(B, L, int(cfg.dim), generator=g)
+    flex = FlexAttention(FlexAttention.Config())
+    seen = set()
+    for block in model.layers.values():
+        att, mask = block.attention, masks[block.attn_mask_key]
+        seen.add(block.attn_mask_key)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            ours = att(x, mask)
+            inner, att.inner_attention = att.inner_attention, flex
+            theirs = att(x, mask)
+            att.inner_attention = inner
+            att.sinks.add_(3.0)  # negative control: other sinks give another output
+            other = att(x, mask)
+            att.sinks.sub_(3.0)
+        assert rel_error(ours, theirs) <= tolerance(torch.float32), block.attn_mask_key
+        assert rel_error(other, theirs) > 1e-2, block.attn_mask_key
+    assert seen == {"sliding_window_mask", "basic_mask"}, seen
+
+
 def test_prepare_keeps_the_original_forward_until_wrapped_and_restore_undoes_it():
     block = tm.moe_block("deepseek_v3")
     ref = copy.deepcopy(block)
@@ -294,8 +329,9 @@ def render_section(rows: list[tuple[str, str, str, str]]) -> str:
              "slots on skewed tokens: outputs, input gradients, master gradients (rows of the full tensors) and "
              "every other parameter's gradient (sum over ranks) equal the unwrapped block's on the global batch "
              f"within bf16's tolerance ({tolerance(torch.bfloat16):g}: the experts compute in bf16), over two calls. "
-             "Training with torchtitan's FSDP2 and activation checkpointing: tests/test_torchtitan_train.py and "
-             "docs/guide/torchtitan.md.", "",
+             "Every family's whole decoder is also trained 4 steps under torchtitan's FSDP2 and activation "
+             "checkpointing on 2 and 4 ranks, `quota` and `adaptive` (tests/test_torchtitan_train.py; what each "
+             "family's test leaves out: [the torchtitan guide](guide/torchtitan.md#what-is-tested-and-how)).", "",
              "| family | experts class | result | detail |", "|---|---|---|---|"]
     lines += [f"| {f} | `{c}` | {r} | {d} |" for f, c, r, d in rows]
     return "\n".join(lines) + "\n"

@@ -16,8 +16,14 @@ start (``p - p0`` against ``ref - p0``, which is the parameter comparison itself
 same bf16 tolerance: the displacement is a linear function of the gradients (SGD with momentum), so it carries
 their bf16 rounding and nothing more, whereas a tolerance relative to the weights' magnitude would hide an update
 that is small beside the weights. SGD with momentum, not Adam, for the reason tests/test_train_as_users.py gives
-(Adam turns rounding noise into full-learning-rate steps). Negative controls: a perturbed master, and a master's
-optimizer update lost, fail the comparison.
+(Adam turns rounding noise into full-learning-rate steps). Negative controls: a perturbed master (in every
+family's test), and a master's optimizer update lost, fail the comparison.
+
+Every torchtitan 0.3.0 family with routed experts trains whole (:data:`FAMILIES`; tests/titan_models.py builds the
+decoders). gpt_oss trains in torchtitan's bf16 mixed precision (:data:`MIXED`): the unwrapped model computes with
+bf16 copies of its parameters on each rank's batch, its gradients summed in fp32, as FSDP computes; and since two
+bf16 trainings part ways by rounding (a token whose top-k flips), it takes the balanced model's parameters after
+each step's comparisons, so that each step is compared from one state. The full-mesh SPMD backends are refused.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ import titan_models as tm  # noqa: E402
 from dist_utils import run_ranks  # noqa: E402
 from numerics import rel_error, tolerance  # noqa: E402
 
-tm._registry("qwen3"), tm._registry("deepseek_v3")  # imported before fork: ranks start fast
+for _family in ("qwen3", "deepseek_v3", "kimi_k2_7", "gpt_oss"):  # imported before fork: ranks start fast
+    tm._registry(_family)
 
 STEPS = 4
 PROBLEMS = 40
@@ -60,26 +67,42 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _dims(world):
+def _dims(world, backend="partial_dtensor"):
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
     titan_dims.device_type = "cpu"  # torchtitan 0.3.0 falls back to "cuda" without an accelerator
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor")  # the plain FSDP2 path (docs/guide/torchtitan.md)
+    parallelism = ParallelismConfig(spmd_backend=backend)  # partial_dtensor: the plain FSDP2 path (docs/guide/torchtitan.md)
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
     return parallelism, dims
 
 
-def _parallelize_kwargs(world, how):
+#: families that train in torchtitan's bf16 mixed precision (FSDP computes with bf16 copies of the fp32 parameters
+#: and reduces gradients in fp32): GPT-OSS's experts return bf16, which its combine adds into the activations, so
+#: torchtitan 0.3.0 runs it on bf16 activations only. The others train in fp32 (the experts in bf16 all the same).
+MIXED = {"gpt_oss"}
+#: families whose attention reads torchtitan's own flex masks (``get_attention_masks``): GPT-OSS's sliding-window
+#: and full-attention masks, with its sinks (tm.CausalAttention computes flex's math on them)
+MASKS = {"gpt_oss"}
+#: weights' seeds other than 0: qwen3_5's one MoE layer (8 experts, top 2) under seed 0 routes the batches' tokens
+#: to experts that sit evenly on 2 ranks, and no replica would be planned
+SEEDS = {"qwen3_5": 1}
+#: vision-language families whose text-only forward still needs the token positions (its rotary embedding reads
+#: them) and its placeholder token ids (none occurs in the batches: no vision input)
+POSITIONS = {"qwen3_5"}
+
+
+def _parallelize_kwargs(world, how, family=None, backend="partial_dtensor"):
     import tempfile
 
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import FullAC
 
-    parallelism, dims = _dims(world)
-    return dict(parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
+    parallelism, dims = _dims(world, backend)
+    param_dtype = "bfloat16" if tm.FAMILIES.get(family, ("",))[0] in MIXED else "float32"
+    return dict(parallel_dims=dims, training=TrainingConfig(mixed_precision_param=param_dtype), parallelism=parallelism,
                 compile_config=CompileConfig(), ac_config=FullAC.Config() if how == "fsdp-ac" else None,
                 dump_folder=tempfile.mkdtemp())
 
@@ -96,7 +119,7 @@ def _train(rank, world, family, config, how, perturb=False, steps=STEPS, lose_ma
     from ultraep.integrations import torchtitan as integration
 
     spec = tm._registry(tm.FAMILIES[family][0])
-    model = tm.decoder(family)
+    model = tm.decoder(family, seed=SEEDS.get(family, 0))
     ref = copy.deepcopy(model)
     ultraep.wrap(model, config)
     if perturb:
@@ -104,11 +127,14 @@ def _train(rank, world, family, config, how, perturb=False, steps=STEPS, lose_ma
         with torch.no_grad():
             p = rt.layers[0].master_params()[0]
             p[0].add_(p[0].abs().mean() * 10)
-    kwargs = _parallelize_kwargs(world, how)
+    kwargs = _parallelize_kwargs(world, how, family)
     integration.parallelize(spec.parallelize_fn, model, **kwargs)
+    base = tm.FAMILIES[family][0]
+    how = {"mixed": base in MIXED, "masks": base in MASKS, "positions": base in POSITIONS}
     if perturb:  # the reference starts from the unperturbed weights (the start is otherwise shared bit for bit)
-        return _loop(rank, world, model, ref, kwargs["parallel_dims"], steps, shared_start=False)
-    return _loop(rank, world, model, ref, kwargs["parallel_dims"], steps, lose_master_update=lose_master_update)
+        return _loop(rank, world, model, ref, kwargs["parallel_dims"], steps, shared_start=False, **how)
+    return _loop(rank, world, model, ref, kwargs["parallel_dims"], steps, lose_master_update=lose_master_update,
+                 **how)
 
 
 def _override(rank, world, family, policy, how):
@@ -181,11 +207,37 @@ def _rows(t, rank, is_master, M):
     return t[rank * M:(rank + 1) * M] if is_master else t
 
 
-def _loop(rank, world, model, ref, dims, steps=STEPS, lose_master_update=False, shared_start=True):
+_MASKS: dict = {}
+
+
+def _forward(model, ids, masks, mixed=False, positions_needed=False):
+    """The model on ``ids`` (whole sequences), with torchtitan's own attention masks for the family when ``masks``.
+    ``mixed`` (the unwrapped model only): as FSDP's bf16 mixed precision computes — with bf16 copies of the fp32
+    parameters, the gradients flowing back into them in fp32 (buffers stay as they are, as FSDP leaves them)."""
+    kwargs = {}
+    positions = torch.arange(ids.shape[1]).repeat(ids.shape[0], 1)
+    if masks:  # torchtitan compiles its mask builder: eager here (a few tokens), once per batch shape
+        key = (type(model).__name__, tuple(ids.shape))
+        if key not in _MASKS:
+            with torch.compiler.set_stance("force_eager"):
+                _MASKS[key] = model.get_attention_masks(positions)
+        kwargs["attention_masks"] = _MASKS[key]
+    if positions_needed:
+        vocab = int(model.config.vocab_size)
+        kwargs.update(positions=positions, special_tokens={"image_id": vocab - 1, "video_id": vocab - 2})
+    if not mixed:
+        return model(ids, **kwargs)
+    params = {n: p.bfloat16() for n, p in model.named_parameters()}
+    return torch.func.functional_call(model, params, (ids,), kwargs)
+
+
+def _loop(rank, world, model, ref, dims, steps=STEPS, lose_master_update=False, shared_start=True, mixed=False,
+          masks=False, positions=False):
     """``steps`` SGD steps of the wrapped model (torchtitan's loss scaling, its load-balancing hook) against the
     unwrapped one on the global batch, each with its own optimizer; returns the mismatches and the replica rows
     planned. ``lose_master_update``: the negative control — rank 0's masters keep their weights through the first
-    optimizer step."""
+    optimizer step. ``mixed``: the wrapped model trains in FSDP's bf16 mixed precision, the unwrapped one computes
+    alike (:func:`_forward`); ``masks``: both read torchtitan's attention masks."""
     import torch.distributed as dist
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
 
@@ -211,12 +263,17 @@ def _loop(rank, world, model, ref, dims, steps=STEPS, lose_master_update=False, 
         ref_opt.zero_grad(set_to_none=True)
         ids = _ids(vocab, rank, step)
         n_global = world * ids[:, 1:].numel()
-        loss = _ce_sum(model(ids), ids) / n_global  # torchtitan's: every rank's sum over the global token count
+        loss = _ce_sum(_forward(model, ids, masks, positions_needed=positions), ids) / n_global  # torchtitan's: every rank's sum over the global token count
         loss.backward()
         for layer in rt.layers:  # rows this call's plan sent to replica slots: tokens served by replicas
             served += int(layer.last_plan.routes_RRS[:, :, layer.topology.num_masters:].sum())
-        everyone = torch.cat([_ids(vocab, r, step) for r in range(world)])
-        ref_loss = _ce_sum(ref(everyone), everyone) / n_global
+        batches = [_ids(vocab, r, step) for r in range(world)]
+        if mixed:  # in bf16 a gradient's sum over tokens rounds by the batch it runs on: each rank's batch, as data
+            # parallelism computes it, the gradients summed in fp32 (each batch's own bf16 parameter copies)
+            ref_loss = sum(_ce_sum(_forward(ref, b, masks, mixed, positions), b) for b in batches) / n_global
+        else:
+            everyone = torch.cat(batches)
+            ref_loss = _ce_sum(_forward(ref, everyone, masks, mixed, positions), everyone) / n_global
         ref_loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -226,6 +283,8 @@ def _loop(rank, world, model, ref, dims, steps=STEPS, lose_master_update=False, 
             clean = name.replace("._checkpoint_wrapped_module", "")
             g = _full(p.grad) if p.grad is not None else torch.zeros(p.shape)
             want = ref_params[clean].grad
+            if want is None:  # a parameter the text forward does not reach (qwen3_5's vision encoder): no gradient
+                want = torch.zeros(ref_params[clean].shape)
             if id(p) in masters:
                 M = p.shape[0]
                 want = want[rank * M:(rank + 1) * M]
@@ -259,36 +318,59 @@ def _loop(rank, world, model, ref, dims, steps=STEPS, lose_master_update=False, 
             want = _rows(ref_params[name].detach(), rank, is_master, p.shape[0]) - p0
             if not (e := rel_error(p - p0, want)) <= tol:
                 problems.append(f"step {step} {name} parameter after the update: {e:.3g}")
+        if mixed:  # see the module doc: two bf16 trainings part ways by rounding, so each step starts from one state
+            _take_parameters(ref, model, rt, world)
         rt.next_step(loss=float(total))
     return {"problems": problems[:PROBLEMS], "replicas": served, "biases": len(bias_ref)}
 
 
-def _check(results):
+def _check(results, case=""):
     for r, res in enumerate(results):
-        assert not res["problems"], f"rank {r}: " + "\n".join(res["problems"])
-    assert sum(res["replicas"] for res in results) > 0, "no replica served a token: the test would prove nothing"
+        assert not res["problems"], f"{case} rank {r}: " + "\n".join(res["problems"])
+    assert sum(res["replicas"] for res in results) > 0, f"{case}: no replica served a token: the test would prove nothing"
+
+
+#: every torchtitan 0.3.0 family with routed experts, trained whole
+FAMILIES = ["qwen3", "deepseek_v3", "kimi_k2_7", "gpt_oss", "qwen3_5"]
+
+
+def _cases(rank, world, cases):
+    """Several trainings on one set of ranks (the fork, the process group and the first calls paid once): each case
+    ``(family, policy, how, perturbed)``; a perturbed case trains one step (its first step already differs)."""
+    return [_train(rank, world, family, POLICIES[policy], how, perturbed, 1 if perturbed else STEPS)
+            for family, policy, how, perturbed in cases]
+
+
+def _check_cases(results, cases):
+    for i, case in enumerate(cases):
+        per_rank = [res[i] for res in results]
+        if case[3]:  # negative control: a perturbed master must fail the same comparison
+            assert any(res["problems"] for res in per_rank), f"{case}: a perturbed master passed"
+        else:
+            _check(per_rank, str(case))
+            assert per_rank[0]["biases"] > 0, case  # the load-balancing hook's biases were compared
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("how", ["fsdp", "fsdp-ac"])
-@pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
-def test_two_ranks_train_like_the_unwrapped_model(family, policy, how):
-    results = run_ranks(_train, 2, family, POLICIES[policy], how)
-    _check(results)
-    assert results[0]["biases"] > 0  # the load-balancing hook's biases were compared
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_ranks_train_like_the_unwrapped_model(family):
+    """quota and adaptive under torchtitan's FSDP2 and full activation checkpointing (qwen3 also without
+    checkpointing), and the family's negative control: a perturbed master fails the comparison."""
+    cases = [(family, policy, "fsdp-ac", False) for policy in POLICIES]
+    if family == "qwen3":
+        cases += [(family, policy, "fsdp", False) for policy in POLICIES]
+    cases.append((family, "quota", "fsdp-ac", True))
+    _check_cases(run_ranks(_cases, 2, cases), cases)
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("family,policy", [("qwen3", "quota"), ("deepseek_v3-node-limited", "adaptive")])
-def test_four_ranks_train_like_the_unwrapped_model(family, policy):
-    _check(run_ranks(_train, 4, family, POLICIES[policy], "fsdp-ac"))
-
-
-def test_a_perturbed_master_fails_the_training_comparison():
-    # negative control: a master perturbed after wrap (the reference starts from the unperturbed weights)
-    results = run_ranks(_train, 2, "qwen3", POLICIES["quota"], "fsdp", True)
-    assert any(res["problems"] for res in results), results
+@pytest.mark.parametrize("cases", [[("qwen3", "quota")], [("deepseek_v3-node-limited", "adaptive")],
+                                   [("kimi_k2_7", "adaptive"), ("gpt_oss", "quota"), ("qwen3_5", "adaptive")]],
+                         ids=lambda cases: "+".join(f for f, _ in cases))
+def test_four_ranks_train_like_the_unwrapped_model(cases):
+    # negative control: the first family with a perturbed master fails the same comparison on 4 ranks
+    cases = [(family, policy, "fsdp-ac", False) for family, policy in cases] + [(cases[0][0], "quota", "fsdp-ac", True)]
+    _check_cases(run_ranks(_cases, 4, cases), cases)
 
 
 @pytest.mark.numerics
@@ -314,6 +396,49 @@ def test_without_the_exclusion_torchtitan_fsdp_takes_the_experts_and_wrap_refuse
     for res in run_ranks(_override, 2, "qwen3", "quota", "fsdp-takes-experts", p2p=False):  # refused first
         msg = res.get("refused")
         assert msg and "sharded by fully_shard" in msg and "\n" not in msg, res
+
+
+def _spmd(rank, world, backend, path):
+    """A balanced qwen3 parallelized under torchtitan's SPMD backend ``backend``: through ultraep's ``parallelize``
+    (a loop of one's own: ``path='loop'``) or built by the override's model class on the meta device and handed to
+    the family's ``parallelize_fn`` (the trainer's path). Returns the refusal, or None."""
+    import ultraep
+    from ultraep.integrations import torchtitan as integration
+
+    spec = tm._registry("qwen3")
+    kwargs = _parallelize_kwargs(world, "fsdp-ac", backend=backend)
+    try:
+        if path == "loop":
+            model = tm.decoder("qwen3")
+            ultraep.wrap(model, POLICIES["quota"])
+            integration.parallelize(spec.parallelize_fn, model, **kwargs)
+        else:
+            from torchtitan.config.override import OverrideConfig, apply_overrides
+
+            spec.model = tm.decoder_config("qwen3")
+            apply_overrides(OverrideConfig(imports=[("ultraep.integrations.torchtitan.balanced",
+                                                     {"policy": "quota", "slots": 2})]), spec)
+            with torch.device("meta"):
+                model = spec.model.build()
+            spec.parallelize_fn(model, **kwargs)
+    except ultraep.UltraEPError as exc:
+        return str(exc)
+    return None
+
+
+SPMD_CASES = [(backend, path) for backend in ("spmd_types", "full_dtensor") for path in ("loop", "trainer")]
+
+
+def _spmd_cases(rank, world):
+    return [_spmd(rank, world, backend, path) for backend, path in SPMD_CASES]
+
+
+def test_the_full_mesh_spmd_backends_are_refused_in_one_line():
+    # torchtitan 0.3.0's default is spmd_types; the balanced model runs under partial_dtensor (every test above)
+    for per_rank in run_ranks(_spmd_cases, 2, p2p=False):
+        for (backend, path), msg in zip(SPMD_CASES, per_rank):
+            assert msg and "parallelism.spmd_backend" in msg and f"'{backend}'" in msg and "partial_dtensor" in msg \
+                and "\n" not in msg, (backend, path, msg)
 
 
 def test_the_comparison_fails_when_a_masters_optimizer_update_is_lost():

@@ -5,12 +5,13 @@
 * :func:`decoder` — the whole decoder of the flavor, its first layers only, the same expert cut, and its inner
   attention replaced by :class:`CausalAttention` (the flavors' attention is flex or varlen attention, which has no
   backward on CPU; on a batch of whole sequences — positions ``0..L-1`` — its block-causal mask is the causal
-  mask, which :class:`CausalAttention` computes with ``scaled_dot_product_attention``). ultraep touches only the
+  mask, which :class:`CausalAttention` computes with ``scaled_dot_product_attention``, or flex's math on the
+  model's own flex masks where it passes them: GPT-OSS's sinks and sliding windows). ultraep touches only the
   routed experts, so the wrapped and the unwrapped model share whatever attention they have.
 
-qwen3_5's package imports ``fla`` (GPU kernels) at import time: its MoE block is built here from the same
-common builders its layer function calls (softmax router with ``route_norm``, routed experts, the sigmoid-gated
-shared expert), and only that block is tested.
+qwen3_5's model module imports ``fla`` (flash-linear-attention's ops, installed by ``make setup``) at import time;
+its GatedDeltaNet (linear-attention) layers call fla's Triton kernels, which need a GPU: :func:`decoder` keeps its
+full-attention layers only, and no test runs fla's code.
 
 Families (:data:`FAMILIES`): every torchtitan family with routed experts, plus variants that switch on
 node-limited routing (``num_expert_groups`` / ``num_limited_groups``) and ``load_balance_coeff`` off.
@@ -19,11 +20,12 @@ node-limited routing (``num_expert_groups`` / ``num_limited_groups``) and ``load
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 from torch import nn
 
+#: the largest vocabulary of the tiny decoders (the debug flavors' 2048)
+VOCAB = 2048
 #: expert hidden size of the tiny models (a multiple of 8: torch._grouped_mm's bf16 strides are 16-byte aligned)
 HIDDEN = 32
 
@@ -41,10 +43,14 @@ def _registry(family: str):
         from torchtitan.models.kimi_k2_7 import model_registry
 
         return model_registry("debugmodel")
-    if family == "gpt_oss":
+    if family == "gpt_oss":  # flex: the attention masks are flex BlockMasks the test attention reads
         from torchtitan.models.gpt_oss import model_registry
 
-        return model_registry("debugmodel")
+        return model_registry("debugmodel", attn_backend="flex")
+    if family == "qwen3_5":
+        from torchtitan.models.qwen3_5 import model_registry
+
+        return model_registry("debugmodel_moe")
     raise KeyError(family)
 
 
@@ -65,28 +71,6 @@ def _shrink(moe_cfg, node_limited: bool = False, load_balance: bool = True):
     return moe_cfg
 
 
-def _qwen3_5_moe():
-    """Qwen3.5's MoE layer config, as its ``_build_..._moe_layers`` makes it (64 experts, top-8 of the debug MoE
-    flavor; dims of the debug flavor)."""
-    from torchtitan.models.common.config_utils import (make_ffn_config, make_moe_config, make_routed_experts_config,
-                                                       make_router_config)
-    from torchtitan.models.common.feed_forward import SigmoidGatedFeedForward
-    from torchtitan.models.common.linear import Linear
-
-    dim, E, K = 256, 64, 8
-    init = {"weight": functools.partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
-    ffn = make_ffn_config(dim=dim, hidden_dim=512, w1_param_init=init, w2w3_param_init=init)
-    return make_moe_config(
-        num_experts=E,
-        router=make_router_config(dim=dim, num_experts=E, gate_param_init=init, top_k=K, score_func="softmax",
-                                  route_norm=True),
-        routed_experts=make_routed_experts_config(dim=dim, hidden_dim=512, num_experts=E, top_k=K,
-                                                  param_init={n: init["weight"] for n in ("w1_EFD", "w2_EDF", "w3_EFD")},
-                                                  comm_backend="standard"),
-        shared_experts=SigmoidGatedFeedForward.Config(w1=ffn.w1, w2=ffn.w2, w3=ffn.w3, gate=Linear.Config(
-            in_features=dim, out_features=1, param_init=init)))
-
-
 #: family -> (registry family, variant options)
 FAMILIES = {
     "qwen3": ("qwen3", {}),
@@ -101,8 +85,6 @@ FAMILIES = {
 
 def moe_config(family: str):
     base, opts = FAMILIES[family]
-    if base == "qwen3_5":
-        return _shrink(_qwen3_5_moe(), **opts)
     cfg = _registry(base).model
     moe = next(layer.moe for layer in cfg.layers if getattr(layer, "moe", None) is not None)
     return _shrink(moe, **opts)
@@ -128,14 +110,42 @@ def moe_block(family: str, seed: int = 0) -> nn.Module:
 
 
 class CausalAttention(nn.Module):
-    """The inner attention of a flavor on whole sequences: causal ``scaled_dot_product_attention`` over
-    ``(B, L, N, H)`` q/k/v (the flavors' block-causal flex mask with one document per row)."""
+    """The inner attention of a flavor, with a backward on CPU (flex and varlen attention have none there), over
+    ``(B, L, N, H)`` q/k/v:
 
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2), is_causal=True, scale=scale,
-            enable_gqa=enable_gqa)
-        return out.transpose(1, 2)
+    * called without a mask and without ``out_transform`` (the flavors' block-causal mask on whole sequences is
+      the causal mask): causal ``scaled_dot_product_attention``;
+    * called with torchtitan's own flex ``BlockMask`` (from the model's ``get_attention_masks``) or an
+      ``out_transform`` (GPT-OSS's attention sinks, which rescale by the log-sum-exp): flex attention's math in
+      full — scores ``q·kᵀ·scale`` where the mask's ``mask_mod`` allows (evaluated for every position pair,
+      ``create_mask``), softmax, the log-sum-exp (natural log, as flex returns it), then ``out_transform(out, lse)``;
+      grouped-query heads as flex's ``enable_gqa`` (query head ``n`` reads key/value head ``n // (N / N_kv)``).
+      tests/test_torchtitan.py checks it against torchtitan's ``FlexAttention`` itself (forward, which flex runs
+      on CPU)."""
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False,
+                out_transform=None, **kwargs):
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))  # (B, N, L, H)
+        if attention_masks is None and out_transform is None:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                   enable_gqa=enable_gqa)
+            return out.transpose(1, 2)
+        from torch.nn.attention.flex_attention import create_mask
+
+        B, N, L, H = q.shape
+        if k.shape[1] != N:  # grouped-query attention
+            k, v = (t.repeat_interleave(N // t.shape[1], dim=1) for t in (k, v))
+        if attention_masks is None:
+            allowed = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        else:
+            allowed = create_mask(attention_masks.mask_mod, B, 1, L, L, device=q.device)  # (B, 1, L, L)
+        scores = (q @ k.transpose(-2, -1)).float() * (H ** -0.5 if scale is None else scale)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        lse_BNL = torch.logsumexp(scores, dim=-1)
+        out = (torch.softmax(scores, dim=-1).to(v.dtype) @ v).transpose(1, 2)  # (B, L, N, Hv)
+        if out_transform is None:
+            return out
+        return out_transform(out, lse_BNL.transpose(1, 2))
 
 
 def decoder_config(family: str, layers: int = 2):
@@ -143,6 +153,8 @@ def decoder_config(family: str, layers: int = 2):
     cfg = _registry(base).model
     keep = []
     for layer in cfg.layers:  # the first `layers` MoE layers (and the dense ones before them)
+        if getattr(layer, "delta_net", None) is not None:  # qwen3_5's linear attention: fla's Triton kernels only
+            continue
         if getattr(layer, "moe", None) is not None:
             layer = dataclasses.replace(layer, moe=_shrink(layer.moe, **opts))
         keep.append(layer)
@@ -151,6 +163,12 @@ def decoder_config(family: str, layers: int = 2):
     cfg.layers = keep
     if hasattr(cfg, "mtp_layers"):
         cfg.mtp_layers = []
+    if getattr(cfg, "vision_encoder", None) is not None and base == "kimi_k2_7":  # text only, as its Moonlight
+        cfg.vision_encoder = None                                                  # flavor (qwen3_5 needs one)
+    if cfg.vocab_size > VOCAB:  # qwen3_5's debug flavor has the full 248k vocabulary
+        cfg.vocab_size = VOCAB
+        cfg.tok_embeddings = dataclasses.replace(cfg.tok_embeddings, num_embeddings=VOCAB)
+        cfg.lm_head = dataclasses.replace(cfg.lm_head, out_features=VOCAB)
     return cfg
 
 

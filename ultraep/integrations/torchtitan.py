@@ -25,7 +25,8 @@ divided by the global token count): the runtime reads that and sums the masters'
 (``master_grads='auto'``). Activation checkpointing and the ``load_balance_coeff`` hook
 (``register_moe_load_balancing_hook``) need nothing: the router, ``expert_bias_E`` and ``tokens_per_expert_E`` stay
 in torchtitan's ``MoE``. Refused in one line: EP degree > 1, expert TP, a non-local dispatcher, a converted experts
-class (``ultraep.models.torchtitan``).
+class (``ultraep.models.torchtitan``), and an SPMD backend other than :data:`SPMD_BACKEND`
+(:func:`check_spmd_backend`).
 
 """
 
@@ -38,6 +39,24 @@ from torch import nn
 from ultraep.models.torchtitan import SEAM_VERSION, check_seam, prepare, version
 
 _PATCHED = "_ultraep_fully_shard"
+#: the ``parallelism.spmd_backend`` ultraep runs under: DTensors for the model-parallel axes only, FSDP2 as usual
+SPMD_BACKEND = "partial_dtensor"
+
+
+def check_spmd_backend(backend: str | None) -> None:
+    """Refuse, in one line naming the setting, torchtitan's ``spmd_types`` and ``full_dtensor`` backends: they make
+    every parameter a DTensor on the full SPMD mesh (FSDP2 then requires it of every parameter it shards, and
+    ``Module.parallelize`` types each module's states by its sharding config). An expert master is a plain tensor
+    holding other experts on every rank, which neither a Replicate nor a Shard placement describes."""
+    if backend is not None and backend != SPMD_BACKEND:
+        from ultraep.models.experts import UnsupportedModelError
+
+        raise UnsupportedModelError("parallelism.spmd_backend", f"refused: '{backend}' types every parameter as a "
+                                    "DTensor on the full SPMD mesh, and ultraep's expert masters (other experts on "
+                                    "each rank) have no such placement; set --parallelism.spmd_backend "
+                                    f"{SPMD_BACKEND}")
+
+
 _CLASSES: dict[tuple[type, str], type] = {}
 
 
@@ -82,6 +101,8 @@ def install() -> None:
 def parallelize(parallelize_fn, model: nn.Module, **kwargs) -> nn.Module:
     """``parallelize_fn(model, **kwargs)`` (a torchtitan model spec's ``parallelize_fn``) on a model ``ultraep.wrap``
     balanced, its FSDP application leaving the expert masters to ultraep."""
+    parallelism = kwargs.get("parallelism")
+    check_spmd_backend(getattr(parallelism, "spmd_backend", None))
     install()
     return parallelize_fn(model, **kwargs)
 
@@ -111,12 +132,16 @@ def _balanced_class(owner: type, config_json: str) -> type:
         else:  # wrapped on the meta device: this rank's masters, initialised by rows
             ultraep.load_masters(self, _expert_init(self))
 
+    def parallelize(self, parallel_dims, *args, **kwargs):  # the full-mesh backends' first step (parallelize_fn)
+        check_spmd_backend(getattr(parallel_dims, "spmd_backend", None))
+        return owner.parallelize(self, parallel_dims, *args, **kwargs)
+
     # torchtitan wires a Config class to the model class that defines it (Configurable.__init_subclass__): the
     # balanced class defines its own Config, a subclass of the original's with the same fields
     config_cls = dataclasses.dataclass(kw_only=True, slots=True)(
         type("Config", (owner.Config,), {"__qualname__": f"{owner.__name__}.Config", "__module__": owner.__module__}))
     cls = type(owner.__name__, (owner,), {
-        "Config": config_cls, "__init__": __init__, "init_states": init_states,
+        "Config": config_cls, "__init__": __init__, "init_states": init_states, "parallelize": parallelize,
         "_ultraep_config": _parse(config_json), "_ultraep_fsdp_ignores_experts": True, "__module__": owner.__module__,
         "__doc__": f"{owner.__name__} balanced by ultraep (ultraep.integrations.torchtitan.balanced)."})
     _CLASSES[key] = cls
