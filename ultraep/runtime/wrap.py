@@ -364,8 +364,12 @@ def load_masters(model: nn.Module, source: MasterSource) -> nn.Module:
     :class:`DCPMasters`; keys: the unwrapped model's ``state_dict`` names) or written by an init
     (:class:`InitMasters`). Call after ``model.to_empty(device=...)`` for a model built on the meta device; on any
     wrapped model it replaces the masters' weights. Not collective: each rank reads only its own rows."""
-    master_rows.load(runtime_of(model).layers, source)
-    runtime_of(model).invalidate_replicas()  # (the masters were written through .data: the cache must not trust them)
+    rt = runtime_of(model)
+    inner = data_parallel.model_of(model)
+    if data_parallel.has_fsdp(inner):  # a master that fully_shard took is refused before rows are written into it
+        data_parallel.refuse_sharded_masters(inner, rt.layers)
+    master_rows.load(rt.layers, source)
+    rt.invalidate_replicas()  # (the masters were written through .data: the cache must not trust them)
     return model
 
 
