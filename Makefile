@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 EXTRAS := dev,kernels,hf,dashboard,docs
 # torchtitan's model code without its training stack (datasets, wandb, tensorboard, torchdata, ...): what its
 # models, configs and parallelize functions import (docs/design.md, "torchtitan, and what the tests install")
-TITAN_IMPORTS := spmd_types tyro einops fla-core
+TITAN_IMPORTS := spmd_types tyro einops
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt Makefile | sha1sum | cut -c1-12)
 
 .PHONY: setup test docs demo dashboard bench gpu-check clean

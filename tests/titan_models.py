@@ -9,9 +9,11 @@
   model's own flex masks where it passes them: GPT-OSS's sinks and sliding windows). ultraep touches only the
   routed experts, so the wrapped and the unwrapped model share whatever attention they have.
 
-qwen3_5's model module imports ``fla`` (flash-linear-attention's ops, installed by ``make setup``) at import time;
-its GatedDeltaNet (linear-attention) layers call fla's Triton kernels, which need a GPU: :func:`decoder` keeps its
-full-attention layers only, and no test runs fla's code.
+qwen3_5's model module imports ``fla`` (flash-linear-attention's Triton ops) at import time; its GatedDeltaNet
+(linear-attention) layers call them, and they need a GPU: :func:`decoder` keeps its full-attention layers only, and
+no test runs fla's code. Where ``fla`` is not installed (this venv: with it, transformers' own Qwen3-Next layers
+would call its GPU kernels on CPU), :func:`_import_qwen3_5` imports the module with placeholders in fla's place
+that raise when used, and takes them out of ``sys.modules`` again.
 
 Families (:data:`FAMILIES`): every torchtitan family with routed experts, plus variants that switch on
 node-limited routing (``num_expert_groups`` / ``num_limited_groups``) and ``load_balance_coeff`` off.
@@ -48,10 +50,59 @@ def _registry(family: str):
 
         return model_registry("debugmodel", attn_backend="flex")
     if family == "qwen3_5":
-        from torchtitan.models.qwen3_5 import model_registry
-
-        return model_registry("debugmodel_moe")
+        return _import_qwen3_5().model_registry("debugmodel_moe")
     raise KeyError(family)
+
+
+#: the modules of fla that qwen3_5's model module imports from (torchtitan 0.3.0)
+_FLA_MODULES = ("fla", "fla.modules", "fla.modules.conv", "fla.modules.conv.triton", "fla.modules.conv.triton.ops",
+                "fla.modules.conv.causal_conv1d", "fla.ops", "fla.ops.gated_delta_rule",
+                "fla.ops.gated_delta_rule.chunk", "fla.ops.gated_delta_rule.fused_recurrent")
+
+
+class _FlaPlaceholder:
+    """What qwen3_5's module imports from fla, when fla is not installed: any use raises, so a test that reached
+    fla's code would fail, never run something else."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name}: flash-linear-attention is not installed (its Triton ops need a GPU)")
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _FlaPlaceholder(f"{self._name}.{attr}")
+
+
+def _import_qwen3_5():
+    """torchtitan's qwen3_5 package; without fla installed, imported with :class:`_FlaPlaceholder` modules in fla's
+    place, removed from ``sys.modules`` afterwards (so that nothing else, e.g. transformers, finds an ``fla``)."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    if "torchtitan.models.qwen3_5" in sys.modules or importlib.util.find_spec("fla") is not None:
+        return importlib.import_module("torchtitan.models.qwen3_5")
+
+    class _Module(types.ModuleType):
+        def __getattr__(self, attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return _FlaPlaceholder(f"{self.__name__}.{attr}")
+
+    placed = [name for name in _FLA_MODULES if name not in sys.modules]
+    for name in placed:
+        mod = _Module(name)
+        mod.__path__ = []  # a package: its submodules import
+        sys.modules[name] = mod
+    try:
+        return importlib.import_module("torchtitan.models.qwen3_5")
+    finally:
+        for name in placed:
+            sys.modules.pop(name, None)
 
 
 def _shrink(moe_cfg, node_limited: bool = False, load_balance: bool = True):
