@@ -10,7 +10,7 @@ Numbers say where they came from: ``cpu`` is the CPU model, ``isa`` the vector I
 may use, ``threads`` the threads the measured code ran on (:data:`THREADS`, set by a benchmark whose ranks
 run one thread each), ``run`` one id per invocation. The rows behind a figure the README quotes are
 committed: ``python benchmarks/common.py commit <bench>`` copies the latest run's rows to
-``benchmarks/results_committed/<bench>.csv``.
+``benchmarks/results_committed/<bench>.csv`` (``--runs N``: the latest N runs, for a goal met in N runs).
 """
 
 from __future__ import annotations
@@ -103,16 +103,22 @@ def write_rows(bench: str, rows: list[dict]) -> Path:
     return path
 
 
-def commit(bench: str) -> Path:
-    """Copy the latest run's rows of ``results/<bench>.csv`` to ``results_committed/<bench>.csv`` (replacing it):
-    the rows behind the figures the README and docs/benchmarks.md quote, committed with them."""
+def commit(bench: str, runs: int = 1) -> Path:
+    """Copy the rows of the latest ``runs`` runs of ``results/<bench>.csv`` to ``results_committed/<bench>.csv``
+    (replacing it): the rows behind the figures the README and docs/benchmarks.md quote, committed with them.
+    ``runs`` > 1 keeps repeated runs of record together (a goal met "in three runs")."""
+    if runs < 1:
+        raise SystemExit(f"commit: --runs must be at least 1, got {runs}")
     src = RESULTS / f"{bench}.csv"
     if not src.exists():
         raise SystemExit(f"commit: no results for {bench!r} ({src}); run benchmarks/{bench}.py first")
     with src.open(newline="") as fh:
         rows = list(csv.DictReader(fh))
-    latest = rows[-1]["run"] if rows else None
-    keep = [r for r in rows if r["run"] == latest]
+    order = list(dict.fromkeys(r["run"] for r in rows))  # the runs in the order they were written
+    if len(order) < runs:
+        raise SystemExit(f"commit: {src} holds {len(order)} run(s) of {bench}, fewer than --runs {runs}")
+    latest = set(order[-runs:])
+    keep = [r for r in rows if r["run"] in latest]
     COMMITTED.mkdir(parents=True, exist_ok=True)
     out = COMMITTED / f"{bench}.csv"
     with out.open("w", newline="") as fh:
@@ -125,6 +131,11 @@ def commit(bench: str) -> Path:
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) != 3 or sys.argv[1] != "commit":
-        raise SystemExit("usage: python benchmarks/common.py commit <bench>   (e.g. bench_planner)")
-    print(f"{commit(sys.argv[2])}: the latest run's rows, to commit with the figures they back")
+    args = sys.argv[1:]
+    n = 1
+    if len(args) == 4 and args[2] == "--runs" and args[3].isdigit():
+        n, args = int(args[3]), args[:2]
+    if len(args) != 2 or args[0] != "commit":
+        raise SystemExit("usage: python benchmarks/common.py commit <bench> [--runs N]   (e.g. bench_planner; "
+                         "--runs 3: the latest three runs)")
+    print(f"{commit(args[1], n)}: the latest {n} run(s)' rows, to commit with the figures they back")

@@ -7,6 +7,7 @@ import csv
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,3 +42,19 @@ def test_old_columns_are_kept_aside_and_commit_copies_the_latest_run(tmp_path, m
         rows = list(csv.DictReader(fh))
     assert [(r["run"], r["x"], float(r["p50"])) for r in rows] == [("run-2", "1", 2.0), ("run-2", "2", 2.0)]
     assert rows[0]["isa"] == torch.backends.cpu.get_cpu_capability() and rows[0]["cpu"] == common.cpu_model()
+
+
+def test_commit_keeps_the_latest_runs_asked_for(tmp_path, monkeypatch):
+    """A goal met "in three runs" commits the three runs' rows together; asking for more runs than the results
+    hold stops with a message, and replaces nothing."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(common, "COMMITTED", tmp_path / "committed")
+    for i in (1, 2, 3, 4):
+        monkeypatch.setattr(common, "RUN", f"run-{i}")
+        common.write_rows("bench_y", [common.row("a", "p", "latency", "s", 1, [float(i)])])
+    with common.commit("bench_y", runs=3).open() as fh:
+        assert [r["run"] for r in csv.DictReader(fh)] == ["run-2", "run-3", "run-4"]
+    with pytest.raises(SystemExit, match="holds 4 run"):
+        common.commit("bench_y", runs=5)
+    with (tmp_path / "committed" / "bench_y.csv").open() as fh:
+        assert len(list(csv.DictReader(fh))) == 3
