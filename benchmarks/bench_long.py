@@ -24,7 +24,7 @@ Two parts, one table each, rows in ``benchmarks/results/bench_long.csv``:
    (:func:`ultraep.engine.footprint`: items and bytes held) at a tenth of the decisions and at the end, and the
    median time per decision in the first and the last tenth: both must stay flat.
 
-    .venv/bin/python benchmarks/bench_long.py                    # the run of record (about 15 min on 2 quiet cores)
+    .venv/bin/python benchmarks/bench_long.py                    # the run of record (about 5 min for the runtime part on 2 quiet cores)
     .venv/bin/python benchmarks/bench_long.py --calls 60 --window 20 --decisions 2000   # a smoke run (minutes)
     .venv/bin/python benchmarks/bench_long.py --part engine      # only the engine's state (10^5 decisions)
     .venv/bin/python benchmarks/bench_long.py --probe-share 0.1  # the adaptive engine's probe budget

@@ -376,8 +376,8 @@ def test_two_ranks_train_like_the_unwrapped_model(family):
     _check_cases(run_ranks(_cases, 2, cases), cases)
 
 
-@pytest.mark.parametrize("cases", [pytest.param(c, marks=pytest.mark.numerics) if all(
-    f.split("-")[0] in _RERUN for f, _ in c) else c for c in [
+@pytest.mark.parametrize("cases", [c if any(f in MIXED for f, _ in c) else pytest.param(c, marks=pytest.mark.numerics)
+                                   for c in [
         [("qwen3", "quota")], [("deepseek_v3-node-limited", "adaptive")],
         [("kimi_k2_7", "adaptive"), ("gpt_oss", "quota"), ("qwen3_5", "adaptive")]]],
     ids=lambda cases: "+".join(f for f, _ in cases))
