@@ -188,3 +188,23 @@ def test_building_the_simulate_command_imports_no_simulator():
     out = subprocess.run([sys.executable, "-c", probe.format(extra="import ultraep.sim.uncertainty; ")],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['numba', 'ultraep.sim']"
+
+
+def test_a_degenerate_interval_equals_the_reported_figure_to_the_last_bit():
+    """Where every resample re-predicts the point (no spread), the layer-time bounds are the figure ``summarise``
+    prints, computed the same way: these ten times give 1e3 * t / n != t / n * 1e3, which once put the point a
+    rounding error outside its own interval."""
+    times = np.array([0.0085, 0.017, 0.0189, 0.009, 0.0131, 0.0116, 0.019, 0.0056, 0.016, 0.0142])
+    n = times.size
+    assert 1e3 * times.sum() / n != times.sum() / n * 1e3  # the case this pins
+    keys = ("imbalance_before imbalance_after replicas transfer_bytes ideal_s scheme_ideal_s gemm_straggler_s "
+            "token_straggler act_busiest_before act_busiest_after act_mean weight_sync_s copy_s grad_reduce_s")
+    rows = {k: np.zeros(n) for k in keys.split()}
+    rows.update(time_s=times, call_overhead_s=np.full(n, 0.002), step=np.arange(n))
+    from ultraep.sim.replay import summarise
+    from ultraep.sim.uncertainty import Overheads
+
+    point = summarise({"none": rows}, ["none"])[0]["time_per_layer_ms"]
+    lo, hi = summary_intervals({"none": rows}, ["none"], Overheads(np.full(8, 0.002), np.full(8, 0.002), n))[
+        "none"]["time_per_layer_ms"]
+    assert lo <= point <= hi

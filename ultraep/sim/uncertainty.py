@@ -169,7 +169,8 @@ def summary_intervals(rows: dict[str, dict[str, np.ndarray]], policies, over: Ov
         t = sums[p] + fixed
         lo, hi = bounds(t, level, point_t)
         fig = {"level": level, "steps": over.steps, "resamples": int(over.plain_s.size),
-               "time_per_layer_ms": [1e3 * (lo - fixed) / n, 1e3 * (hi - fixed) / n],
+               # the same arithmetic as summarise's figure, so that a bound stretched to the point equals it
+               "time_per_layer_ms": [(lo - fixed) / n * 1e3, (hi - fixed) / n * 1e3],
                "step_ms": [1e3 * lo / n_steps, 1e3 * hi / n_steps],
                "time_half_width": half_width(point_t, lo, hi)}
         if baseline in sums:
