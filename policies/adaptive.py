@@ -9,7 +9,9 @@ Legend: R ranks, E experts.
 Steps (one layer, one microbatch; each part in its own module):
 
     Step 0: the exploration budget (:mod:`.exploration`): with ``none`` in force, no candidate in contention and
-            the budget spent, the decision is idle: ``none`` alone is planned, nothing weighed, no overhead.
+            the budget spent, the decision is idle: ``none`` alone is planned, nothing weighed, no overhead. The
+            next IDLE_REST - 1 decisions take that verdict's estimate and stake while the load stays where it was
+            (REST_MOVE): they predict ``none``'s plan once, and the engine reads that prediction.
     Step 1: screen (:mod:`.screening`, :mod:`.probes`): a candidate that lost clearly LOSING_STREAK decisions in a row (or every candidate, once
             ``none`` has won clearly for ``probe_every`` decisions) rests: it is not planned nor predicted
             until it is due for re-evaluation; its history still advances with the load (its ``advance``).
@@ -55,6 +57,7 @@ from .candidates import Candidates
 from .exploration import OF_GAIN, SHARE, ExplorationBudget
 from .outcomes import CLOCK_RUNS, FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker
 from .hysteresis import Hysteresis
+from .idle import IDLE_REST, REST_MOVE, idle_plan  # noqa: F401
 from .probes import LOSING_STREAK, PROBE_BURST, PROBE_COST_SHARE, PROBE_SHARE, ProbeSchedule
 from .screening import Screen
 
@@ -121,6 +124,8 @@ class AdaptivePolicy:
                                         float(explore_of_gain))
         self.screening = Screen(self.candidates, self.schedule, self.outcomes, self.budget, screen)
         self._memo: tuple[Plan, dict] | None = None  # the last decision and its candidate plans, for commit
+        self._rest = None  # the last weighed idle verdict (:class:`.idle.Rest`), taken while the load stays (Step 0)
+        self._known: tuple | None = None  # (choice, model, breakdown) of an idle plan returned: :meth:`breakdown_of`
         self._weighing: dict | None = None  # what the budget keeps of the decision being made (Step 0)
 
     @property
@@ -132,6 +137,13 @@ class AdaptivePolicy:
         """The cost model for ``topology``: the one the engine handed over (calibrated), re-targeted to another
         topology with the current calibrated parameters (:func:`~ultraep.cost.model_for`)."""
         return model_for(self.cost_model, topology)
+
+    def breakdown_of(self, plan: Plan, cost_model):
+        """The cost-model breakdown of ``plan`` (a plan this policy returned, or a copy sharing its ``choice``) under
+        ``cost_model``, where this policy already predicted exactly that plan with that model (an idle decision:
+        the fallback's plan, no engine or switch cost added); else None (the caller predicts it)."""
+        k = self._known
+        return k[2] if k is not None and k[0] is plan.choice and k[1] is cost_model else None
 
     # ------------------------------------------------------------------ measured outcomes
     def observe_outcome(self, name: str, predicted_s: float, measured_s: float) -> None:
@@ -172,6 +184,7 @@ class AdaptivePolicy:
     def plan(self, load_RE: np.ndarray, topology: Topology, resident_RE: np.ndarray | None = None) -> Plan:
         cm = self._cost(topology)
         has = resident_RE is not None
+        self._known = None
         idle = self._idle_plan(cm, load_RE, topology, resident_RE)  # Step 0: the exploration budget
         if idle is not None:
             return idle
@@ -195,34 +208,21 @@ class AdaptivePolicy:
         return self.decide(plans, topology, screened=sorted(skip), breakdowns=bds, resident=has)
 
     def _idle_plan(self, cm, load_RE: np.ndarray, topology: Topology, resident_RE) -> Plan | None:
-        """Step 0: with the fallback in force, nothing in contention, too little at stake on this load and the
-        budget spent (:meth:`ExplorationBudget.idle`), the fallback's plan alone: nothing weighed, no overhead; the
-        other candidates' histories advance with the load in :meth:`commit`. Otherwise None (weigh)."""
-        fb = self.fallback
-        if self.current != fb or self.budget.share is None or not all(map(self.candidates.can_rest, self.policies)):
-            return None
-        pl = plan_with_residency(self.policies[fb], load_RE, topology, resident_RE)
-        bd = cm.predict(pl)
-        fb_s = self.estimate(fb, bd.total_s)
-        stake = bd.total_s - cm.ideal(load_RE).total_s
-        # a rival the engine would probe is weighed when its probe is due (else within switch_now, as everywhere)
-        due = self.schedule.probe_range(self.policies, fb_s, self.budget.standing)
-        if not self.budget.idle(self.policies, fb, fb_s, stake, self.switch_now, cm.params.engine_overhead_s, due):
-            return None
-        return self.decide({fb: pl}, topology, screened=sorted(n for n in self.policies if n != fb),
-                           breakdowns={fb: bd}, resident=resident_RE is not None, idle=True)
+        """Step 0 (:func:`.idle.idle_plan`): the fallback's plan alone, or None (weigh)."""
+        return idle_plan(self, cm, load_RE, topology, resident_RE)
 
     def decide(self, plans: dict[str, Plan], topology: Topology | None = None, screened=(),
-               breakdowns: dict | None = None, resident: bool = False, idle: bool = False) -> Plan:
+               breakdowns: dict | None = None, resident: bool = False, idle: bool = False, rest: bool = False) -> Plan:
         """Steps 3-6 on ready candidate plans ``{name: plan}`` (all of the same load and topology).
         ``breakdowns``: their cost-model predictions when the caller already has them; ``resident``: the plans'
-        transfers are exactly what moves (see :meth:`_predict`); ``idle``: Step 0 planned the fallback alone."""
+        transfers are exactly what moves (see :meth:`_predict`); ``idle``: Step 0 planned the fallback alone;
+        ``rest``: a resting idle decision (Step 0, :mod:`.idle`): nothing predicted on the anchor model."""
         topology = topology or next(iter(plans.values())).topology
         cm = self._cost(topology)
         if self.outcomes.anchor_plans is plans:  # plan() started them; add candidates planned since
             ran = [n for n in plans if self.outcomes.anchored(n, self.current)]
             self._anchor_predictions(topology, plans, resident, names=ran)
-        else:  # decide() called directly (the simulator's shared candidates)
+        elif not rest:  # decide() called directly (the simulator's shared candidates); resting: carried by the caller
             self._anchor_predictions(topology, plans, resident)
         bds, predictions = self._predict_all(cm, plans, breakdowns or {}, resident)  # Step 3
         late = _late(self.candidates, self.deadline_s, cm, bds)  # Step 4
@@ -242,7 +242,8 @@ class AdaptivePolicy:
             if probe_of is not None and probe_of != self.current:  # the policy in force is measured anyway (a
                 # "probe" of it cancelled the switch this decision had chosen)
                 chosen, reason, probe = probe_of, self.schedule.reason(probe_of, self.current), True
-        self._anchor_predictions(topology, plans, resident, names=[chosen])  # what its outcome is measured against
+        if not rest:
+            self._anchor_predictions(topology, plans, resident, names=[chosen])  # what its outcome is measured against
         reason = f"idle: {self.fallback} in force, nothing in contention, exploration budget spent" if idle else reason
         facts = {"late": late, "same_as_none": same, "screened": list(screened), "pending": pending, "probe": probe,
                  "confirm": confirm is not None,
@@ -363,3 +364,4 @@ def _same_work(a: Plan, b: Plan) -> bool:
     """Whether plans ``a`` and ``b`` run the same layer: same placement, same routes, nothing moved, no overlay."""
     return (a.expert_domains is None and b.expert_domains is None and not len(a.transfers) and not len(b.transfers)
             and np.array_equal(a.phy2log_RS, b.phy2log_RS) and np.array_equal(a.routes_RRS, b.routes_RRS))
+

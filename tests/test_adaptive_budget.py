@@ -210,3 +210,71 @@ def test_without_a_share_the_schedule_probes_far_more():
     unbounded, n, _, _ = _probes(None)
     bounded, _, _, _ = _probes(0.05)
     assert unbounded > 0.05 * n + 15 and unbounded > 2 * bounded, (unbounded, bounded)
+
+
+# ------------------------------------------------------------------------ resting idle decisions (issue 56)
+def _idle_run(monkeypatch, loads, rest: int | None = None):
+    """An engine deciding ``loads`` with adaptive (nothing measured): per decision ``(idle, ideal() calls,
+    predict() calls, the decision)``; ``rest``: IDLE_REST for the run."""
+    from ultraep.config import BalancerConfig
+    from ultraep.engine import Engine
+    import ultraep.policies.idle as idle_mod
+
+    if rest is not None:
+        monkeypatch.setattr(idle_mod, "IDLE_REST", rest)
+    cm = build_cost_model("gb200-nvl72", 8, 64, 2, params=sim_params(dedup_top_k=8))
+    calls = {"ideal": 0, "predict": 0}
+    for name in calls:
+        orig = getattr(CostModel, name)
+
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            calls[_name] += 1
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(CostModel, name, counted)
+    eng = Engine(BalancerConfig(policy="adaptive"), cm.topology, cost_model=cm)
+    out = []
+    for i, load in enumerate(loads):
+        before = dict(calls)
+        d = eng.decide(i, 0, 0, load)
+        eng.commit(d)
+        a = d.plan.info["adaptive"]
+        out.append((a["idle"], calls["ideal"] - before["ideal"], calls["predict"] - before["predict"], d))
+    return out
+
+
+def _uniform_loads(n: int, tokens: int = 120, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    return [rng.multinomial(tokens * 8, np.full(64, 1 / 64), size=8).astype(np.int64) for _ in range(n)]
+
+
+def test_resting_idle_decisions_predict_the_fallback_once_and_the_engine_reads_that_prediction(monkeypatch):
+    """Nothing pays: most idle decisions rest on the last weighed verdict. A resting decision predicts ``none``'s
+    plan once (no ideal, no anchor-model prediction) and the engine records that very breakdown, equal to its own
+    prediction of the plan; with IDLE_REST 1 (negative control) every idle decision weighs the ideal again."""
+    from ultraep.policies.idle import IDLE_REST
+
+    run = _idle_run(monkeypatch, _uniform_loads(80))
+    idle = [r for r in run if r[0]]
+    assert len(idle) > 40
+    resting = [r for r in idle if r[1] == 0]
+    assert len(resting) >= len(idle) * (IDLE_REST - 2) / IDLE_REST, [r[1] for r in idle]
+    assert all(r[2] == 1 for r in resting)  # the fallback's plan, once: the policy's and the engine's
+    eng_cm = build_cost_model("gb200-nvl72", 8, 64, 2, params=sim_params(dedup_top_k=8))
+    for _, _, _, d in idle:
+        assert d.predicted.as_dict() == eng_cm.predict(d.plan).as_dict()
+    control = [r for r in _idle_run(monkeypatch, _uniform_loads(80), rest=1) if r[0]]
+    assert control and all(r[1] == 1 and r[2] >= 2 for r in control)
+
+
+def test_a_rest_ends_when_the_tokens_per_rank_move(monkeypatch):
+    """A resting verdict holds only where it was weighed: the decision after the tokens per rank double weighs
+    (the ideal again), and one where the busiest rank's share grows past ``switch_now`` does too."""
+    loads = _uniform_loads(60)
+    run = _idle_run(monkeypatch, loads)
+    i = next(k for k in range(20, 59) if run[k][0] and run[k][1] == 0 and run[k + 1][0])  # resting, then idle
+    moved = [*loads[:i + 1], loads[i + 1] * 2]
+    assert _idle_run(monkeypatch, moved)[-1][1] >= 1
+    skewed = loads[i + 1].copy()
+    skewed[:, 0] += 300  # expert 0's rank gets 300 more tokens from every source
+    assert _idle_run(monkeypatch, [*loads[:i + 1], skewed])[-1][1] >= 1
+    assert _idle_run(monkeypatch, loads[:i + 2])[-1][1] == 0  # negative control: the load as it was rests

@@ -220,6 +220,25 @@ def test_two_balanced_noisy_ranks_finish_after_their_mean():
     assert expected_max(np.array([1.0, 0.0]), 0.3) == pytest.approx(1.0, rel=1e-4)  # an idle rank: no term
 
 
+def test_ranks_with_equal_work_take_the_closed_form_and_it_is_the_integral():
+    """Equal means (the force-balanced ideal, predicted at every adaptive decision) are ``m (1 + noise E[max of R
+    standard normals])``, with that expectation computed once per R: against the tables' values (Tippett 1925) and the
+    fine integral; a rank a hair above the others takes the grid integral and lands on the same figure."""
+    from ultraep.cost.model import max_of_normals
+
+    known = {1: 0.0, 2: 1 / math.sqrt(math.pi), 3: 1.5 / math.sqrt(math.pi), 4: 1.0293753730, 5: 1.1629644736,
+             10: 1.5387527308}
+    for n, v in known.items():
+        assert max_of_normals(n) == pytest.approx(v, abs=1e-9)
+    for n, noise in ((2, 0.1), (8, 0.05), (64, 0.3)):
+        m = np.full(n, 3e-3)
+        got = expected_max(m, noise)
+        assert got == pytest.approx(_emax_reference(m, noise), rel=1e-7)
+        hair = m.copy()
+        hair[0] *= 1 + 1e-12  # not equal: the grid integral
+        assert expected_max(hair, noise) == pytest.approx(got, rel=2e-4)
+
+
 @settings(max_examples=25, deadline=None)
 @given(means=st.lists(st.floats(0.01, 10.0), min_size=1, max_size=64), noise=st.floats(0.001, 0.5))
 def test_the_expected_maximum_matches_a_fine_integral(means, noise):
