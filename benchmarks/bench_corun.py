@@ -61,10 +61,10 @@ def _masters(shape, world: int, rank: int):
     """This rank's masters as the runtime holds them: the shape's transformers experts container, its adapter (the
     one-expert function ``wrap`` uses), and the rank's M = experts / ranks slices of each expert parameter as leaf
     tensors (the runtime's master tensors), and the hidden size."""
-    from benchmarks.bench_runtime import _experts
+    from benchmarks.bench_runtime import seeded_experts
     from ultraep.models.adapters import adapter_for
 
-    container = _experts(shape)
+    container = seeded_experts(shape)  # (unseeded, its uninitialised weights were NaN at times: the probe refused)
     adapter = adapter_for(container)
     m = max(1, shape.experts // world)
     lo = (rank * m) % shape.experts

@@ -122,16 +122,24 @@ def _experts(shape: Shape):
     return tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(cfg)
 
 
-def wrapped_layer(shape, config: dict, device: torch.device | None = None, recorder=None):
-    """``shape``'s experts container (seeded weights, the same for every run) wrapped with ``config`` (recording into
-    ``recorder`` when given): ``(balanced layer, its runtime)``, on ``device`` (default CPU)."""
-    import ultraep
-
+def seeded_experts(shape, device: torch.device | None = None):
+    """``shape``'s experts container on ``device`` (default CPU) with seeded weights, N(0, 0.02), the same in every
+    process: its constructor leaves them uninitialised (``torch.empty``: whatever the memory held, NaN at times, which
+    the adapter's probe then refuses)."""
     torch.manual_seed(0)
     experts = _experts(shape).to(device or "cpu")
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(0, 0.02)
+    return experts
+
+
+def wrapped_layer(shape, config: dict, device: torch.device | None = None, recorder=None):
+    """``shape``'s experts container (seeded weights, the same for every run) wrapped with ``config`` (recording into
+    ``recorder`` when given): ``(balanced layer, its runtime)``, on ``device`` (default CPU)."""
+    import ultraep
+
+    experts = seeded_experts(shape, device)
     if shape.family == "torchtitan":  # the balanced layer takes RoutedExperts' inner_experts
         ultraep.wrap(experts, config, recorder=recorder)
         return experts.inner_experts, ultraep.runtime_of(experts)
