@@ -220,23 +220,26 @@ def test_two_balanced_noisy_ranks_finish_after_their_mean():
     assert expected_max(np.array([1.0, 0.0]), 0.3) == pytest.approx(1.0, rel=1e-4)  # an idle rank: no term
 
 
-def test_ranks_with_equal_work_take_the_closed_form_and_it_is_the_integral():
-    """Equal means (the force-balanced ideal, predicted at every adaptive decision) are ``m (1 + noise E[max of R
-    standard normals])``, with that expectation computed once per R: against the tables' values (Tippett 1925) and the
-    fine integral; a rank a hair above the others takes the grid integral and lands on the same figure."""
-    from ultraep.cost.model import max_of_normals
+@settings(max_examples=40, deadline=None)
+@given(work=st.lists(st.floats(0.01, 10.0), min_size=1, max_size=64), k=st.sampled_from([0.0, 0.05, 0.3]),
+       noise=st.floats(0.001, 0.5))
+def test_the_compiled_busiest_rank_is_the_expected_maximum_of_the_corun_finishes(work, k, noise):
+    """``busiest_compute_s``'s compiled pass (every prediction prices the busiest rank twice) is
+    ``expected_max(corun_finish(t, k), noise)`` to rounding; where a rank is narrow it hands over to the refined grid."""
+    from ultraep.cost.model import EMAX_POINTS, EMAX_REACH, _noisy_busiest
 
-    known = {1: 0.0, 2: 1 / math.sqrt(math.pi), 3: 1.5 / math.sqrt(math.pi), 4: 1.0293753730, 5: 1.1629644736,
-             10: 1.5387527308}
-    for n, v in known.items():
-        assert max_of_normals(n) == pytest.approx(v, abs=1e-9)
-    for n, noise in ((2, 0.1), (8, 0.05), (64, 0.3)):
-        m = np.full(n, 3e-3)
-        got = expected_max(m, noise)
-        assert got == pytest.approx(_emax_reference(m, noise), rel=1e-7)
-        hair = m.copy()
-        hair[0] *= 1 + 1e-12  # not equal: the grid integral
-        assert expected_max(hair, noise) == pytest.approx(got, rel=2e-4)
+    t = np.array(work)
+    want = expected_max(corun_finish(t, k), noise)
+    got = _noisy_busiest(t, k, noise, EMAX_POINTS, EMAX_REACH)
+    if got < 0:  # a narrow rank: refused, the caller integrates on the refined grid
+        f = corun_finish(t, k)
+        step = 2 * EMAX_REACH * noise * f.max() / (EMAX_POINTS - 1)
+        assert (noise * f[f > f.max() * (1 - EMAX_REACH * noise) / (1 + EMAX_REACH * noise)] < 4 * step).any()
+    else:
+        assert got == pytest.approx(want, rel=1e-9)
+    cm = CostModel(Topology(num_ranks=len(work), num_experts=len(work)), params=CostParams(compute_noise=noise,
+                                                                                          corun_slowdown=k))
+    assert cm.busiest_compute_s(t) == pytest.approx(want, rel=1e-9)
 
 
 @settings(max_examples=25, deadline=None)

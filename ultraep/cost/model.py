@@ -36,13 +36,13 @@ The busiest rank's compute under the ranks' co-run slowdown and their noise (:fu
 
 from __future__ import annotations
 
-import functools
 import math
 
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
+from numba import njit
 
 from ultraep.cost.params import CostParams
 from ultraep.plan import ExpertDomains, Plan, Transfers
@@ -241,7 +241,9 @@ class CostModel:
         k = p.corun_slowdown if not backward or p.backward_corun_slowdown is None else p.backward_corun_slowdown
         noise = p.compute_noise if not backward or p.backward_compute_noise is None else p.backward_compute_noise
         if noise > 0:  # every rank's finish, then the expected maximum of the noisy finishes
-            return expected_max(corun_finish(np.asarray(t_R, dtype=np.float64), k), noise)
+            t_R = np.ascontiguousarray(t_R, dtype=np.float64)
+            s = _noisy_busiest(t_R, k, noise, EMAX_POINTS, EMAX_REACH)  # compiled: predicted at every decision
+            return s if s >= 0.0 else expected_max(corun_finish(t_R, k), noise)  # a narrow rank: the refined grid
         top = float(t_R.max())
         return top + k * (float(t_R.sum()) - top) if k > 0 else top
 
@@ -537,23 +539,59 @@ EMAX_POINTS, EMAX_REACH = 192, 6.0
 EMAX_FINE = np.linspace(-4.0, 4.0, 17)
 
 
-@functools.lru_cache(maxsize=256)
-def max_of_normals(n: int) -> float:
-    """E[max of ``n`` independent standard normals] (0 for one; 1/sqrt(pi) for two): ``integral x d(Phi(x)^n)``, by
-    the trapezoid over [-12, 12] in steps of 1e-3 (within 1e-9 of the exact value for two to a thousand). Ranks
-    with equal work finish at ``m (1 + noise Z_r)``, so their expected maximum is ``m (1 + noise`` this ``)``:
-    :func:`expected_max` takes it for every call of the force-balanced ideal, which the adaptive engine predicts at
-    each decision (the integral there cost as much as the rest of the prediction)."""
-    if n <= 1:
-        return 0.0
-    x = np.linspace(-12.0, 12.0, 24001)
-    y = 1.0 - _norm_cdf_exact(x) ** n  # E[Z] = lo + int_lo^inf (1 - F), F = 0 below lo = -12 to double precision
-    return -12.0 + float(((y[1:] + y[:-1]) * np.diff(x)).sum() / 2.0)
+@njit(cache=True)
+def _phi(z: float) -> float:
+    """:func:`_norm_cdf` of one number (the same approximation, compiled)."""
+    x = abs(z) / math.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * x)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    half = 0.5 * poly * math.exp(-x * x)
+    return 1.0 - half if z >= 0 else half
 
 
-def _norm_cdf_exact(x: np.ndarray) -> np.ndarray:
-    """Phi(x) to double precision (math.erf per point: :func:`max_of_normals` runs it once per rank count)."""
-    return np.array([0.5 * (1.0 + math.erf(v / math.sqrt(2.0))) for v in x])
+@njit(cache=True)
+def _noisy_busiest(t_R, k, noise, points, reach):
+    """:func:`expected_max` of :func:`corun_finish` (``t_R`` [R] float64, ``k``, ``noise`` > 0) in one compiled pass,
+    on the uniform grid; -1.0 where a rank is narrow (the caller integrates on the refined grid). The cost model
+    prices the busiest rank twice per prediction and the adaptive engine predicts every candidate at each decision:
+    in numpy this was 60-70 % of a prediction (57 us against 5 here at two ranks, 67 against 18 at eight)."""
+    R = t_R.shape[0]
+    order = np.argsort(t_R, kind="mergesort")
+    fin = np.empty(R)
+    acc = 0.0
+    prev = 0.0
+    for j in range(R):  # corun_finish, in sorted order
+        w = t_R[order[j]]
+        acc += (1.0 + k * (R - 1 - j)) * (w - prev)
+        prev = w
+        fin[order[j]] = acc
+    top = fin.max() if R else 0.0
+    if top <= 0:
+        return top
+    lo = top * (1.0 - reach * noise)
+    hi = top * (1.0 + reach * noise)
+    step = (hi - lo) / (points - 1)
+    m = np.empty(R)
+    n = 0
+    for r in range(R):  # the ranks that can finish last; a narrow one needs expected_max's refined grid
+        v = fin[r]
+        if v > 0 and v * (1.0 + reach * noise) > lo:
+            if noise * v < 4.0 * step:
+                return -1.0
+            m[n] = v
+            n += 1
+    total = 0.0
+    y_prev = 0.0
+    for i in range(points):  # lo + the trapezoid of 1 - prod_r Phi((x - m_r) / (noise m_r))
+        x = lo + step * i
+        F = 1.0
+        for r in range(n):
+            F *= _phi((x - m[r]) / (noise * m[r]))
+        y = 1.0 - F
+        if i > 0:
+            total += (y + y_prev) * step
+        y_prev = y
+    return lo + total * 0.5
 
 
 def expected_max(mean_R: np.ndarray, noise: float) -> float:
@@ -566,8 +604,6 @@ def expected_max(mean_R: np.ndarray, noise: float) -> float:
     top = float(m.max()) if m.size else 0.0
     if noise <= 0 or top <= 0:
         return top
-    if float(m.min()) == top:  # equal means (the force-balanced ideal): top (1 + noise E[max of R standard normals])
-        return top * (1.0 + noise * max_of_normals(m.size))
     lo = top * (1.0 - EMAX_REACH * noise)
     hi = top * (1.0 + EMAX_REACH * noise)
     m = m[(m > 0) & (m * (1.0 + EMAX_REACH * noise) > lo)]  # an idle rank (0 s) never finishes last
