@@ -10,8 +10,8 @@ Steps (one layer, one microbatch; each part in its own module):
 
     Step 0: the exploration budget (:mod:`.exploration`): with ``none`` in force, no candidate in contention and
             the budget spent, the decision is idle: ``none`` alone is planned, nothing weighed, no overhead. The
-            next IDLE_REST - 1 decisions take that verdict's estimate and stake while the load stays where it was
-            (REST_MOVE): they predict ``none``'s plan once, and the engine reads that prediction.
+            next decisions take that verdict's stake while the load stays where it was (:mod:`.idle`): they
+            predict ``none``'s plan once, and the engine reads that prediction.
     Step 1: screen (:mod:`.screening`, :mod:`.probes`): a candidate that lost clearly LOSING_STREAK decisions in a row (or every candidate, once
             ``none`` has won clearly for ``probe_every`` decisions) rests: it is not planned nor predicted
             until it is due for re-evaluation; its history still advances with the load (its ``advance``).
@@ -57,7 +57,7 @@ from .candidates import Candidates
 from .exploration import OF_GAIN, SHARE, ExplorationBudget
 from .outcomes import CLOCK_RUNS, FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker
 from .hysteresis import Hysteresis
-from .idle import IDLE_REST, REST_MOVE, idle_plan  # noqa: F401
+from .idle import idle_plan
 from .probes import LOSING_STREAK, PROBE_BURST, PROBE_COST_SHARE, PROBE_SHARE, ProbeSchedule
 from .screening import Screen
 
@@ -364,4 +364,3 @@ def _same_work(a: Plan, b: Plan) -> bool:
     """Whether plans ``a`` and ``b`` run the same layer: same placement, same routes, nothing moved, no overlay."""
     return (a.expert_domains is None and b.expert_domains is None and not len(a.transfers) and not len(b.transfers)
             and np.array_equal(a.phy2log_RS, b.phy2log_RS) and np.array_equal(a.routes_RRS, b.routes_RRS))
-

@@ -49,3 +49,39 @@ def test_a_rank_killed_by_a_signal_is_named_before_its_peers_errors():
         launch(_one_rank_crashes, 2, backend="gloo", timeout_s=60)
     first = str(info.value).splitlines()[0]
     assert first.startswith("rank 1 died with signal SIGABRT"), str(info.value)
+
+
+def _collect(rank, world):
+    import gc
+
+    gc.collect()  # what any rank's allocations trigger sooner or later
+    return rank
+
+
+def test_a_forked_rank_never_destroys_a_process_group_its_launcher_left_as_garbage(monkeypatch):
+    """A gloo group in a reference cycle, garbage in the launcher when it forks: collected in a rank, its destructor
+    would join threads the fork did not copy and the rank would wait for good (the suite hung so at random). The
+    launcher freezes its objects across the fork; without that (negative control) the ranks do not finish."""
+    import gc
+
+    import pytest
+    import torch.distributed as dist
+
+    from ultraep.errors import LaunchedRankError
+
+    def leave_a_group_as_garbage():
+        cycle = {"group": dist.ProcessGroupGloo(dist.HashStore(), 0, 1)}
+        cycle["self"] = cycle
+
+    gc.disable()  # the group stays garbage until the fork (the collector's timing is what made the hang random)
+    try:
+        leave_a_group_as_garbage()
+        assert launch(_collect, 2, backend="gloo", timeout_s=60) == [0, 1]
+        assert gc.get_freeze_count() == 0  # the launcher's objects are unfrozen again
+        monkeypatch.setattr(gc, "freeze", lambda: None)  # negative control: ranks that may collect it
+        leave_a_group_as_garbage()
+        with pytest.raises(LaunchedRankError, match="did not finish"):
+            launch(_collect, 2, backend="gloo", timeout_s=10)
+    finally:
+        gc.enable()
+        gc.collect()  # here the group's threads exist: its destructor joins them

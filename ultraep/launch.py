@@ -11,6 +11,7 @@ traceback; a rank that dies (killed, crashed) is reported instead of hanging the
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue as _queue
@@ -86,6 +87,24 @@ def _death(code: int) -> str:
         return f"signal {-code}"
 
 
+def _start(procs, forking: bool) -> None:
+    """Start ``procs``; a forked rank never collects the objects it inherited. Garbage the launcher still holds (a
+    process group left in a reference cycle by earlier code) would otherwise be destroyed in the rank by its first
+    garbage collection, and a gloo group's destructor joins its threads, which the fork did not copy: the rank
+    waits for good (the test suite hung so at random, as the collector's timing fell). ``gc.freeze`` before the
+    fork puts every object the launcher holds out of the ranks' collections; the launcher unfreezes them after, unless
+    it had frozen objects of its own before (they stay frozen, with the rest)."""
+    thaw = forking and gc.get_freeze_count() == 0
+    if forking:
+        gc.freeze()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if thaw:
+            gc.unfreeze()
+
+
 def launch(fn, world_size: int, *args, backend: str = "auto", threads_per_rank: int = 1,
            timeout_s: float = 600.0, method: str | None = None):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return the results by rank.
@@ -101,8 +120,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", threads_per_rank: 
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, threads_per_rank, fn, args, results,
                                               timeout_s), daemon=False)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    _start(procs, ctx.get_start_method() == "fork")
     got, errors = {}, []
     deadline = time.monotonic() + timeout_s
     try:
