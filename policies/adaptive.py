@@ -10,8 +10,8 @@ Steps (one layer, one microbatch; each part in its own module):
 
     Step 0: the exploration budget (:mod:`.exploration`): with ``none`` in force, no candidate in contention and
             the budget spent, the decision is idle: ``none`` alone is planned, nothing weighed, no overhead. The
-            next decisions take that verdict's stake while the load stays where it was (:mod:`.idle`): they
-            predict ``none``'s plan once, and the engine reads that prediction.
+            next decisions take that verdict's stake while the load stays where it was (:mod:`.idle`), and the
+            engine reads the policy's prediction of ``none``'s plan instead of making it again.
     Step 1: screen (:mod:`.screening`, :mod:`.probes`): a candidate that lost clearly LOSING_STREAK decisions in a row (or every candidate, once
             ``none`` has won clearly for ``probe_every`` decisions) rests: it is not planned nor predicted
             until it is due for re-evaluation; its history still advances with the load (its ``advance``).
@@ -212,17 +212,16 @@ class AdaptivePolicy:
         return idle_plan(self, cm, load_RE, topology, resident_RE)
 
     def decide(self, plans: dict[str, Plan], topology: Topology | None = None, screened=(),
-               breakdowns: dict | None = None, resident: bool = False, idle: bool = False, rest: bool = False) -> Plan:
+               breakdowns: dict | None = None, resident: bool = False, idle: bool = False) -> Plan:
         """Steps 3-6 on ready candidate plans ``{name: plan}`` (all of the same load and topology).
         ``breakdowns``: their cost-model predictions when the caller already has them; ``resident``: the plans'
-        transfers are exactly what moves (see :meth:`_predict`); ``idle``: Step 0 planned the fallback alone;
-        ``rest``: a resting idle decision (Step 0, :mod:`.idle`): nothing predicted on the anchor model."""
+        transfers are exactly what moves (see :meth:`_predict`); ``idle``: Step 0 planned the fallback alone."""
         topology = topology or next(iter(plans.values())).topology
         cm = self._cost(topology)
         if self.outcomes.anchor_plans is plans:  # plan() started them; add candidates planned since
             ran = [n for n in plans if self.outcomes.anchored(n, self.current)]
             self._anchor_predictions(topology, plans, resident, names=ran)
-        elif not rest:  # decide() called directly (the simulator's shared candidates); resting: carried by the caller
+        else:  # decide() called directly (the simulator's shared candidates), or Step 0's fallback alone
             self._anchor_predictions(topology, plans, resident)
         bds, predictions = self._predict_all(cm, plans, breakdowns or {}, resident)  # Step 3
         late = _late(self.candidates, self.deadline_s, cm, bds)  # Step 4
@@ -242,8 +241,7 @@ class AdaptivePolicy:
             if probe_of is not None and probe_of != self.current:  # the policy in force is measured anyway (a
                 # "probe" of it cancelled the switch this decision had chosen)
                 chosen, reason, probe = probe_of, self.schedule.reason(probe_of, self.current), True
-        if not rest:
-            self._anchor_predictions(topology, plans, resident, names=[chosen])  # what its outcome is measured against
+        self._anchor_predictions(topology, plans, resident, names=[chosen])  # what its outcome is measured against
         reason = f"idle: {self.fallback} in force, nothing in contention, exploration budget spent" if idle else reason
         facts = {"late": late, "same_as_none": same, "screened": list(screened), "pending": pending, "probe": probe,
                  "confirm": confirm is not None,

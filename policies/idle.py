@@ -7,12 +7,14 @@ and the fallback on the anchor model (its measured outcome is kept against it). 
 on two gloo ranks, those and the engine's own prediction of the same plan made an idle decision 0.6 ms slower than
 ``none``'s, 3.5 % of a 17 ms layer call.
 
-So a weighed idle verdict *rests*: the next IDLE_REST - 1 decisions take its stake and its anchor-model ratio (the
-anchor model's prediction of the fallback over the calibrated one's) while the load stays where it was (REST_MOVE).
-Each predicts the fallback's plan once and hands that prediction to the engine
-(:meth:`~.adaptive.AdaptivePolicy.breakdown_of`). The fallback's measured outcome keeps feeding its corrections on
-the carried anchor prediction, and the budget's and the probes' checks run on every decision as before: a probe
-due, or a rival in contention, ends the rest at once.
+So a weighed idle verdict *rests*: the next IDLE_REST - 1 decisions take its stake (the fallback's time less the
+ideal) while the load stays where it was (REST_MOVE), and do not predict the ideal again. Every idle decision hands
+the fallback's prediction to the engine (:meth:`~.adaptive.AdaptivePolicy.breakdown_of`), which predicted the same
+plan again before. The fallback is still predicted on the anchor model at every decision: its measured outcome is
+kept against that prediction, and one carried from the verdict (the anchor over the calibrated prediction, as a
+ratio) drifted as calibration moved the calibrated model, so that ``none`` looked slower than it measured and at 64
+tokens per rank a run switched to ``quota`` for 24 of 64 calls (0.952x of ``none``). The budget's and the probes'
+checks run on every decision as before: a probe due, or a rival in contention, ends the rest at once.
 """
 
 from __future__ import annotations
@@ -35,14 +37,12 @@ REST_MOVE = 1.25
 
 class Rest:
     """A weighed idle verdict taken by the next decisions: the fallback's predicted time and the busiest rank's
-    share then, its anchor-model prediction over the calibrated one (``anchor_ratio``: carried to a load within
-    REST_MOVE, where both models move alike), the stake, and the decisions left."""
+    share then, the stake, and the decisions left."""
 
-    __slots__ = ("total_s", "imbalance", "anchor_ratio", "stake_s", "left")
+    __slots__ = ("total_s", "imbalance", "stake_s", "left")
 
-    def __init__(self, total_s: float, imbalance: float, anchor_ratio: float, stake_s: float) -> None:
+    def __init__(self, total_s: float, imbalance: float, stake_s: float) -> None:
         self.total_s, self.imbalance, self.stake_s = float(total_s), float(imbalance), float(stake_s)
-        self.anchor_ratio = float(anchor_ratio)
         self.left = IDLE_REST
 
     def holds(self, bd, switch_now: float) -> bool:
@@ -65,11 +65,7 @@ def idle_plan(chooser, cm, load_RE: np.ndarray, topology: Topology, resident_RE)
     pl = plan_with_residency(chooser.policies[fb], load_RE, topology, resident_RE)
     bd = cm.predict(pl)
     rest = chooser._rest if chooser._rest is not None and chooser._rest.holds(bd, chooser.switch_now) else None
-    if rest is not None:  # the last weighed verdict's stake and anchor-model ratio, carried to this load
-        chooser.outcomes.anchor_s, chooser.outcomes.anchor_plans = {fb: bd.total_s * rest.anchor_ratio}, None
-        stake = rest.stake_s
-    else:
-        stake = bd.total_s - cm.ideal(load_RE).total_s
+    stake = rest.stake_s if rest is not None else bd.total_s - cm.ideal(load_RE).total_s  # carried while resting
     fb_s = chooser.estimate(fb, bd.total_s)
     # a rival the engine would probe is weighed when its probe is due (else within switch_now, as everywhere)
     due = chooser.schedule.probe_range(chooser.policies, fb_s, chooser.budget.standing)
@@ -78,11 +74,9 @@ def idle_plan(chooser, cm, load_RE: np.ndarray, topology: Topology, resident_RE)
         chooser._rest = None
         return None
     plan = chooser.decide({fb: pl}, topology, screened=sorted(n for n in chooser.policies if n != fb),
-                          breakdowns={fb: bd}, resident=resident_RE is not None, idle=True, rest=rest is not None)
+                          breakdowns={fb: bd}, resident=resident_RE is not None, idle=True)
     if rest is None:  # a weighed verdict: the next decisions may take it
-        anchor_s = chooser.outcomes.anchor_s.get(fb, 0.0)
-        chooser._rest = Rest(bd.total_s, bd.imbalance, anchor_s / bd.total_s, stake) if (
-            bd.total_s > 0 and anchor_s > 0) else None
+        chooser._rest = Rest(bd.total_s, bd.imbalance, stake)
     if chooser._rest is not None:
         chooser._rest.left -= 1
         if chooser._rest.left <= 0:

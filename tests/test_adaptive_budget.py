@@ -247,10 +247,12 @@ def _uniform_loads(n: int, tokens: int = 120, seed: int = 1):
     return [rng.multinomial(tokens * 8, np.full(64, 1 / 64), size=8).astype(np.int64) for _ in range(n)]
 
 
-def test_resting_idle_decisions_predict_the_fallback_once_and_the_engine_reads_that_prediction(monkeypatch):
-    """Nothing pays: most idle decisions rest on the last weighed verdict. A resting decision predicts ``none``'s
-    plan once (no ideal, no anchor-model prediction) and the engine records that very breakdown, equal to its own
-    prediction of the plan; with IDLE_REST 1 (negative control) every idle decision weighs the ideal again."""
+def test_resting_idle_decisions_skip_the_ideal_and_the_engine_reads_the_policys_prediction(monkeypatch):
+    """Nothing pays: most idle decisions rest on the last weighed verdict's stake and do not predict the ideal; each
+    predicts ``none``'s plan on the calibrated and on the anchor model, and the engine records the policy's breakdown,
+    equal to its own prediction of the plan. Negative controls: with IDLE_REST 1 every idle decision predicts the
+    ideal again; with ``breakdown_of`` answering nothing, the engine predicts the plan a third time."""
+    from ultraep.policies.adaptive import AdaptivePolicy as Chooser
     from ultraep.policies.idle import IDLE_REST
 
     run = _idle_run(monkeypatch, _uniform_loads(80))
@@ -258,12 +260,15 @@ def test_resting_idle_decisions_predict_the_fallback_once_and_the_engine_reads_t
     assert len(idle) > 40
     resting = [r for r in idle if r[1] == 0]
     assert len(resting) >= len(idle) * (IDLE_REST - 2) / IDLE_REST, [r[1] for r in idle]
-    assert all(r[2] == 1 for r in resting)  # the fallback's plan, once: the policy's and the engine's
+    assert all(r[2] == 2 for r in resting)  # none's plan on the calibrated and the anchor model; not the engine
     eng_cm = build_cost_model("gb200-nvl72", 8, 64, 2, params=sim_params(dedup_top_k=8))
     for _, _, _, d in idle:
         assert d.predicted.as_dict() == eng_cm.predict(d.plan).as_dict()
     control = [r for r in _idle_run(monkeypatch, _uniform_loads(80), rest=1) if r[0]]
-    assert control and all(r[1] == 1 and r[2] >= 2 for r in control)
+    assert control and all(r[1] == 1 for r in control)
+    monkeypatch.setattr(Chooser, "breakdown_of", lambda self, plan, cm: None)
+    again = [r for r in _idle_run(monkeypatch, _uniform_loads(80), rest=IDLE_REST) if r[0] and r[1] == 0]
+    assert again and all(r[2] == 3 for r in again)
 
 
 def test_a_rest_ends_when_the_tokens_per_rank_move(monkeypatch):
