@@ -269,11 +269,12 @@ def main(argv=None) -> int:
         from ultraep.models import preload
 
         preload()
+        load_at_start = os.getloadavg()[0]
         res = run_runtime(shape, args)
         x0 = f"2x1/T{shape.tokens}-{shape.small}/E{shape.experts}"
         tab = Table(title=f"adaptive over {args.calls} interleaved calls per policy, 2 gloo ranks x 1 thread "
                           f"(T={shape.tokens}/{shape.small} H={shape.hidden} I={shape.ffn} E={shape.experts} "
-                          f"k={shape.top_k} N={shape.slots}), load avg {os.getloadavg()[0]:.2f} at start")
+                          f"k={shape.top_k} N={shape.slots}), load avg {load_at_start:.2f} at start")
         for c in ("calls", "phases", "best fixed", "adaptive / best", "prediction |error|", "probes", "adaptive ran"):
             tab.add_column(c, justify="right")
         for w in windows(res, args.calls, args.window, shape.experts):

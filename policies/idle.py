@@ -13,7 +13,7 @@ the fallback's prediction to the engine (:meth:`~.adaptive.AdaptivePolicy.breakd
 plan again before. The fallback is still predicted on the anchor model at every decision: its measured outcome is
 kept against that prediction, and one carried from the verdict (the anchor over the calibrated prediction, as a
 ratio) drifted as calibration moved the calibrated model, so that ``none`` looked slower than it measured and at 64
-tokens per rank a run switched to ``quota`` for 24 of 64 calls (0.952x of ``none``). The budget's and the probes'
+tokens per rank a run switched to ``quota`` for 12 of 32 timed calls (0.952x of ``none``). The budget's and the probes'
 checks run on every decision as before: a probe due, or a rival in contention, ends the rest at once.
 """
 

@@ -225,7 +225,8 @@ def test_two_balanced_noisy_ranks_finish_after_their_mean():
        noise=st.floats(0.001, 0.5))
 def test_the_compiled_busiest_rank_is_the_expected_maximum_of_the_corun_finishes(work, k, noise):
     """``busiest_compute_s``'s compiled pass (every prediction prices the busiest rank twice) is
-    ``expected_max(corun_finish(t, k), noise)`` to rounding; where a rank is narrow it hands over to the refined grid."""
+    ``expected_max(corun_finish(t, k), noise)`` to rounding; where a rank is narrow it hands over to the refined
+    grid."""
     from ultraep.cost.model import EMAX_POINTS, EMAX_REACH, _noisy_busiest
 
     t = np.array(work)

@@ -37,7 +37,6 @@ The busiest rank's compute under the ranks' co-run slowdown and their noise (:fu
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -554,7 +553,7 @@ def _noisy_busiest(t_R, k, noise, points, reach):
     """:func:`expected_max` of :func:`corun_finish` (``t_R`` [R] float64, ``k``, ``noise`` > 0) in one compiled pass,
     on the uniform grid; -1.0 where a rank is narrow (the caller integrates on the refined grid). The cost model
     prices the busiest rank twice per prediction and the adaptive engine predicts every candidate at each decision:
-    in numpy this was 60-70 % of a prediction (57 us against 5 here at two ranks, 67 against 18 at eight)."""
+    in numpy, a few dozen array calls on arrays of a few ranks each, this was most of a prediction's time."""
     R = t_R.shape[0]
     order = np.argsort(t_R, kind="mergesort")
     fin = np.empty(R)
