@@ -85,7 +85,7 @@ class OutcomeTracker:
             hist = self._outcome_hist.setdefault(("calibrated", name), [])
             hist.append(float(np.log(measured_s / predicted_s)))
             del hist[:-self.window]
-            # (statistics.median: numpy's costs 40 us on five numbers, once per layer call)
+            # (statistics.median: on five numbers, numpy's call overhead is most of the cost, once per layer call)
             self._outcome[name] = (float(statistics.median(hist)), self._outcome.get(name, (0.0, 0))[1] + 1)
         if x is not None:
             self._fold_anchor(name, when, x, current)
