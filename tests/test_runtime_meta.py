@@ -15,7 +15,7 @@ import torch
 import transformers  # noqa: F401 - imported before fork so ranks start fast
 
 from dist_utils import run_ranks
-from numerics import assert_within, master_grad_errors, param_grad_errors, rel_error, tolerance
+from numerics import TrainingScale, assert_within, master_grad_errors, param_grad_errors, rel_error, tolerance
 from ultraep.models import build_model, preload
 
 pytestmark = pytest.mark.numerics
@@ -408,7 +408,7 @@ def _fsdp2_from_meta(rank, world, ckpt_dir, steps, break_hooks=False):
     ultraep.load_masters(model, ultraep.DCPMasters(ckpt_dir / "dcp"))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # after to_empty: the new parameters
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    problems = []
+    problems, grad_scale = [], TrainingScale()  # a gradient judged by its largest so far (tests/numerics.py)
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
@@ -427,7 +427,7 @@ def _fsdp2_from_meta(rank, world, ckpt_dir, steps, break_hooks=False):
             want = ref_params[name].grad
             if is_master:
                 want = want[rank * g.shape[0]:(rank + 1) * g.shape[0]]
-            if (d := _differs(g, want)) is not None:
+            if (d := _differs(g, want, grad_scale.update(name, want))) is not None:
                 problems.append(f"step {step} {name}: {d}")
         opt.step()
         ref_opt.step()

@@ -8,7 +8,8 @@ steps: at every step the losses agree, every parameter's gradient agrees (a mast
 unwrapped expert tensor), and after the optimizer step every parameter agrees — so a lost or wrong optimizer
 update on a master, or a replica left stale after a step, shows (the next forward computes with other weights).
 Every comparison is :func:`numerics.rel_error` within :func:`numerics.tolerance` (relative to the reference's
-largest magnitude; NaN and inf fail).
+largest magnitude — for a gradient, the largest it had so far in the run, :class:`numerics.TrainingScale`;
+NaN and inf fail).
 
 The optimizer is SGD with momentum: its update is a linear function of the gradients, so fp32 rounding of the
 gradients stays rounding in the parameters. Adam divides each gradient by its own running magnitude: an element
@@ -33,7 +34,7 @@ import transformers  # noqa: F401 - imported before fork so ranks start fast
 
 from dist_utils import run_ranks
 from nccl_harness import expect_p2p
-from numerics import rel_error, tolerance
+from numerics import TrainingScale, rel_error, tolerance
 from replica_probe import served_rows
 from ultraep.models import build_model, preload
 
@@ -59,14 +60,16 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
                                              ids[:, 1:].reshape(-1))
 
 
-def _differs(actual: torch.Tensor, expected: torch.Tensor) -> str | None:
+def _differs(actual: torch.Tensor, expected: torch.Tensor, scale: float | None = None) -> str | None:
     """None when ``actual`` equals ``expected`` within the fp32 tolerance (tests/numerics.py: relative to the
-    reference's largest magnitude, NaN and inf fail); the figure otherwise."""
-    err = rel_error(actual, expected)
+    reference's largest magnitude, or ``scale`` where larger — a gradient's :class:`numerics.TrainingScale`;
+    NaN and inf fail); the figure otherwise."""
+    err = rel_error(actual, expected, scale)
     if err <= tolerance():
         return None
-    scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
-    return f"relative error {err:.3g} > {tolerance():g} (max |reference| {scale:.3g})"
+    own = float(expected.detach().abs().max()) if expected.numel() else 0.0
+    return (f"relative error {err:.3g} > {tolerance():g} (max |reference| {own:.3g}"
+            + (f", its largest in this run {scale:.3g})" if scale is not None and scale > own else ")"))
 
 
 class _Checkpointed(torch.nn.Module):
@@ -152,6 +155,7 @@ def _scenario(rank, world, family, config, how, steps=STEPS, lose_master_update:
     opt = torch.optim.SGD(trained.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     ref_params = dict(ref.named_parameters())
+    grad_scale = TrainingScale()
     problems = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -178,7 +182,7 @@ def _scenario(rank, world, family, config, how, steps=STEPS, lose_master_update:
             if is_master:
                 M = g.shape[0]
                 want = want[rank * M:(rank + 1) * M]
-            if (d := _differs(g, want)) is not None:
+            if (d := _differs(g, want, grad_scale.update(name, want))) is not None:
                 problems.append(f"step {step} {name} gradient: {d}")
         missing = [n for n, p in ref_params.items() if p.grad is not None and n not in got]
         problems += [f"step {step} {n}: no gradient" for n in missing]
