@@ -109,3 +109,23 @@ def test_a_switch_on_fresh_evidence_is_not_displaced_by_a_probe():
     assert s.probe(feasible, "b", "b", switching=True) is None
     assert s.probe(feasible, "b", "b") in ("a", "c")  # not switching: due rivals are probed
     assert _schedule(None).probe(feasible, "b", "b", switching=True) in ("a", "c")  # negative control: unpaced
+
+
+def test_a_fallback_the_first_weighing_put_in_contention_is_probed_first_whatever_the_ledger_holds():
+    """At 64 tokens per rank, 16 experts (the runtime), the first weighing put ``none`` 1.10-1.14x over FEPLB, the
+    model's pick; calibration learned from FEPLB's and quota's calls then raised ``none``'s prediction to 1.5-1.7x
+    (measured, none ran 0.8x of them), so its probe waited for the ledger and the engine ran them at 1.25-1.28x of
+    ``none``'s time for 31 calls. A fallback within ``probe_max_loss`` of the best at its first weighing is probed at
+    the first decision after the warm-up; one further behind (the default shape: 1.47x) waits for the ledger."""
+    first = {"none": 1.10, "feplb": 1.0}
+    later = {"none": 1.70, "feplb": 1.0}  # none's prediction after calibration learned from feplb's calls
+    s = _schedule(observed=OUTCOME_WARMUP - 1, decisions=OUTCOME_WARMUP - 1)
+    assert s.probe(first, "feplb", "feplb", "none") is None  # the first weighing: in the warm-up, no probe
+    s.decisions, s.outcomes.observed = OUTCOME_WARMUP, OUTCOME_WARMUP
+    assert s.loss_room(1.0) < 0.25  # the ledger alone would make it wait (its cost counts 0.25 of feplb's)
+    assert s.probe(later, "feplb", "feplb", "none") == "none"
+    behind = _schedule(observed=OUTCOME_WARMUP - 1, decisions=OUTCOME_WARMUP - 1)  # negative control
+    assert behind.probe({"none": 1.40, "feplb": 1.0}, "feplb", "feplb", "none") is None
+    behind.decisions, behind.outcomes.observed = OUTCOME_WARMUP, OUTCOME_WARMUP
+    assert behind.probe(later, "feplb", "feplb", "none") is None  # it waits for the ledger, as before
+    assert _schedule(None).probe(later, "feplb", "feplb", "none") == "none"  # unpaced: the fallback at once
