@@ -62,9 +62,9 @@ class TrainingScale:
 
     Two models trained on their own differ after the first optimizer step by rounding of the updates, which
     were the size of the gradients so far; a gradient that later shrinks by cancellation (a norm's weight near
-    its optimum: 6e-4 at step 0, 2e-5 at step 3) then shows that rounding at 1e-5 of its *current* magnitude
+    its optimum: 6e-4 at step 0, 2e-5 at step 3) then shows that rounding at up to 8.4e-6 of its *current* magnitude
     even between two unwrapped references that differ only in summation order. Judged against its running
-    largest magnitude, the rounding is 1e-7 again, and a real error — 1e-3 to 1 of the current magnitude —
+    largest magnitude, the rounding is 3-7e-7 again, and a real error — 1e-3 to 1 of the current magnitude —
     stays far outside the tolerance. At the first step the scale is the reference's own magnitude."""
 
     def __init__(self) -> None:
