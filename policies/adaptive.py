@@ -12,6 +12,9 @@ Steps (one layer, one microbatch; each part in its own module):
             the budget spent, the decision is idle: ``none`` alone is planned, nothing weighed, no overhead. The
             next decisions take that verdict's stake while the load stays where it was (:mod:`.idle`), and the
             engine reads the policy's prediction of ``none``'s plan instead of making it again.
+    Step 0b: settled (:mod:`.settled`): with another policy in force that its last weighing kept (no rival faster by
+            more than ``margin``, no switch pending), the next decisions plan it alone while the load and the
+            measured estimates stay where they were and no probe or re-evaluation is due; then it is weighed again.
     Step 1: screen (:mod:`.screening`, :mod:`.probes`): a candidate that lost clearly LOSING_STREAK decisions in a row (or every candidate, once
             ``none`` has won clearly for ``probe_every`` decisions) rests: it is not planned nor predicted
             until it is due for re-evaluation; its history still advances with the load (its ``advance``).
@@ -58,6 +61,7 @@ from .exploration import OF_GAIN, SHARE, ExplorationBudget
 from .outcomes import CLOCK_RUNS, FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker
 from .hysteresis import Hysteresis
 from .idle import idle_plan
+from .settled import settled_plan, verdict
 from .probes import LOSING_STREAK, PROBE_BURST, PROBE_COST_SHARE, PROBE_SHARE, ProbeSchedule
 from .screening import Screen
 
@@ -123,8 +127,10 @@ class AdaptivePolicy:
         self.budget = ExplorationBudget(None if explore_share is None else float(explore_share),
                                         float(explore_of_gain))
         self.screening = Screen(self.candidates, self.schedule, self.outcomes, self.budget, screen)
-        self._memo: tuple[Plan, dict] | None = None  # the last decision and its candidate plans, for commit
+        #: the last decision, its candidate plans and, when it weighed, its chosen's calibrated (total, imbalance)
+        self._memo: tuple[Plan, dict, tuple | None] | None = None
         self._rest = None  # the last weighed idle verdict (:class:`.idle.Rest`), taken while the load stays (Step 0)
+        self._settled = None  # the last settled verdict (:class:`.settled.Settled`), taken while it holds (Step 0b)
         self._known: tuple | None = None  # (choice, model, breakdown) of an idle plan returned: :meth:`breakdown_of`
         self._weighing: dict | None = None  # what the budget keeps of the decision being made (Step 0)
 
@@ -185,9 +191,9 @@ class AdaptivePolicy:
         cm = self._cost(topology)
         has = resident_RE is not None
         self._known = None
-        idle = self._idle_plan(cm, load_RE, topology, resident_RE)  # Step 0: the exploration budget
-        if idle is not None:
-            return idle
+        for rested in (idle_plan, settled_plan):  # Step 0: the exploration budget; Step 0b: settled
+            if (pl := rested(self, cm, load_RE, topology, resident_RE)) is not None:
+                return pl
         # Step 1: the resting candidates; the others not screened by the gain bound are planned first (cheap or
         # off the critical path), then the bound screens the rest
         rest = set(self.screening.resting(self.current))
@@ -207,15 +213,12 @@ class AdaptivePolicy:
             self._weighing = {"stake_s": bds[fb].total_s - ideal_s, "floors": floors}
         return self.decide(plans, topology, screened=sorted(skip), breakdowns=bds, resident=has)
 
-    def _idle_plan(self, cm, load_RE: np.ndarray, topology: Topology, resident_RE) -> Plan | None:
-        """Step 0 (:func:`.idle.idle_plan`): the fallback's plan alone, or None (weigh)."""
-        return idle_plan(self, cm, load_RE, topology, resident_RE)
-
     def decide(self, plans: dict[str, Plan], topology: Topology | None = None, screened=(),
-               breakdowns: dict | None = None, resident: bool = False, idle: bool = False) -> Plan:
+               breakdowns: dict | None = None, resident: bool = False, idle: bool | str = False) -> Plan:
         """Steps 3-6 on ready candidate plans ``{name: plan}`` (all of the same load and topology).
         ``breakdowns``: their cost-model predictions when the caller already has them; ``resident``: the plans'
-        transfers are exactly what moves (see :meth:`_predict`); ``idle``: Step 0 planned the fallback alone."""
+        transfers are exactly what moves (see :meth:`_predict`); ``idle``: Step 0 planned the fallback alone (True),
+        or Step 0b the policy in force alone (the decision's reason): nothing weighed."""
         topology = topology or next(iter(plans.values())).topology
         cm = self._cost(topology)
         if self.outcomes.anchor_plans is plans:  # plan() started them; add candidates planned since
@@ -242,13 +245,18 @@ class AdaptivePolicy:
                 # "probe" of it cancelled the switch this decision had chosen)
                 chosen, reason, probe = probe_of, self.schedule.reason(probe_of, self.current), True
         self._anchor_predictions(topology, plans, resident, names=[chosen])  # what its outcome is measured against
-        reason = f"idle: {self.fallback} in force, nothing in contention, exploration budget spent" if idle else reason
+        settled = isinstance(idle, str)  # Step 0b's (its reason), else Step 0's budget idle (True)
+        if idle:
+            reason = idle if settled else \
+                f"idle: {self.fallback} in force, nothing in contention, exploration budget spent"
+        idle = bool(idle) and not settled
         facts = {"late": late, "same_as_none": same, "screened": list(screened), "pending": pending, "probe": probe,
                  "confirm": confirm is not None,
                  "none_clear": _clear_win(feasible, best, self.fallback, self.switch_now), "idle": idle,
+                 "settled": settled,
                  "saved_s": max(0.0, feasible[self.current] - feasible[best]) if self.current in feasible else 0.0}
         plan = self._assemble(cm, plans, bds, predictions, chosen, reason, facts, resident)  # Step 6
-        self._memo = (plan, plans)
+        self._memo = (plan, plans, None if idle or settled else (bds[chosen].total_s, bds[chosen].imbalance))
         return plan
 
     def _predict_all(self, cm, plans: dict, known: dict, resident: bool) -> tuple[dict, dict]:
@@ -267,7 +275,8 @@ class AdaptivePolicy:
         the planning of candidates slower than the chosen one's own planner, since they ran before the choice)."""
         exposed = self.candidates.exposed_planner_s
         planned_max = max((exposed(cm, n) for n in plans), default=0.0)
-        engine_s = 0.0 if facts["idle"] else cm.params.engine_overhead_s + max(0.0, planned_max - exposed(cm, chosen))
+        weighed = not (facts["idle"] or facts["settled"])
+        engine_s = cm.params.engine_overhead_s + max(0.0, planned_max - exposed(cm, chosen)) if weighed else 0.0
         src = plans[chosen]
         own = src.planner_s if src.planner_s is not None else 0.0
         costs = {"engine_s": float(engine_s), "planner_s": float(cm.params.planner_s.get(chosen, own)),
@@ -283,7 +292,7 @@ class AdaptivePolicy:
         self.outcomes.observing = (chosen, float(a.get("anchor_s", 0.0)))  # what observe_outcome will measure
         self.outcomes.restart = chosen if a.get("confirm") else None  # a confirmation replaces its stale history
         self.outcomes.decisions += 1
-        same, idle = set(a.get("same_as_none", ())), bool(a.get("idle"))
+        same, idle = set(a.get("same_as_none", ())), bool(a.get("idle")) or bool(a.get("settled"))  # weighed nothing
         ref_s = preds.get(a.get("previous"), preds[chosen]) if a.get("probe") else preds[chosen]  # in force's
         loss = preds[chosen] - ref_s
         self.schedule.record(self.policies, chosen, preds, same, bool(a.get("none_clear")), weighed=not idle,
@@ -293,6 +302,8 @@ class AdaptivePolicy:
         if not idle and weighing is not None:
             self.budget.note(preds, self.fallback, same, weighing["floors"], weighing["stake_s"])
         self.budget.charge(a.get("predicted_s", 0.0), a.get("saved_s", 0.0), plan.engine_s + max(0.0, loss), loss)
+        if not idle:  # a weighing: whether its verdict settles (Step 0b)
+            self._settled = verdict(self, plan, same)
         if self.owns_candidates:
             self._commit_candidates(plan, a)
         self._memo = None
@@ -351,6 +362,7 @@ def _decided(src: Plan, policy: str, chosen: str, reason: str, predictions: dict
         "screened": facts["screened"], "previous": facts["previous"],
         "pending": list(pending) if pending else None, "probe": facts["probe"], "confirm": facts["confirm"],
         "anchor_s": facts["anchor_s"], "none_clear": facts["none_clear"], "idle": facts["idle"],
+        "settled": facts["settled"],
         "saved_s": float(facts["saved_s"]),
     }
     choice = Choice(chosen, reason, dict(info["adaptive"]["predictions"]), predicted_s, tuple(facts["screened"]),

@@ -153,6 +153,14 @@ class OutcomeTracker:
             return float(np.exp(np.mean([v for v, _ in self._outcome.values()])))
         return 1.0
 
+    def scale(self, name: str) -> float:
+        """What multiplies ``name``'s model prediction in its estimate now: its measured/anchor ratio (credited) where
+        it was measured against the anchor, else its :meth:`correction`. A settled verdict (:mod:`.settled`) reads
+        how it moved since the weighing, without predicting the candidate again."""
+        if name in self._outcome_anchor:
+            return float(np.exp(self._outcome_anchor[name][0]))
+        return self.correction(name)
+
     def anchored(self, name: str, current: str | None) -> bool:
         """Whether ``name`` is estimated on the anchor basis. Every candidate that has run is — except the policy
         in force while it has fewer than FEW_RUNS measurements or no rival has run. Comparing the policy in force

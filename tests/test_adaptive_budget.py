@@ -127,13 +127,18 @@ def test_with_none_in_force_a_candidate_measured_slower_is_weighed_when_its_prob
 
 
 def test_the_budget_only_ever_idles_the_fallback():
-    """With a policy other than none in force, every decision weighs the candidates, whatever the budget."""
+    """With a policy other than none in force the budget idles nothing, whatever it holds: a decision that does not
+    weigh is a settled one (Step 0b, :mod:`ultraep.policies.settled`), and one in every SETTLED_REST weighs."""
+    from ultraep.policies.settled import SETTLED_REST
+
     cm = _cm()
     pol = AdaptivePolicy(cost_model=cm, explore_share=0.0, explore_of_gain=0.0)
     decisions = _drive(pol, cm, _load(1.0), lambda i, n: 1e-2 * (0.8 if n == "quota" else 1.0), 60)
     assert pol.current == "quota"
     assert not any(a["idle"] for a in decisions)
-    assert all(len(a["predictions"]) > 1 for a in decisions[1:])
+    weighed = [i for i, a in enumerate(decisions) if len(a["predictions"]) > 1]
+    assert all(a["settled"] and a["chosen"] == "quota" for i, a in enumerate(decisions[1:], 1) if i not in weighed)
+    assert max(np.diff([0, *weighed, len(decisions)])) <= SETTLED_REST
 
 
 def test_idle_decisions_charge_nothing_and_keep_the_streaks():

@@ -33,6 +33,25 @@ def test_the_stream_goes_through_every_phase_and_back():
     assert np.bincount(hot.ravel(), minlength=E).argmax() == ph.hot
 
 
+def test_the_noise_floor_is_what_a_perfect_model_misses_per_call_and_the_window_error_is_its_sum():
+    """Calls whose load drifts (the model predicts it exactly) and that carry log-normal noise of sigma 0.1: the
+    per-call error of the perfect prediction is the noise floor, while the window's error (its sum) is a few
+    tenths of a percent; a prediction 8 % high shows in the window's error, not hidden by the noise."""
+    rng = np.random.default_rng(3)
+    truth = np.linspace(0.04, 0.06, 2000)  # the load drifts slowly
+    measured = truth * np.exp(rng.normal(0.0, 0.1, truth.size))
+    floor = bench_long.noise_floor(measured)
+    per_call = float(np.mean(np.abs(truth / measured - 1)))
+    assert floor == pytest.approx(0.8 * 0.1, rel=0.08) and per_call == pytest.approx(floor, rel=0.1)
+    res = {n: {"t": measured} for n in (*bench_long.FIXED, "adaptive")}
+    for bias, want in ((1.0, 0.005), (1.08, 0.075)):  # (the sum of log-normal noise: e^(s^2 / 2) = 1.005)
+        res["adaptive"] = {"t": measured, "measured": measured, "predicted": truth * bias,
+                           "chosen": ["none"] * truth.size, "probe": [False] * truth.size}
+        (w,) = bench_long.windows(res, truth.size, truth.size, 16)
+        assert w["pred_error"] == pytest.approx(want, abs=0.005) and w["noise"] == pytest.approx(floor)
+    assert np.isnan(bench_long.noise_floor(measured[:1]))
+
+
 def test_bad_sizes_are_refused_with_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         bench_long.main(["--calls", "0"])
@@ -49,7 +68,7 @@ def test_a_smoke_run_writes_rows_of_the_benchmarks_columns(tmp_path, monkeypatch
         rows = list(csv.DictReader(fh))
     assert rows and all(list(r) == common.COLUMNS for r in rows)
     got = {(r["what"], r["provider"], r["metric"]) for r in rows}
-    for metric in ("vs_best_fixed", "prediction_error", "probe_share"):
+    for metric in ("vs_best_fixed", "prediction_error_window", "prediction_error", "noise_floor", "probe_share"):
         assert ("long_run", "adaptive", metric) in got
     for name in (*bench_long.FIXED, "adaptive"):
         assert ("long_run", name, "layer_time_sum") in got

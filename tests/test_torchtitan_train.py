@@ -26,7 +26,8 @@ bf16 trainings part ways by rounding (a token whose top-k flips), it takes the b
 each step's comparisons, so that each step is compared from one state. The full-mesh SPMD backends are refused.
 
 The mixed-precision families' cases are not among those CI runs again on torch's portable kernels and with MKL
-held to AVX2 (``-m numerics``, docs/design.md "How a tolerance is chosen"). Their router's gradient sums bf16 expert
+held to AVX2 (``-m numerics``, docs/design.md "How a tolerance is chosen"), and run only where torch's kernels are
+AVX-512 (:data:`_MIXED_JUDGED`). Their router's gradient sums bf16 expert
 outputs whose rounding follows the kernels' blocking of each batch, which balancing changes: on the portable
 kernels gpt_oss's reached 2.0 % of its largest magnitude against bf16's 1.6 %. A tolerance widened until that passes
 would be one chosen by the result; they run in the plain suite only.
@@ -362,6 +363,14 @@ def _check_cases(results, cases):
 #: the families whose cases CI runs again under other kernel paths (``-m numerics``): not the bf16 mixed-precision ones
 #: (see the module doc)
 _RERUN = [f for f in FAMILIES if f not in MIXED]
+#: the kernels the mixed-precision families' bf16 comparison holds on: on AVX2 kernels (an AMD EPYC VM) gpt_oss's
+#: step-1 gradients differed by 3.6-6 % of their largest magnitude against bf16's 1.6 % (the engine's code before
+#: and after), as on the portable kernels (2.0 %); elsewhere those cases are left out, as the numerics reruns leave them
+_MIXED_JUDGED = torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def _mixed_judged(family: str) -> bool:
+    return tm.FAMILIES[family][0] not in MIXED or _MIXED_JUDGED
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.numerics) if f in _RERUN else f
@@ -369,6 +378,9 @@ _RERUN = [f for f in FAMILIES if f not in MIXED]
 def test_two_ranks_train_like_the_unwrapped_model(family):
     """quota and adaptive under torchtitan's FSDP2 and full activation checkpointing (qwen3 also without
     checkpointing), and the family's negative control: a perturbed master fails the comparison."""
+    if not _mixed_judged(family):
+        pytest.skip(f"{family} trains in bf16 mixed precision, judged on AVX-512 kernels only (this machine: "
+                    f"{torch.backends.cpu.get_cpu_capability()}; see _MIXED_JUDGED)")
     cases = [(family, policy, "fsdp-ac", False) for policy in POLICIES]
     if family == "qwen3":
         cases += [(family, policy, "fsdp", False) for policy in POLICIES]
@@ -383,7 +395,8 @@ def test_two_ranks_train_like_the_unwrapped_model(family):
     ids=lambda cases: "+".join(f for f, _ in cases))
 def test_four_ranks_train_like_the_unwrapped_model(cases):
     # negative control: the first family with a perturbed master fails the same comparison on 4 ranks
-    cases = [(family, policy, "fsdp-ac", False) for family, policy in cases] + [(cases[0][0], "quota", "fsdp-ac", True)]
+    cases = [(family, policy, "fsdp-ac", False) for family, policy in cases
+             if _mixed_judged(family)] + [(cases[0][0], "quota", "fsdp-ac", True)]
     _check_cases(run_ranks(_cases, 4, cases), cases)
 
 

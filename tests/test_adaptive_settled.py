@@ -1,0 +1,126 @@
+"""The adaptive engine's settled decisions (Step 0b, ``ultraep.policies.settled``): a balancing policy that its weighing
+kept is planned alone for the next decisions, weighed again at least every SETTLED_REST decisions, and at once
+when the load moves, a rival's measured estimate comes within reach, or a probe falls due.
+
+Driven as the runtime's engine drives it: every decision committed and its measured layer time fed back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ultraep.cost import CostModel
+from ultraep.policies import AdaptivePolicy
+from ultraep.policies import adaptive as adaptive_mod
+from ultraep.policies.settled import SETTLED_REST
+from ultraep.presets import get_preset
+from ultraep.sim.workload import power_law_popularity
+
+
+def _cm() -> CostModel:
+    pre = get_preset("gb200-nvl72")
+    return CostModel(pre.topology(8, 32, 2), pre.hardware, pre.expert)
+
+
+def _load(skew: float, tokens: int = 4096) -> np.ndarray:
+    p = power_law_popularity(8, 32, skew, np.random.default_rng(0))
+    return np.rint(np.outer(np.full(8, tokens * 4), p)).astype(np.int64)
+
+
+def _drive(pol, cm, loads, truth) -> list[dict]:
+    """One committed decision per load of ``loads``; the chosen candidate measures ``truth(i, name)`` times its
+    anchor-model prediction (the engine feeds the calibrated prediction and the measured time)."""
+    out = []
+    for i, load in enumerate(loads):
+        plan = pol.plan(load, cm.topology)
+        pol.commit(plan)
+        a = plan.info["adaptive"]
+        predicted = pol.cost_model.predict(plan).total_s
+        pol.observe_outcome(a["chosen"], predicted, predicted * truth(i, a["chosen"]))
+        out.append(a)
+    return out
+
+
+def _quota_wins(i, name):
+    return 0.8 if name == "quota" else 1.0
+
+
+def test_a_kept_balancing_policy_is_planned_alone_between_weighings(monkeypatch):
+    cm = _cm()
+    counted = {"n": 0}
+    predict = CostModel.predict
+
+    def counting(self, plan, **kw):
+        counted["n"] += 1
+        return predict(self, plan, **kw)
+
+    monkeypatch.setattr(CostModel, "predict", counting)
+    pol = AdaptivePolicy(cost_model=cm)
+    per = []
+    decisions = []
+    for a in _drive(pol, cm, [_load(1.2)] * 80, _quota_wins):
+        decisions.append(a)
+    assert pol.current == "quota"
+    first_none = next(i for i, a in enumerate(decisions) if a["chosen"] == "none")  # none's first probe (call 31)
+    assert not any(a["settled"] for a in decisions[:first_none])  # nothing settles before none is measured
+    late = decisions[40:]
+    settled = [i for i, a in enumerate(late) if a["settled"]]
+    weighed = [i for i, a in enumerate(late) if len(a["predictions"]) > 1]
+    assert len(settled) >= len(late) // 2, [a["reason"] for a in late]
+    assert all(late[i]["chosen"] == "quota" and list(late[i]["predictions"]) == ["quota"] for i in settled)
+    assert all(late[i]["reason"].startswith("settled: quota") for i in settled)
+    assert max(np.diff([-1, *weighed, len(late)])) <= SETTLED_REST  # weighed again at least every SETTLED_REST
+    # what a settled decision costs: the policy in force predicted (calibrated and anchor model), not every candidate
+    counted["n"] = 0
+    _drive(pol, cm, [_load(1.2)] * 40, _quota_wins)
+    per.append(counted["n"] / 40)
+    monkeypatch.setattr(adaptive_mod, "verdict", lambda *a: None)  # the negative control: no weighing settles
+    pol._settled = None
+    counted["n"] = 0
+    got = _drive(pol, cm, [_load(1.2)] * 40, _quota_wins)
+    per.append(counted["n"] / 40)
+    assert not any(a["settled"] for a in got)
+    assert per[0] < 0.8 * per[1], per  # (3.9 against 5.5 predictions per decision, the test's own one included)
+
+
+def test_a_settled_rest_ends_at_once_when_the_load_moves():
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm)
+    loads = [_load(1.2)] * 40 + [_load(0.001)] * 10  # the skew is gone: a call 25 % cheaper
+    got = _drive(pol, cm, loads, lambda i, n: 1.0)
+    assert got[39]["settled"]
+    assert not got[40]["settled"] and len(got[40]["predictions"]) > 1  # the first call of the new load weighs
+    assert got[40]["predictions"]["quota"] < got[39]["predictions"]["quota"] / 1.25
+
+
+def test_a_rival_measured_faster_since_the_weighing_ends_the_rest():
+    """A rival's correction that moved since the weighing (here: its measured outcome) reaches the settled check
+    without predicting it: with quota in force and settled, none measured 30 % faster on its probe ends the rest."""
+    cm = _cm()
+    pol = AdaptivePolicy(cost_model=cm)
+    _drive(pol, cm, [_load(1.2)] * 40, _quota_wins)
+    assert pol.current == "quota" and pol._settled is not None
+    rival = next(iter(pol._settled.rivals))
+    est = pol.outcomes.scale(rival)
+    pol.outcomes._outcome_anchor[rival] = (float(np.log(est * 0.3)), pol.outcomes.runs(rival))
+    a = _drive(pol, cm, [_load(1.2)], _quota_wins)[0]
+    assert not a["settled"] and len(a["predictions"]) > 1, a["reason"]
+
+
+@pytest.mark.parametrize("probe_every", [16, 32])
+def test_probes_run_when_they_would_have(monkeypatch, probe_every):
+    """Settled decisions do not delay a probe: the rivals within probe range are probed as often, and at most a
+    decision later, as when every decision weighs (the negative control's schedule)."""
+    def probes(settle: bool):
+        if not settle:
+            monkeypatch.setattr(adaptive_mod, "verdict", lambda *a: None)
+        cm = _cm()
+        pol = AdaptivePolicy(cost_model=cm, probe_every=probe_every)
+        got = _drive(pol, cm, [_load(1.2)] * 240, lambda i, n: 0.95 if n == "quota" else 1.0)
+        return got, [i for i, a in enumerate(got) if a["reason"].startswith("probe")]
+
+    got, settled = probes(True)
+    _, weighed = probes(False)
+    assert sum(a["settled"] for a in got[40:]) > 40
+    assert len(weighed) >= 6 and abs(len(settled) - len(weighed)) <= 1, (settled, weighed)
+    assert max(np.diff(settled)) <= max(np.diff(weighed)) + 1, (settled, weighed)
