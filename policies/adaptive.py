@@ -247,13 +247,11 @@ class AdaptivePolicy:
         self._anchor_predictions(topology, plans, resident, names=[chosen])  # what its outcome is measured against
         settled = isinstance(idle, str)  # Step 0b's (its reason), else Step 0's budget idle (True)
         if idle:
-            reason = idle if settled else \
-                f"idle: {self.fallback} in force, nothing in contention, exploration budget spent"
+            reason = idle if settled else f"idle: {self.fallback} in force, nothing in contention, exploration budget spent"
         idle = bool(idle) and not settled
         facts = {"late": late, "same_as_none": same, "screened": list(screened), "pending": pending, "probe": probe,
-                 "confirm": confirm is not None,
+                 "confirm": confirm is not None, "settled": settled,
                  "none_clear": _clear_win(feasible, best, self.fallback, self.switch_now), "idle": idle,
-                 "settled": settled,
                  "saved_s": max(0.0, feasible[self.current] - feasible[best]) if self.current in feasible else 0.0}
         plan = self._assemble(cm, plans, bds, predictions, chosen, reason, facts, resident)  # Step 6
         self._memo = (plan, plans, None if idle or settled else (bds[chosen].total_s, bds[chosen].imbalance))
@@ -302,8 +300,7 @@ class AdaptivePolicy:
         if not idle and weighing is not None:
             self.budget.note(preds, self.fallback, same, weighing["floors"], weighing["stake_s"])
         self.budget.charge(a.get("predicted_s", 0.0), a.get("saved_s", 0.0), plan.engine_s + max(0.0, loss), loss)
-        if not idle:  # a weighing: whether its verdict settles (Step 0b)
-            self._settled = verdict(self, plan, same)
+        self._settled = self._settled if idle else verdict(self, plan, same)  # a weighing: whether it settles (0b)
         if self.owns_candidates:
             self._commit_candidates(plan, a)
         self._memo = None
