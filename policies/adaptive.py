@@ -47,15 +47,12 @@ or by re-planning ``plan.load_RE`` when a recorded plan is replayed).
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from ultraep.cost import model_for
 from ultraep.plan import Choice, Plan
 from ultraep.topology import Topology
 
-from .base import plan_with_residency
 from .candidates import Candidates
 from .exploration import OF_GAIN, SHARE, ExplorationBudget
 from .outcomes import CLOCK_RUNS, FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker
@@ -145,9 +142,8 @@ class AdaptivePolicy:
         return model_for(self.cost_model, topology)
 
     def breakdown_of(self, plan: Plan, cost_model):
-        """The cost-model breakdown of ``plan`` (a plan this policy returned, or a copy sharing its ``choice``) under
-        ``cost_model``, where this policy already predicted exactly that plan with that model (an idle decision:
-        the fallback's plan, no engine or switch cost added); else None (the caller predicts it)."""
+        """The breakdown of ``plan`` (one this policy returned, or a copy sharing its ``choice``) on ``cost_model`` where
+        this policy predicted exactly that plan on it (a rest: no engine or switch cost added); else None."""
         k = self._known
         return k[2] if k is not None and k[0] is plan.choice and k[1] is cost_model else None
 
@@ -191,13 +187,14 @@ class AdaptivePolicy:
         cm = self._cost(topology)
         has = resident_RE is not None
         self._known = None
+        self.candidates.begin()
         for rested in (idle_plan, settled_plan):  # Step 0: the exploration budget; Step 0b: settled
             if (pl := rested(self, cm, load_RE, topology, resident_RE)) is not None:
                 return pl
         # Step 1: the resting candidates; the others not screened by the gain bound are planned first (cheap or
         # off the critical path), then the bound screens the rest
         rest = set(self.screening.resting(self.current))
-        plans = {n: plan_with_residency(p, load_RE, topology, resident_RE) for n, p in self.policies.items()
+        plans = {n: self.candidates.plan(n, load_RE, topology, resident_RE) for n in self.policies
                  if not self.candidates.screenable(n) and n not in rest}
         bds = {n: self._predict(cm, n, pl, has) for n, pl in plans.items()}
         self._anchor_predictions(topology, plans, has)
@@ -206,7 +203,7 @@ class AdaptivePolicy:
         skip = rest | set(self.screening.screened(cm, load_RE, topology, self.current, ideal_s=ideal_s,
                                                   none_s=bds[fb].total_s if fb in bds else None,
                                                   others_s=self.screening.references(bds, self.current)))
-        plans.update({n: plan_with_residency(p, load_RE, topology, resident_RE) for n, p in self.policies.items()
+        plans.update({n: self.candidates.plan(n, load_RE, topology, resident_RE) for n in self.policies
                       if self.candidates.screenable(n) and n not in skip})
         if ideal_s is not None and fb in bds:  # what the budget keeps of this weighing (Step 0)
             floors = {n: ideal_s + self.candidates.exposed_planner_s(cm, n) for n in skip}
@@ -364,7 +361,7 @@ def _decided(src: Plan, policy: str, chosen: str, reason: str, predictions: dict
     }
     choice = Choice(chosen, reason, dict(info["adaptive"]["predictions"]), predicted_s, tuple(facts["screened"]),
                     facts["probe"])
-    return dataclasses.replace(src, policy=policy, info=info, choice=choice, **costs)
+    return src.replaced(policy=policy, info=info, choice=choice, **costs)
 
 
 def _same_work(a: Plan, b: Plan) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from ultraep.errors import ConfigError
 from ultraep.plan import Plan
 
+from .base import plan_with_residency
 from .registry import BASELINE, get_policy_class, make_policy
 
 
@@ -29,6 +30,7 @@ class Candidates:
             names = list(self.policies)
             raise ConfigError("adaptive.candidates", f"must include {BASELINE!r} (the fallback), got {names}", names)
         self.fallback = found[0]
+        self._made: dict = {}  # this decision's plans and predictions (:meth:`begin`, :meth:`plan`, :meth:`predict`)
 
     @classmethod
     def build(cls, candidates, candidate_options: dict | None, cost_model) -> "Candidates":
@@ -72,13 +74,35 @@ class Candidates:
             return 0.0
         return cm.params.planner_s.get(name, self.declares(name, "planner_s", 0.0)) * cm.params.plan_scale
 
+    def begin(self) -> None:
+        """A new decision: forget the last one's plans and predictions (:meth:`plan`, :meth:`predict`)."""
+        self._made = {}
+
+    def plan(self, name: str, load_RE, topology, resident_RE) -> Plan:
+        """``name``'s plan of this decision's load (:func:`~.base.plan_with_residency`; planning is pure until
+        ``commit``), made once per decision. Why: a rest (Step 0, 0b) plans the policy in force to see whether the
+        decision may rest; where it may not, the weighing takes that plan, and its predictions, as they are."""
+        got = self._made.get(name)
+        if got is None or got[0] is not load_RE or got[1] is not resident_RE:
+            got = self._made[name] = (load_RE, resident_RE,
+                                      plan_with_residency(self.policies[name], load_RE, topology, resident_RE))
+        return got[2]
+
     def predict(self, cm, name: str, plan: Plan, resident: bool, current: str | None):
         """The cost model's breakdown of ``name``'s plan: a historical placement that is not resident pays for
         sending all its replicas once; it then stays resident until its next re-placement, so that one-time cost
         is spread over the placement's ``placement_interval`` decisions (charging it to one decision would make a
         switch never pay). With ``resident`` the plan's transfers already are exactly what moves (the caller
-        knows which replicas are resident): no switch cost is added."""
+        knows which replicas are resident): no switch cost is added. Kept for the decision (:meth:`begin`): the same
+        plan on the same model is predicted once."""
+        key = ("predict", name, id(cm), bool(resident), current)
+        got = self._made.get(key)
+        if got is not None and got[0] is cm and got[1] is plan:
+            return got[2]
         if not self.switches(name, current) or resident or cm.params.resend_all_replicas:  # (resending all too)
-            return cm.predict(plan)
-        interval = max(1, int(self.declares(name, "placement_interval", 1)))
-        return cm.predict(plan, sync_s=cm.weight_sync_time(plan) + cm.full_sync_time(plan) / interval)
+            bd = cm.predict(plan)
+        else:
+            interval = max(1, int(self.declares(name, "placement_interval", 1)))
+            bd = cm.predict(plan, sync_s=cm.weight_sync_time(plan) + cm.full_sync_time(plan) / interval)
+        self._made[key] = (cm, plan, bd)
+        return bd

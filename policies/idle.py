@@ -24,8 +24,6 @@ import numpy as np
 from ultraep.plan import Plan
 from ultraep.topology import Topology
 
-from .base import plan_with_residency
-
 #: after an idle decision that weighed whether to idle, the next IDLE_REST - 1 decisions take its verdict while the
 #: load stays where it was (:class:`Rest`)
 IDLE_REST = 8
@@ -62,8 +60,8 @@ def idle_plan(chooser, cm, load_RE: np.ndarray, topology: Topology, resident_RE)
             or not all(map(chooser.candidates.can_rest, chooser.policies))):
         chooser._rest = None
         return None
-    pl = plan_with_residency(chooser.policies[fb], load_RE, topology, resident_RE)
-    bd = cm.predict(pl)
+    pl = chooser.candidates.plan(fb, load_RE, topology, resident_RE)  # (a weighing takes both if this does not rest)
+    bd = chooser._predict(cm, fb, pl, resident_RE is not None)
     rest = chooser._rest if chooser._rest is not None and chooser._rest.holds(bd, chooser.switch_now) else None
     stake = rest.stake_s if rest is not None else bd.total_s - cm.ideal(load_RE).total_s  # carried while resting
     fb_s = chooser.estimate(fb, bd.total_s)

@@ -36,7 +36,6 @@ import numpy as np
 from ultraep.plan import Plan
 from ultraep.topology import Topology
 
-from .base import plan_with_residency
 from .idle import REST_MOVE
 
 #: after a weighing that settled, the next SETTLED_REST - 1 decisions take its verdict while it holds
@@ -99,7 +98,7 @@ def settled_plan(chooser, cm, load_RE: np.ndarray, topology: Topology, resident_
         chooser._settled = None
         return None
     has = resident_RE is not None
-    pl = plan_with_residency(chooser.policies[cur], load_RE, topology, resident_RE)
+    pl = chooser.candidates.plan(cur, load_RE, topology, resident_RE)  # (a weighing takes both if this does not rest)
     bd = chooser._predict(cm, cur, pl, has)
     plans = {cur: pl}  # (the same dict to decide: the anchor predictions made here are not made again)
     chooser._anchor_predictions(topology, plans, has)  # what its estimate and its outcome are measured against

@@ -502,3 +502,40 @@ def test_a_replica_costs_its_measured_extra_and_the_calibrator_learns_it():
     none = identity_plan("none", cm.topology, load)
     cal.observe(cal.model.predict(none), {"replica_compute_s": 0.0})  # no replicas: nothing learned
     assert cal.params.replica_instance_s == pytest.approx(0.0015)
+
+
+def test_a_plan_predicted_on_several_models_derives_its_traffic_once(monkeypatch):
+    """What no cost parameter changes (the plan's traffic, its copy tree, the copies per rank) is derived once per plan
+    and read by every model of its topology, and by a copy of the plan that keeps its placement
+    (:meth:`~ultraep.plan.Plan.replaced`); a model that counts tokens otherwise (``dedup_top_k``) derives its own."""
+    base = _cm("h100-8x-ib", 8, 16, 2)
+    topo = base.topology
+    other = CostModel(topo, base.hardware, base.expert, CostParams(compute_scale=1.7, weight_sync_scale=0.5))
+    dedup = CostModel(topo, base.hardware, base.expert, CostParams(dedup_top_k=2))
+    load = np.random.default_rng(3).multinomial(4096, np.arange(16, 0, -1) / 136.0, size=8)
+    plan = make_policy("quota").plan(load, topo)
+    assert plan.num_replicas > 0
+
+    def fresh():  # the same plan, nothing derived yet
+        return make_policy("quota").plan(load, topo)
+
+    derived = {"n": 0}
+    traffic = CostModel._traffic
+
+    def counting(self, p):
+        derived["n"] += 1
+        return traffic(self, p)
+
+    monkeypatch.setattr(CostModel, "_traffic", counting)
+    for cm in (base, other, base):
+        assert cm.predict(plan) == cm.predict(fresh())  # the same figures as derived anew...
+    assert derived["n"] == 1 + 3  # ...derived once for the plan (and once for every fresh one)
+    copy = plan.replaced(policy="adaptive", engine_s=1e-3)
+    assert other.predict(copy).total_s == pytest.approx(other.predict(fresh()).total_s + 1e-3)
+    assert derived["n"] == 4 + 1  # the copy shares the plan's; only the fresh one derived its own
+    dedup.predict(plan)
+    assert derived["n"] == 6  # another way of counting tokens derives its own
+    assert dedup.traffic(plan).send_RL.sum() < base.traffic(plan).send_RL.sum()
+    moved = plan.replaced(transfers=plan.transfers)  # a change of the placement's parts keeps nothing derived
+    assert "_cost_memo" not in moved.__dict__ and "routes_RRS" not in moved.__dict__
+    assert "routes_RRS" in copy.__dict__

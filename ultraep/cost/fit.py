@@ -114,13 +114,14 @@ def corun_matrices(t_R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     have finished, so its finish is ``sum_{m <= j} (1 + k (R - m - 1)) (w_(m) - w_(m-1))``: linear in k."""
     R = t_R.shape[0]
     order = np.argsort(t_R, kind="stable")
-    steps = np.eye(R) - np.eye(R, k=-1)  # row m: w_(m) - w_(m-1), in sorted order
-    lower = np.tril(np.ones((R, R)))  # finish of the j-th: the sum over m <= j
-    slope = (R - 1 - np.arange(R)).astype(np.float64)
-    perm = np.eye(R)[order]  # sorted = perm @ unsorted
-    A0 = perm.T @ lower @ steps @ perm
-    A1 = perm.T @ lower @ (slope[:, None] * steps) @ perm
-    return A0, A1
+    # In sorted order the finish is lower @ diag(1 + k slope) @ steps @ w, with steps (row m: w_(m) - w_(m-1)) and
+    # lower (the sum over m <= j) inverse to each other: A0 = I, and A1's row j is 1 left of the diagonal and
+    # slope[j] = R - 1 - j on it (slope falls by one per step). Built directly: this runs twice per measured call.
+    A1s = np.tri(R, k=-1)
+    A1s[np.arange(R), np.arange(R)] = R - 1 - np.arange(R)
+    A1 = np.empty((R, R))
+    A1[np.ix_(order, order)] = A1s  # A1[order[j], order[m]] = A1s[j, m]: back to the ranks' order
+    return np.eye(R), A1
 
 
 def uneven(tokens_R: np.ndarray, share: float) -> bool:
@@ -148,9 +149,12 @@ class _FitSums:
     def add(self, D0: np.ndarray, D1: np.ndarray) -> None:
         """One call's rows ``[R', U]`` (``D0 + k D1`` per rank, over its measurement)."""
         C0, C1 = D0 - D0.mean(axis=0), D1 - D1.mean(axis=0)  # centred: their fitted values are the ranks' spread
-        self.G += np.stack([D0.T @ D0, D0.T @ D1 + D1.T @ D0, D1.T @ D1])
-        self.g += np.stack([D0.sum(axis=0), D1.sum(axis=0)])
-        self.H += np.stack([C0.T @ C0, C0.T @ C1 + C1.T @ C0, C1.T @ C1])
+        for acc, (a, b) in ((self.G, (D0, D1)), (self.H, (C0, C1))):  # (in place, slice by slice: no stacked copies)
+            acc[0] += a.T @ a
+            acc[1] += a.T @ b + b.T @ a
+            acc[2] += b.T @ b
+        self.g[0] += D0.sum(axis=0)
+        self.g[1] += D1.sum(axis=0)
         self.c += float(D0.shape[0])
         self.dof += float(D0.shape[0]) - 1.0
 
@@ -213,8 +217,8 @@ class ComputeFit:
         if use.sum() == 0 or not np.all(np.isfinite(t)):
             return False
         X = np.stack([n * sec_per_token, i * sec_per_token, p, m], axis=1)  # [R, 4] model seconds
-        A0, A1 = corun_matrices(t)
-        D0, D1 = ((A @ X)[use] / t[use, None] for A in (A0, A1))  # [R', 4]: each row over its measurement
+        _, A1 = corun_matrices(t)  # (A0 is the identity)
+        D0, D1 = X[use] / t[use, None], (A1 @ X)[use] / t[use, None]  # [R', 4]: each row over its measurement
         for key, sums in self._regimes.items():
             sums.decay(FIT_DECAY if key == regime else FIT_STALE_DECAY)
         self._regimes.setdefault(regime, _FitSums()).add(D0, D1)

@@ -28,7 +28,7 @@ first use: ``import ultraep.plan`` stays numpy-only.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any
 
@@ -159,7 +159,18 @@ class Plan:
     def with_solve_time(self, seconds: float) -> "Plan":
         """A copy of this plan whose ``solve_time_s`` is ``seconds`` (measured by whoever called the policy:
         :func:`ultraep.policies.plan_resident`). The copy shares every array and ``info``."""
-        return replace(self, solve_time_s=float(seconds))
+        return self.replaced(solve_time_s=float(seconds))
+
+    def replaced(self, **changes) -> "Plan":
+        """``dataclasses.replace(self, **changes)`` that keeps what was derived from the placement: where ``changes``
+        leave the load, placement, quotas, replicas, routes, transfers and overlay as they are (a policy name, the
+        costs, the choice, diagnostics), the copy shares this plan's derived figures (its cached properties and what
+        the cost model derived from it, :func:`ultraep.cost.model.plan_memo`) instead of deriving them again: the
+        adaptive engine hands on a candidate's plan as its own, and the engine predicts that copy."""
+        out = replace(self, **changes)
+        if not _STRUCTURE.intersection(changes):
+            out.__dict__.update({k: v for k, v in self.__dict__.items() if k not in _FIELDS})
+        return out
 
     @property
     def decision(self) -> Choice | None:
@@ -309,3 +320,9 @@ class Plan:
         tr = self.transfers
         if len(tr):
             assert (p[tr.dst] == tr.expert[:, None]).any(axis=1).all(), "a transfer targets a rank without that replica"
+
+
+#: Plan's fields that its derived figures depend on (:meth:`Plan.replaced` keeps those figures when none changes)
+_STRUCTURE = frozenset({"topology", "load_RE", "phy2log_RS", "quota_RS", "replicas", "transfers", "routes",
+                        "expert_domains", "static_overlap"})
+_FIELDS = frozenset(f.name for f in fields(Plan))
