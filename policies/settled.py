@@ -74,13 +74,13 @@ def verdict(chooser, plan: Plan, same) -> Settled | None:
     a, memo = plan.info["adaptive"], chooser._memo
     name, preds = a["chosen"], a["predictions"]
     if (memo is None or memo[0].choice is not plan.choice or memo[2] is None or a.get("probe") or a.get("pending")
-            or name != a.get("previous") or name == chooser.fallback):
+            or name != a.get("previous") or (name == chooser.fallback and chooser.budget.share is None)):
         return None
     if chooser.outcomes.observed and chooser.outcomes.runs(chooser.fallback) == 0:  # none, unmeasured, is probed first
         return None
     own, scale = preds[name], chooser.outcomes.scale
     rivals = {n: (v, scale(n)) for n, v in preds.items() if n != name and n not in same}
-    if not rivals or min(v for v, _ in rivals.values()) < own * (1.0 - chooser.hysteresis.margin):
+    if rivals and min(v for v, _ in rivals.values()) < own * (1.0 - chooser.hysteresis.margin):
         return None
     if not all(c > 0 for _, c in rivals.values()):
         return None
@@ -121,10 +121,13 @@ def _probe_due(chooser, s: Settled, others: list[str], estimate_s: float) -> boo
     """Whether a probe the weighing would run is due: a candidate due and affordable
     (:meth:`.ProbeSchedule.probe_range`) that is unmeasured, or whose estimate now (the verdict's, scaled as in
     :meth:`Settled.holds`, else its standing at its last weighing) is within ``probe_max_loss`` of the policy in
-    force's ``estimate_s``."""
+    force's ``estimate_s``. Not a candidate resting on its losing streak (:meth:`.Screen.resting`): the weighing does
+    not plan it, so it cannot probe it, and its re-evaluation ends the rest when it falls due. Counted, such an
+    unmeasured candidate (eplb, never probed) ended every rest at once while the weighings it caused kept it resting."""
     sched, outcomes = chooser.schedule, chooser.outcomes
     standing = chooser.budget.standing
-    for n in sched.probe_range(others, estimate_s, standing):
+    resting = set(chooser.screening.resting(chooser.current))  # not planned by the weighing: it could not probe them
+    for n in sched.probe_range([n for n in others if n not in resting], estimate_s, standing):
         level = s.rivals[n][0] * outcomes.scale(n) / s.rivals[n][1] if n in s.rivals else standing.get(n, 0.0)
         if outcomes.runs(n) == 0 or level <= (1 + sched.probe_max_loss) * estimate_s:
             return True
