@@ -12,8 +12,8 @@ Steps (one layer, one microbatch; each part in its own module):
             the budget spent, the decision is idle: ``none`` alone is planned, nothing weighed, no overhead. The
             next decisions take that verdict's stake while the load stays where it was (:mod:`.idle`), and the
             engine reads the policy's prediction of ``none``'s plan instead of making it again.
-    Step 0b: settled (:mod:`.settled`): with another policy in force that its last weighing kept (no rival faster by
-            more than ``margin``, no switch pending), the next decisions plan it alone while the load and the
+    Step 0b: settled (:mod:`.settled`): otherwise, with a policy in force that its last weighing kept (no rival faster
+            by more than ``margin``, no switch pending), the next decisions plan it alone while the load and the
             measured estimates stay where they were and no probe or re-evaluation is due; then it is weighed again.
     Step 1: screen (:mod:`.screening`, :mod:`.probes`): a candidate that lost clearly LOSING_STREAK decisions in a row (or every candidate, once
             ``none`` has won clearly for ``probe_every`` decisions) rests: it is not planned nor predicted

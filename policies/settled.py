@@ -1,6 +1,6 @@
-"""The adaptive engine's settled decisions (Step 0b): a balancing policy kept in force is not weighed every call.
+"""The adaptive engine's settled decisions (Step 0b): a policy its weighing kept in force is not weighed every call.
 
-With a policy other than the fallback in force, every decision weighs: every candidate not resting is planned and
+Without a rest every decision weighs: every candidate not resting is planned and
 predicted twice (on the calibrated model and on the anchor model, :mod:`.outcomes`), and the force-balanced ideal
 once. On the runtime at 256 tokens per rank, 16 experts, two gloo ranks (``benchmarks/bench_long.py``'s layer, 45-60
 ms a call), that made adaptive's plan 3.4-5.0 ms against quota's own 0.9-1.0 ms: the engine's weighing alone was
@@ -18,15 +18,18 @@ weigh nothing, no engine overhead added. A settled decision weighs again at once
   measured correction moved since (a fresh measurement, or the clock crediting one taken while the machine ran
   slower). Not ``margin``: the policy in force's estimate is the median of its last few calls and moves by more
   than that from call to call, and a rest ended by that noise paid its prediction and the weighing both;
-* a candidate is due for re-evaluation, or for a probe that would run (due, affordable, and within
-  ``probe_max_loss`` of the policy in force at its last weighing: :class:`~.probes.ProbeSchedule`), so probes and
-  re-plannings run when they would have;
+* a candidate is due for re-evaluation, or for a probe that would run (due, affordable, within ``probe_max_loss``
+  of the policy in force at its last weighing, and not resting on its losing streak, which the weighing would not
+  plan: :class:`~.probes.ProbeSchedule`), so probes and re-plannings run when they would have;
 * a candidate's history cannot advance without a plan (:meth:`~.candidates.Candidates.can_rest`).
 
 So a switch a full weighing would take at once comes at the next decision, one it would take on a smaller gain at
 most SETTLED_REST - 1 decisions late, and meanwhile the choice costs what the policy in force's own planner does.
-The fallback in force rests by :mod:`.idle`, whose verdict also needs the exploration budget spent; a balancing
-policy in force pays for itself, so its rest does not.
+The fallback in force rests by :mod:`.idle` once the exploration budget is spent and nothing is in contention; while
+the budget still allows weighing (a rival in contention), a weighing that kept it settles as any other policy's does:
+weighing the same candidates again on the same load learns nothing, and at 256 tokens per rank such weighings with
+``none`` in force cost 1.6 ms against ``none``'s own 0.5 ms plan, on 26-36 ms calls. With ``explore_share=None``
+(weighing without bound) the fallback never settles.
 """
 
 from __future__ import annotations
@@ -65,9 +68,10 @@ class Settled:
 
 
 def verdict(chooser, plan: Plan, same) -> Settled | None:
-    """The settled verdict of ``plan``, a weighing ``chooser`` committed, or None: it kept the policy in force (not
-    the fallback), no switch pending and no probe, and no other candidate it predicted (corrected; those in ``same``
-    do what the fallback does and count as it) was faster than the policy in force by more than ``margin``. Each
+    """The settled verdict of ``plan``, a weighing ``chooser`` committed, or None: it kept the policy in force (the
+    fallback only under a bounded exploration budget), no switch pending and no probe, and no other candidate it
+    predicted (corrected; those in ``same`` do what the fallback does and count as it; there may be none: every rival
+    resting) was faster than the policy in force by more than ``margin``. Each
     rival keeps its estimate with the correction it carried (:meth:`.outcomes.OutcomeTracker.scale`). Nothing settles
     while outcomes are measured and the fallback has not been: its first probe may run whatever the probe ledger
     holds (:meth:`.ProbeSchedule.probe`), and every gain is measured against it."""
