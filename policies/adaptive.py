@@ -55,7 +55,7 @@ from ultraep.topology import Topology
 
 from .candidates import Candidates
 from .exploration import OF_GAIN, SHARE, ExplorationBudget
-from .outcomes import CLOCK_RUNS, FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker
+from .outcomes import CLOCK_RUNS, FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker, regime_of
 from .hysteresis import Hysteresis
 from .idle import idle_plan
 from .settled import settled_plan, verdict
@@ -157,13 +157,9 @@ class AdaptivePolicy:
         if not self.outcomes.observe(name, predicted_s, measured_s, self.current):
             self.schedule.forget(name)
 
-    def estimate(self, name: str, calibrated_s: float) -> float:
-        """Step 3's number for a candidate (see the tracker's ``estimate``)."""
-        return self.outcomes.estimate(name, calibrated_s, self.current)
-
     def _anchor_predictions(self, topology: Topology, plans: dict, resident: bool, names=None) -> None:
-        """Anchor-model predictions for :meth:`estimate` of ``names`` (default: the candidates that have run),
-        added to this decision's (a new decision starts with ``names=None``)."""
+        """Anchor-model predictions for :meth:`.OutcomeTracker.estimate` of ``names`` (default: the candidates that have
+        run), added to this decision's (a new decision starts with ``names=None``)."""
         t = self.outcomes
         am = model_for(t.anchor, topology)
         todo = ([n for n in plans if self.outcomes.anchored(n, self.current)] if names is None
@@ -188,6 +184,7 @@ class AdaptivePolicy:
         has = resident_RE is not None
         self._known = None
         self.candidates.begin()
+        self.outcomes.at(regime_of(load_RE))  # the measured outcomes read at this load's size
         for rested in (idle_plan, settled_plan):  # Step 0: the exploration budget; Step 0b: settled
             if (pl := rested(self, cm, load_RE, topology, resident_RE)) is not None:
                 return pl
@@ -217,6 +214,7 @@ class AdaptivePolicy:
         transfers are exactly what moves (see :meth:`_predict`); ``idle``: Step 0 planned the fallback alone (True),
         or Step 0b the policy in force alone (the decision's reason): nothing weighed."""
         topology = topology or next(iter(plans.values())).topology
+        self.outcomes.at(regime_of(next(iter(plans.values())).load_RE))  # (decide() called directly)
         cm = self._cost(topology)
         if self.outcomes.anchor_plans is plans:  # plan() started them; add candidates planned since
             ran = [n for n in plans if self.outcomes.anchored(n, self.current)]
@@ -262,7 +260,7 @@ class AdaptivePolicy:
             bd = known[name] if name in known and (resident or not self.candidates.switches(name, self.current)) else \
                 self._predict(cm, name, pl, resident)
             bds[name] = bd
-            predictions[name] = self.estimate(name, bd.total_s)
+            predictions[name] = self.outcomes.estimate(name, bd.total_s, self.current)
         return bds, predictions
 
     def _assemble(self, cm, plans, bds, predictions, chosen, reason, facts, resident) -> Plan:
@@ -284,7 +282,7 @@ class AdaptivePolicy:
         a = plan.info["adaptive"]
         self.hysteresis.commit(a["chosen"], a.get("pending"), bool(a.get("probe")))  # a probe runs once
         preds, chosen = a["predictions"], a["chosen"]
-        self.outcomes.observing = (chosen, float(a.get("anchor_s", 0.0)))  # what observe_outcome will measure
+        self.outcomes.observing = (chosen, float(a.get("anchor_s", 0.0)), regime_of(plan.load_RE))  # to measure
         self.outcomes.restart = chosen if a.get("confirm") else None  # a confirmation replaces its stale history
         self.outcomes.decisions += 1
         same, idle = set(a.get("same_as_none", ())), bool(a.get("idle")) or bool(a.get("settled"))  # weighed nothing

@@ -64,7 +64,7 @@ def idle_plan(chooser, cm, load_RE: np.ndarray, topology: Topology, resident_RE)
     bd = chooser._predict(cm, fb, pl, resident_RE is not None)
     rest = chooser._rest if chooser._rest is not None and chooser._rest.holds(bd, chooser.switch_now) else None
     stake = rest.stake_s if rest is not None else bd.total_s - cm.ideal(load_RE).total_s  # carried while resting
-    fb_s = chooser.estimate(fb, bd.total_s)
+    fb_s = chooser.outcomes.estimate(fb, bd.total_s, chooser.current)
     # a rival the engine would probe is weighed when its probe is due (else within switch_now, as everywhere)
     due = chooser.schedule.probe_range(chooser.policies, fb_s, chooser.budget.standing)
     if not chooser.budget.idle(chooser.policies, fb, fb_s, stake, chooser.switch_now, cm.params.engine_overhead_s,

@@ -4,7 +4,10 @@ One :class:`OutcomeTracker` per adaptive layer. It keeps, per candidate, the med
 predicted layer time over its last runs, on two bases: against the calibrated model of the time, and against
 the *anchor* (the model as handed over, before any calibration), which does not move when calibration learned
 from other candidates' runs drifts. Each anchor measurement is paired with the policy in force when it was
-taken (the *clock*), so one taken while the whole machine ran slower is credited with the difference.
+taken (the *clock*), so one taken while the whole machine ran slower is credited with the difference, and with
+the *regime* of its load (:func:`regime_of`, the tokens per rank to a power of two): the anchor's error is not flat
+in the load (on a small layer fixed per-call costs the model leaves out weigh more), so a candidate is estimated from
+what it measured at the regime of the load now, where it has measured there.
 
 It knows nothing of policies beyond their names: the chooser tells it which candidate ran, which was in force,
 and what the anchor model predicted (:class:`~ultraep.policies.adaptive.AdaptivePolicy` composes it).
@@ -26,6 +29,18 @@ FEW_RUNS = 3
 OUTCOME_WARMUP = 2
 #: the machine's level now is the median of the policy in force's last CLOCK_RUNS measurements
 CLOCK_RUNS = 3
+#: the load regimes a candidate's anchor outcomes are kept for (the most recently measured ones), each its last
+#: ``window`` measurements: bounded state, and room for a run that goes back and forth between a few batch sizes
+REGIMES = 4
+
+
+def regime_of(load_RE: np.ndarray) -> int:
+    """The load regime of ``load_RE`` ``[R, E]``: log2 of the routed tokens per rank, rounded (sizes within a factor
+    of sqrt(2) share one). At 256 tokens per rank, 16 experts, two ranks (``benchmarks/bench_long.py``'s layer) the
+    plain layer measured 0.5-0.65x the anchor's prediction and at 64 tokens 0.85-1.4x: a ratio measured at one size
+    carried to the other mis-estimated ``none`` by 2x, out of reach of every probe, for the rest of the run."""
+    per_rank = float(np.asarray(load_RE).sum()) / max(1, np.shape(load_RE)[0])
+    return int(round(math.log2(per_rank))) if per_rank >= 1.0 else 0
 
 
 class OutcomeTracker:
@@ -46,17 +61,21 @@ class OutcomeTracker:
         self.probe_every = int(probe_every)
         self.anchor_s: dict[str, float] = {}  # this decision's anchor-model predictions of the candidates
         self.anchor_plans: dict | None = None  # the candidate plans anchor_s belongs to
-        self.observing: tuple[str, float] | None = None  # the committed choice and its anchor prediction
+        self.observing: tuple | None = None  # the committed choice, its anchor prediction and its load's regime
+        self.regime: int | None = None  # the regime of the load being decided (:meth:`at`)
         #: a confirmation probe's candidate (the chooser's Step 5a): its fresh measurement replaces its history, so
         #: the switch is decided on it and not on the median of measurements taken on another machine state
         self.restart: str | None = None
         self.observed = 0  # measured outcomes offered so far (the first OUTCOME_WARMUP are skipped)
         self.decisions = 0  # decisions committed so far (the clock's time axis)
         #: per candidate: median of log(measured / predicted layer time) over its last runs, and how often it ran,
-        #: against the calibrated model of the time (``_outcome``) and against the anchor model (``_outcome_anchor``)
+        #: against the calibrated model of the time (``_outcome``) and against the anchor model (``_outcome_anchor``:
+        #: its runs at the regime now where it has some, else its last ``window`` runs at any)
         self._outcome: dict[str, tuple[float, int]] = {}
         self._outcome_anchor: dict[str, tuple[float, int]] = {}
-        self._outcome_hist: dict[tuple[str, str], list] = {}  # (table, candidate) -> its last measurements
+        #: (table, candidate) -> its last measurements; the anchor table's are (decision, log-ratio, policy in force,
+        #: regime), the last ``window`` of each of its REGIMES regimes
+        self._outcome_hist: dict[tuple[str, str], list] = {}
         #: per candidate, (decision, log-ratio against the anchor) of its last 2 probe_every measurements: the clock
         #: that tells how much faster the machine runs now than when a measurement was taken (:meth:`credit`)
         self._clock: dict[str, tuple[list[int], list[float]]] = {}
@@ -71,9 +90,10 @@ class OutcomeTracker:
         screened out and never re-measured. A real change (a slower link) moves the median after half a window."""
         self.observed += 1
         when = self.decisions - 1  # the decision being observed (committed just before its call ran)
-        x = None
+        x, regime = None, self.regime
         if self.observing is not None and self.observing[0] == name and self.observing[1] > 0:
             x = float(np.log(measured_s / self.observing[1]))
+            regime = self.observing[2] if len(self.observing) > 2 else regime
             if name == current or self.observed > OUTCOME_WARMUP:  # the clock reads the warm-up too
                 self._tick(name, when, x)
         if self.observed <= OUTCOME_WARMUP:
@@ -88,8 +108,18 @@ class OutcomeTracker:
             # (statistics.median: on five numbers, numpy's call overhead is most of the cost, once per layer call)
             self._outcome[name] = (float(statistics.median(hist)), self._outcome.get(name, (0.0, 0))[1] + 1)
         if x is not None:
-            self._fold_anchor(name, when, x, current)
+            self._fold_anchor(name, when, x, current, regime)
         return True
+
+    def at(self, regime: int | None) -> None:
+        """The load being decided is of ``regime`` (:func:`regime_of`): where it moved, every candidate's anchor
+        outcome is read again from its measurements at that regime (else from its last ones at any)."""
+        if regime == self.regime:
+            return
+        self.regime = regime
+        for (kind, n), h in self._outcome_hist.items():
+            if kind == "anchor" and h:
+                self._outcome_anchor[n] = (self._anchor_median(h), self._outcome_anchor[n][1])
 
     def _tick(self, name: str, when: int, x: float) -> None:
         ts, xs = self._clock.setdefault(name, ([], []))
@@ -98,18 +128,23 @@ class OutcomeTracker:
         keep = 2 * max(1, self.probe_every)
         del ts[:-keep], xs[:-keep]
 
-    def _fold_anchor(self, name: str, when: int, x: float, current: str | None) -> None:
-        """Add ``name``'s anchor log-ratio ``x`` of decision ``when``, paired with the policy in force, and
-        re-credit the histories read on ``name``'s clock (only its clock moved)."""
+    def _fold_anchor(self, name: str, when: int, x: float, current: str | None, regime: int | None) -> None:
+        """Add ``name``'s anchor log-ratio ``x`` of decision ``when`` at load ``regime``, paired with the policy in
+        force, and re-credit the histories read on ``name``'s clock (only its clock moved)."""
         hist = self._outcome_hist.setdefault(("anchor", name), [])
-        hist.append((when, x, current or name))
-        del hist[:-self.window]
+        hist.append((when, x, current or name, regime))
+        _keep_recent(hist, self.window)
         self._outcome_anchor[name] = (0.0, self._outcome_anchor.get(name, (0.0, 0))[1] + 1)
         now = self.level(name)
         for (kind, n), h in self._outcome_hist.items():
-            if kind == "anchor" and (n == name or any(ref == name for _, _, ref in h)):
-                credited = [v - self.credit(ref, t, now if ref == name else None) for t, v, ref in h]
-                self._outcome_anchor[n] = (statistics.median(credited), self._outcome_anchor[n][1])
+            if kind == "anchor" and (n == name or any(e[2] == name for e in h)):
+                self._outcome_anchor[n] = (self._anchor_median(h, name, now), self._outcome_anchor[n][1])
+
+    def _anchor_median(self, h: list, name: str | None = None, now: float | None = None) -> float:
+        """The credited median of anchor history ``h``: its entries at the regime now, else its last ``window``
+        (``now``: ``name``'s clock level now, when the caller has it)."""
+        use = [e for e in h if e[3] == self.regime] or h[-self.window:]
+        return statistics.median([v - self.credit(ref, t, now if ref == name else None) for t, v, ref, _ in use])
 
     # ------------------------------------------------------------------ the clock
     def level(self, ref: str, when: int | None = None) -> float | None:
@@ -190,3 +225,18 @@ class OutcomeTracker:
         if name in self._outcome_anchor and name in self.anchor_s:
             return self.anchor_s[name] * float(np.exp(self._outcome_anchor[name][0]))
         return calibrated_s * self.correction(name)
+
+
+def _keep_recent(hist: list, window: int) -> None:
+    """Trim anchor history ``hist`` (oldest first) in place to the last ``window`` entries of each of its REGIMES most
+    recently measured regimes."""
+    seen: dict = {}
+    keep = []
+    for e in reversed(hist):
+        r = e[3]
+        if r not in seen and len(seen) >= REGIMES:
+            continue
+        if seen.get(r, 0) < window:
+            seen[r] = seen.get(r, 0) + 1
+            keep.append(e)
+    hist[:] = keep[::-1]

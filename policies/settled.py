@@ -106,7 +106,7 @@ def settled_plan(chooser, cm, load_RE: np.ndarray, topology: Topology, resident_
     bd = chooser._predict(cm, cur, pl, has)
     plans = {cur: pl}  # (the same dict to decide: the anchor predictions made here are not made again)
     chooser._anchor_predictions(topology, plans, has)  # what its estimate and its outcome are measured against
-    est = chooser.estimate(cur, bd.total_s)
+    est = chooser.outcomes.estimate(cur, bd.total_s, cur)
     if not s.holds(bd, est, chooser.switch_now, chooser.outcomes.scale) or _probe_due(chooser, s, others, est):
         chooser._settled = None
         return None
