@@ -37,7 +37,7 @@ REGIMES = 4
 def regime_of(load_RE: np.ndarray) -> int:
     """The load regime of ``load_RE`` ``[R, E]``: log2 of the routed tokens per rank, rounded (sizes within a factor
     of sqrt(2) share one). At 256 tokens per rank, 16 experts, two ranks (``benchmarks/bench_long.py``'s layer) the
-    plain layer measured 0.5-0.65x the anchor's prediction and at 64 tokens 0.85-1.4x: a ratio measured at one size
+    plain layer measured 0.5-0.7x the anchor's prediction and at 64 tokens 0.8-1.4x: a ratio measured at one size
     carried to the other mis-estimated ``none`` by 2x, out of reach of every probe, for the rest of the run."""
     per_rank = float(np.asarray(load_RE).sum()) / max(1, np.shape(load_RE)[0])
     return int(round(math.log2(per_rank))) if per_rank >= 1.0 else 0
