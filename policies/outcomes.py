@@ -90,10 +90,9 @@ class OutcomeTracker:
         screened out and never re-measured. A real change (a slower link) moves the median after half a window."""
         self.observed += 1
         when = self.decisions - 1  # the decision being observed (committed just before its call ran)
-        x, regime = None, self.regime
+        x = None
         if self.observing is not None and self.observing[0] == name and self.observing[1] > 0:
             x = float(np.log(measured_s / self.observing[1]))
-            regime = self.observing[2] if len(self.observing) > 2 else regime
             if name == current or self.observed > OUTCOME_WARMUP:  # the clock reads the warm-up too
                 self._tick(name, when, x)
         if self.observed <= OUTCOME_WARMUP:
@@ -108,7 +107,7 @@ class OutcomeTracker:
             # (statistics.median: on five numbers, numpy's call overhead is most of the cost, once per layer call)
             self._outcome[name] = (float(statistics.median(hist)), self._outcome.get(name, (0.0, 0))[1] + 1)
         if x is not None:
-            self._fold_anchor(name, when, x, current, regime)
+            self._fold_anchor(name, when, x, current, self.observing[2])
         return True
 
     def at(self, regime: int | None) -> None:
