@@ -5,7 +5,7 @@ predicted layer time over its last runs, on two bases: against the calibrated mo
 the *anchor* (the model as handed over, before any calibration), which does not move when calibration learned
 from other candidates' runs drifts. Each anchor measurement is paired with the policy in force when it was
 taken (the *clock*), so one taken while the whole machine ran slower is credited with the difference, and with
-the *regime* of its load (:func:`regime_of`, the tokens per rank to a power of two): the anchor's error is not flat
+the *regime* of its load (:func:`regime_of`, the token-expert assignments per rank to a power of two): the anchor's error is not flat
 in the load (on a small layer fixed per-call costs the model leaves out weigh more), so a candidate is estimated from
 what it measured at the regime of the load now, where it has measured there.
 
@@ -35,10 +35,11 @@ REGIMES = 4
 
 
 def regime_of(load_RE: np.ndarray) -> int:
-    """The load regime of ``load_RE`` ``[R, E]``: log2 of the routed tokens per rank, rounded (sizes within a factor
-    of sqrt(2) share one). At 256 tokens per rank, 16 experts, two ranks (``benchmarks/bench_long.py``'s layer) the
-    plain layer measured 0.5-0.7x the anchor's prediction and at 64 tokens 0.8-1.4x: a ratio measured at one size
-    carried to the other mis-estimated ``none`` by 2x, out of reach of every probe, for the rest of the run."""
+    """The load regime of ``load_RE`` ``[R, E]``: log2 of the token-expert assignments routed per rank (tokens x
+    top-k), rounded (sizes within a factor of sqrt(2) share one). At 256 tokens per rank, 16 experts, two ranks
+    (``benchmarks/bench_long.py``'s layer) the plain layer measured 0.5-0.7x the anchor's prediction and at 64 tokens
+    0.8-1.4x: a ratio measured at one size carried to the other mis-estimated ``none`` by 2x, out of reach of every
+    probe, for the rest of the run."""
     per_rank = float(np.asarray(load_RE).sum()) / max(1, np.shape(load_RE)[0])
     return int(round(math.log2(per_rank))) if per_rank >= 1.0 else 0
 

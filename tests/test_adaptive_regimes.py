@@ -27,7 +27,7 @@ def _feed(t: OutcomeTracker, name: str, regime: int, ratio: float, n: int) -> No
 
 
 def test_regime_is_the_routed_tokens_per_rank_to_a_power_of_two():
-    load = np.full((2, 16), 32)  # 512 routed tokens per rank
+    load = np.full((2, 16), 32)  # 512 token-expert assignments per rank
     assert regime_of(load) == 9
     assert regime_of(load * 1.3) == 9 and regime_of(load * 1.5) == 10 and regime_of(load // 4) == 7
     assert regime_of(np.zeros((2, 16))) == 0
