@@ -72,3 +72,47 @@ def test_a_size_measured_before_is_estimated_from_its_own_calls_when_the_run_goe
 
     assert back_at_big(False)["none"] >= n - 5
     assert back_at_big(True)["quota"] >= n - 5
+
+
+def test_a_restart_replaces_a_candidates_runs_at_its_regime_only():
+    """A confirmation or a re-check at one size replaces what the candidate measured there; what it measured at another
+    size stays (negative control: the whole history dropped, as before, leaves only the small calls' ratio)."""
+    t = OutcomeTracker(None, window=5, switch_now=0.02, probe_every=32)
+    t.at(9)
+    _feed(t, "none", 9, 0.6, OUTCOME_WARMUP + 5)
+    t.at(7)
+    _feed(t, "none", 7, 1.4, 3)
+    t.restart = "none"
+    _feed(t, "none", 7, 1.3, 1)
+    assert [round(math.exp(e[1]), 6) for e in t._outcome_hist[("anchor", "none")] if e[3] == 7] == [1.3]
+    t.at(9)
+    assert t.measured_here("none") and math.isclose(t.scale("none"), 0.6)
+    t.at(11)
+    assert not t.measured_here("none")
+    t._outcome_hist[("anchor", "none")][:] = [e for e in t._outcome_hist[("anchor", "none")] if e[3] == 7]
+    t.at(9)  # (the control: only the small calls' runs left)
+    assert not t.measured_here("none") and math.isclose(t.scale("none"), 1.3)
+
+
+def test_the_fallback_not_measured_at_the_regime_now_is_probed_whatever_its_estimate():
+    """Back at a size ``none`` was not measured at, its estimate carries another size's ratio (2.3x at 256 tokens per
+    rank after 64): it is probed as a never-measured fallback is, charged at most ``probe_max_loss``, where a rival as far
+    behind is not (and, measured at this regime, ``none`` is not either: the control)."""
+    from ultraep.policies.probes import ProbeSchedule
+
+    t = OutcomeTracker(None, window=5, switch_now=0.02, probe_every=32)
+    t.at(7)
+    _feed(t, "none", 7, 1.4, OUTCOME_WARMUP + 5)
+    _feed(t, "feplb", 7, 1.0, 5)
+    s = ProbeSchedule(32, 0.25, 0.02, t, None, 0, 0.02, fallback="none")
+    s.decisions, s.base_s = 40, 40 * 0.04  # the ledger's room: 0.02 of 40 calls, 0.032 s
+    s._ran.update({"none", "feplb", "eplb"})
+    s._since.update({"none": 40, "eplb": 40})
+    feasible = {"none": 0.087, "feplb": 0.038, "eplb": 0.087}  # none priced 2.3x feplb, eplb as far behind
+    t.at(9)
+    assert s.stale_fallback() == "none" and s.period("none") == 4
+    assert s.probe(feasible, "feplb", "feplb", "none") == "none"
+    assert set(s.probe_range(["none", "eplb"], 0.038, feasible)) == {"none"}
+    _feed(t, "none", 9, 2.3, 1)  # measured here: its estimate stands, beyond probe_max_loss
+    assert s.stale_fallback() is None
+    assert s.probe(feasible, "feplb", "feplb", "none") is None and s.probe_range(["none", "eplb"], 0.038, feasible) == {}
