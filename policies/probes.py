@@ -130,7 +130,7 @@ class ProbeSchedule:
     def stale_fallback(self) -> str | None:
         """The fallback where outcomes are measured but not at the load's regime now (else None): its estimate carries a
         ratio measured at another size (back at 256 tokens per rank after 200 calls at 64, ``none`` was priced 2.3x what
-        it ran, and quota or feplb stayed in force, 6-16 % slower, to the end): it is probed as if never measured."""
+        it ran, and quota or feplb stayed in force, 2-16 % slower, to the end): it is probed as if never measured."""
         fb = self.fallback
         return fb if fb is not None and self.outcomes.observed and not self.outcomes.measured_here(fb) else None
 
@@ -207,7 +207,7 @@ class ProbeSchedule:
         never = self.outcomes.observed and fallback is not None and self.outcomes.runs(fallback) == 0
         if self.cost_share is not None and self._contender and never and fallback != chosen and self.due(fallback):
             return fallback
-        unmeasured_fallback = fallback if never or fallback == self.stale_fallback() else None  # (or at this regime)
+        unmeasured_fallback = fallback if never or fallback == self.stale_fallback() else None  # (or not at this regime)
         room, ref = self.loss_room(feasible[chosen]), feasible[chosen]
 
         def cost(n: str) -> float:  # the unmeasured fallback's at most probe_max_loss: the model's error on it is open
