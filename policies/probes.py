@@ -207,7 +207,7 @@ class ProbeSchedule:
         never = self.outcomes.observed and fallback is not None and self.outcomes.runs(fallback) == 0
         if self.cost_share is not None and self._contender and never and fallback != chosen and self.due(fallback):
             return fallback
-        unmeasured_fallback = fallback if never or fallback == self.stale_fallback() else None  # (or not at this regime)
+        unmeasured_fallback = fallback if never or fallback == self.stale_fallback() else None  # (or not here)
         room, ref = self.loss_room(feasible[chosen]), feasible[chosen]
 
         def cost(n: str) -> float:  # the unmeasured fallback's at most probe_max_loss: the model's error on it is open
