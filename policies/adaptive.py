@@ -120,7 +120,7 @@ class AdaptivePolicy:
         # candidate's correction does not drift when calibration (learned from other candidates' runs) moves
         self.outcomes = OutcomeTracker(cost_model, outcome_window, self.switch_now, probe_every)
         self.schedule = ProbeSchedule(probe_every, probe_max_loss, self.switch_now, self.outcomes, probe_share,
-                                      PROBE_BURST * len(self.policies), probe_cost_share, self.fallback)
+                                      PROBE_BURST * len(self.policies), probe_cost_share)
         self.budget = ExplorationBudget(None if explore_share is None else float(explore_share),
                                         float(explore_of_gain))
         self.screening = Screen(self.candidates, self.schedule, self.outcomes, self.budget, screen)

@@ -98,13 +98,9 @@ class OutcomeTracker:
                 self._tick(name, when, x)
         if self.observed <= OUTCOME_WARMUP:
             return name == current
-        if self.restart == name:  # (at this regime only: its runs at other sizes are not stale; with them gone the
-            # small calls' ratio priced ``none`` 2.3x too high back at 256 tokens per rank, out of every probe's reach)
+        if self.restart == name:
             self._outcome_hist.pop(("calibrated", name), None)
-            regime = self.observing[2] if x is not None else self.regime
-            anchor = self._outcome_hist.get(("anchor", name))
-            if anchor is not None:
-                anchor[:] = [e for e in anchor if e[3] != regime]
+            self._outcome_hist.pop(("anchor", name), None)
         if predicted_s > 0:
             hist = self._outcome_hist.setdefault(("calibrated", name), [])
             hist.append(float(np.log(measured_s / predicted_s)))
@@ -182,11 +178,6 @@ class OutcomeTracker:
     def runs(self, name: str) -> int:
         """How often ``name`` was measured against the anchor."""
         return self._outcome_anchor.get(name, (0.0, 0))[1]
-
-    def measured_here(self, name: str) -> bool:
-        """Whether ``name`` was measured against the anchor at the regime of the load now (:meth:`at`): else its
-        estimate carries a ratio measured at another size, which can be off by 2x (:func:`regime_of`)."""
-        return any(e[3] == self.regime for e in self._outcome_hist.get(("anchor", name), ()))
 
     def correction(self, name: str) -> float:
         """Multiplier of ``name``'s calibrated prediction: its own measured/predicted ratio when it has run, else

@@ -62,13 +62,10 @@ class ProbeSchedule:
         cost_share: the probes' predicted seconds over the policy in force may sum to at most this share of its
             predicted time so far (:meth:`loss_room`); None: not paced by cost (the schedule before issue 56's
             first-calls item: no warm-up wait, never-run candidates first).
-        fallback: the chooser's fallback (``none``), probed where not measured at the load's regime now.
     """
 
     def __init__(self, probe_every: int, probe_max_loss: float, switch_now: float, outcomes: OutcomeTracker,
-                 probe_share: float | None = None, burst: int = 0, cost_share: float | None = None,
-                 fallback: str | None = None) -> None:
-        self.fallback = fallback
+                 probe_share: float | None = None, burst: int = 0, cost_share: float | None = None) -> None:
         self.probe_share = None if probe_share is None else float(probe_share)
         self.burst = int(burst)
         self.cost_share = None if cost_share is None else float(cost_share)
@@ -123,16 +120,8 @@ class ProbeSchedule:
     def period(self, name: str) -> int:
         """``probe_every``, or ``probe_every / 8`` for a candidate measured fewer than FEW_RUNS times or left by a
         switch and not measured since (only where outcomes are measured at all: a simulation measures nothing)."""
-        few = self.outcomes.observed and (self.outcomes.runs(name) < FEW_RUNS or name in self._recheck
-                                          or name == self.stale_fallback())
+        few = self.outcomes.observed and (self.outcomes.runs(name) < FEW_RUNS or name in self._recheck)
         return max(1, self.probe_every // 8) if few else self.probe_every
-
-    def stale_fallback(self) -> str | None:
-        """The fallback where outcomes are measured but not at the load's regime now (else None): its estimate carries a
-        ratio measured at another size (back at 256 tokens per rank after 200 calls at 64, ``none`` was priced 2.3x what
-        it ran, and quota or feplb stayed in force, 2-16 % slower, to the end): it is probed as if never measured."""
-        fb = self.fallback
-        return fb if fb is not None and self.outcomes.observed and not self.outcomes.measured_here(fb) else None
 
     def due(self, name: str) -> bool:
         """Whether ``name`` is due for a probe: it has not run for its :meth:`period`."""
@@ -146,9 +135,7 @@ class ProbeSchedule:
         if not self.outcomes.observed or not self.affordable() or self.warming():  # no probe could run now
             return {}
         room, standing = self.loss_room(ref_s), standing or {}
-        cap = {self.stale_fallback(): self.probe_max_loss * ref_s}  # (the stale fallback's standing is in doubt)
-        return {n: self.probe_max_loss for n in names
-                if self.due(n) and min(standing.get(n, 0.0) - ref_s, cap.get(n, float("inf"))) <= room}
+        return {n: self.probe_max_loss for n in names if self.due(n) and standing.get(n, 0.0) - ref_s <= room}
 
     def reevaluate(self, name: str) -> bool:
         """Whether ``name`` must be planned this decision whatever the screen says: it was not planned for
@@ -204,10 +191,11 @@ class ProbeSchedule:
             self._contender = feasible[fallback] <= (1 + self.probe_max_loss) * feasible[best]
         if not self.affordable() or self.warming() or (switching and self.cost_share is not None):
             return None
-        never = self.outcomes.observed and fallback is not None and self.outcomes.runs(fallback) == 0
-        if self.cost_share is not None and self._contender and never and fallback != chosen and self.due(fallback):
-            return fallback
-        unmeasured_fallback = fallback if never or fallback == self.stale_fallback() else None  # (or not here)
+        unmeasured_fallback = fallback if (self.outcomes.observed and fallback is not None
+                                           and self.outcomes.runs(fallback) == 0) else None
+        if (self.cost_share is not None and self._contender and unmeasured_fallback is not None
+                and unmeasured_fallback != chosen and self.due(unmeasured_fallback)):
+            return unmeasured_fallback
         room, ref = self.loss_room(feasible[chosen]), feasible[chosen]
 
         def cost(n: str) -> float:  # the unmeasured fallback's at most probe_max_loss: the model's error on it is open

@@ -133,6 +133,6 @@ def _probe_due(chooser, s: Settled, others: list[str], estimate_s: float) -> boo
     resting = set(chooser.screening.resting(chooser.current))  # not planned by the weighing: it could not probe them
     for n in sched.probe_range([n for n in others if n not in resting], estimate_s, standing):
         level = s.rivals[n][0] * outcomes.scale(n) / s.rivals[n][1] if n in s.rivals else standing.get(n, 0.0)
-        if outcomes.runs(n) == 0 or n == sched.stale_fallback() or level <= (1 + sched.probe_max_loss) * estimate_s:
+        if outcomes.runs(n) == 0 or level <= (1 + sched.probe_max_loss) * estimate_s:
             return True
     return False
