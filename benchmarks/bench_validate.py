@@ -94,7 +94,7 @@ def predict(run_dir: Path, policies, skip_steps: int = 1, anchor: bool = True, r
     the same statistic per resample (``{}`` without)."""
     from ultraep.sim import simulate
     from ultraep.sim.from_run import anchor as anchor_on, anchor_calls, recorded_cost_model
-    from ultraep.sim.uncertainty import bounds, resampled_overheads, resampled_times
+    from ultraep.sim.uncertainty import bounds, chooser_ran, predicted_times, resampled_overheads
     from ultraep.telemetry import open_run
     from ultraep.traces import load_trace
 
@@ -114,8 +114,9 @@ def predict(run_dir: Path, policies, skip_steps: int = 1, anchor: bool = True, r
              for p in policies}
     if over is None or "none" not in policies:
         return point, {}
+    ran = {p: chooser_ran(res.rows[p], d) for p, d in res.decisions.items() if p in policies}
     draws = {p: np.array([per_layer_median(res.rows[p]["step"], res.rows[p]["layer"], t, skip_steps, skip)
-                          for t in resampled_times(res.rows[p], over)]) for p in policies}
+                          for t in predicted_times(res.rows[p], over, p, ran.get(p))]) for p in policies}
     return point, {p: bounds(draws["none"] / draws[p], point=point["none"] / point[p]) for p in policies}
 
 
@@ -311,44 +312,22 @@ def worst_errors(sources: list[tuple[str, list, dict, dict]]) -> tuple[float, fl
     return worst_t, worst_x, worst_se
 
 
-#: a normal variable's 95th percentile: the half-width of a 90 % interval in standard errors
-Z90 = 1.6449
-
-
-def with_noise(row: tuple) -> tuple[float, float] | None:
-    """A row's predicted 90 % interval widened by its measured speed-up's own noise: each side's distance from the
-    predicted speed-up and ``Z90`` standard errors of the measured one, added in quadrature (None: no interval).
-    What the measurement can be expected to show: the interval is the calibration's uncertainty alone, and a measured
-    speed-up of finite calls is off by its own (0.4-1.4 % at the runs of record). Where the prediction is certain
-    (adaptive predicted to run none at every call: [1, 1]) only that noise is left."""
-    _, pol, _, _, mx, px, se, iv = row
-    if iv is None or pol == "none" or not math.isfinite(se):
-        return None
-    noise = Z90 * se * mx
-    return px - math.hypot(px - iv[0], noise), px + math.hypot(iv[1] - px, noise)
-
-
-def inside(row: tuple, noise: bool = False) -> bool | None:
-    """Whether a row's measured speed-up lies inside its predicted 90 % interval, or with ``noise`` inside that
-    interval widened by the measurement's own (:func:`with_noise`). None: no interval, or ``none``, whose speed-up
-    over itself is 1 on both sides."""
+def inside(row: tuple) -> bool | None:
+    """Whether a row's measured speed-up lies inside its predicted 90 % interval (one on what a run of the replayed
+    calls measures: the calibration's uncertainty and the run's own noise, :mod:`ultraep.sim.uncertainty`). None: no
+    interval, or ``none``, whose speed-up over itself is 1 on both sides."""
     _, pol, _, _, mx, _, _, iv = row
     if iv is None or pol == "none":
         return None
-    if noise:
-        iv = with_noise(row)
-        if iv is None:
-            return None
     return iv[0] <= mx <= iv[1]
 
 
-def inside_counts(sources: list[tuple[str, list, dict, dict]], noise: bool = False) -> tuple[int, int, int, int]:
+def inside_counts(sources: list[tuple[str, list, dict, dict]]) -> tuple[int, int, int, int]:
     """``(speed-ups inside, speed-ups with an interval, shape-runs with every speed-up inside, shape-runs with an
-    interval)`` over ``sources`` (as :func:`print_tables` takes them; ``noise``: see :func:`inside`): issue 56's
-    check, at least 9 of 10."""
+    interval)`` over ``sources`` (as :func:`print_tables` takes them): issue 56's check, at least 9 of 10."""
     k = n = k_src = n_src = 0
     for _, rows, _, _ in sources:
-        got = [x for x in (inside(r, noise) for r in rows) if x is not None]
+        got = [x for x in (inside(r) for r in rows) if x is not None]
         k, n = k + sum(got), n + len(got)
         if got:
             k_src, n_src = k_src + all(got), n_src + 1
@@ -363,7 +342,7 @@ def print_tables(sources: list[tuple[str, list, dict, dict]], title: str) -> lis
 
     table = Table(title=title)
     for c in ("source", "policy", "calls behind", "measured ms", "predicted ms", "error", "measured speed-up",
-              "its SE", "predicted speed-up", "error ", "predicted 90 %", "inside", "with its SE"):
+              "its SE", "predicted speed-up", "error ", "predicted 90 %", "inside"):
         table.add_column(c, justify="left" if c in ("source", "policy") else "right")
     vs = Table(title="adaptive / best fixed policy, measured (issues 33, 34) and predicted")
     for c in ("source", "adaptive ran (calls)", "best fixed (measured)", "adaptive / best fixed", "predicted"):
@@ -374,12 +353,11 @@ def print_tables(sources: list[tuple[str, list, dict, dict]], title: str) -> lis
         for r in rows:
             _, pol, m, p, mx, px, se, iv = r
             et, ex = p / m - 1.0, px / mx - 1.0
-            hit, hit_noise = inside(r), inside(r, noise=True)
+            hit = inside(r)
             table.add_row(src, pol, str(calls[pol]) if pol in calls else "-", f"{1e3 * m:.2f}", f"{1e3 * p:.2f}", f"{100 * et:+.1f} %", f"{mx:.3f}",
                           "-" if pol == "none" else f"{100 * se:.1f} %", f"{px:.3f}",
                           f"{100 * ex:+.1f} %", "-" if iv is None or pol == "none" else f"{iv[0]:.3f}-{iv[1]:.3f}",
-                          "-" if hit is None else ("yes" if hit else "no"),
-                          "-" if hit_noise is None else ("yes" if hit_noise else "no"))
+                          "-" if hit is None else ("yes" if hit else "no"))
             x = f"2x1/{src}"
             out += [row(WHAT, pol, "measured_layer_time", "s", x, [m]),
                     row(WHAT, pol, "predicted_layer_time", "s", x, [p]),
@@ -392,15 +370,13 @@ def print_tables(sources: list[tuple[str, list, dict, dict]], title: str) -> lis
                 out += [row(WHAT, pol, "predicted_speedup_lo90", "ratio", x, [iv[0]]),
                         row(WHAT, pol, "predicted_speedup_hi90", "ratio", x, [iv[1]]),
                         row(WHAT, pol, "measured_speedup_inside_90", "bool", x, [float(hit)])]
-            if hit_noise is not None:
-                out.append(row(WHAT, pol, "measured_speedup_inside_90_with_se", "bool", x, [float(hit_noise)]))
         a = adaptive_vs_best(rows)
         if a is not None:
             ratio, best, pred_ratio = a
             vs.add_row(src, ", ".join(f"{k} {v}" for k, v in ran.items()) or "-", best, f"{ratio:.3f}",
                        f"{pred_ratio:.3f}")
             out.append(row(WHAT, "adaptive", "measured_adaptive_vs_best_fixed", "ratio", f"2x1/{src}", [ratio]))
-    console = Console(width=200)  # (13 columns: the interval and its two checks need the room)
+    console = Console(width=200)  # (12 columns: the interval and its check need the room)
     console.print(table)
     console.print(vs)
     console.print(f"worst |predicted / measured - 1|: layer time {100 * worst_t:.1f} % (goal <= 10 %), speed-up over none "
@@ -408,11 +384,8 @@ def print_tables(sources: list[tuple[str, list, dict, dict]], title: str) -> lis
                   f"{100 * worst_se:.1f} %")
     k, n, k_src, n_src = inside_counts(sources)
     if n:
-        kw, _, kw_src, _ = inside_counts(sources, noise=True)
         console.print(f"measured speed-up inside the predicted 90 % interval: {k} of {n} speed-ups; {k_src} of {n_src} "
-                      "shape-runs with every speed-up inside (issue 56: at least 9 of 10 shape-runs). With the "
-                      f"measured speed-up's own noise ({Z90:.3f} SE, in quadrature): {kw} of {n} speed-ups, {kw_src} of "
-                      f"{n_src} shape-runs")
+                      "shape-runs with every speed-up inside (issue 56: at least 9 of 10 shape-runs)")
     return out
 
 

@@ -7,8 +7,8 @@ import pytest
 from ultraep.cost import CostParams
 from ultraep.sim import build_cost_model, simulate
 from ultraep.sim.from_run import AnchorCalls, anchor
-from ultraep.sim.uncertainty import (bounds, half_width, resampled_overheads, resampled_sums, resampled_times,
-                                     steps_for, summary_intervals)
+from ultraep.sim.uncertainty import (bounds, chooser_ran, half_width, predicted_times, resampled_overheads,
+                                     resampled_sums, resampled_times, run_noise, steps_for, summary_intervals)
 from ultraep.traces.synthetic import SyntheticSpec, synthetic_trace
 
 PARAMS = CostParams(call_overhead_s=0.002, transfer_call_overhead_s=0.001)
@@ -110,7 +110,11 @@ def test_re_predicting_a_call_is_exact_under_the_resamples_overheads(replay):
         for p in ("none", "quota", "feplb"):
             got = resampled_times(res.rows[p], over)[b]
             np.testing.assert_allclose(got, again.rows[p]["time_s"], rtol=1e-12, atol=1e-15)
-            assert resampled_sums(res.rows[p], over)[b] == pytest.approx(got.sum(), rel=1e-12)
+            assert resampled_sums(res.rows[p], over, noise=False)[b] == pytest.approx(got.sum(), rel=1e-12)
+            # with a new run's noise: the sum of the same draws predicted_times adds, call by call
+            full = predicted_times(res.rows[p], over, p)[b]
+            assert resampled_sums(res.rows[p], over, p)[b] == pytest.approx(full.sum(), rel=1e-12)
+            assert not np.allclose(full, got)  # negative control: the noise moves the calls
     # negative control: the two kinds' overheads swapped, a policy whose calls move weights is re-predicted wrong
     swapped = type(over)(over.moving_s, over.plain_s, over.steps)
     assert not np.allclose(resampled_times(res.rows["quota"], swapped)[0], again.rows["quota"]["time_s"])
@@ -208,3 +212,80 @@ def test_a_degenerate_interval_equals_the_reported_figure_to_the_last_bit():
     lo, hi = summary_intervals({"none": rows}, ["none"], Overheads(np.full(8, 0.002), np.full(8, 0.002), n))[
         "none"]["time_per_layer_ms"]
     assert lo <= point <= hi
+
+
+def _labelled(steps: int, sd: float, seed: int = 0) -> AnchorCalls:
+    """``steps`` steps of one plain call of ``none`` (3 ms over the model) and one moving call each of ``quota``
+    (10 ms over) and ``feplb`` (6 ms over), plus normal noise of ``sd`` seconds: the kind's median (about 8 ms) misses
+    both moving policies by 2 ms."""
+    rng = np.random.default_rng(seed)
+    step = np.repeat(np.arange(steps), 3)
+    policy = np.tile(np.array(["none", "quota", "feplb"], dtype=object), steps)
+    diff = np.select([policy == "none", policy == "quota"], [0.003, 0.010], 0.006) + sd * rng.standard_normal(step.size)
+    return AnchorCalls(step, policy != "none", diff, policy)
+
+
+def test_a_policy_is_anchored_on_its_own_calls_in_every_resample(replay):
+    """The point anchors per kind of call; a resample anchors each policy on its own drawn calls, unshrunk: the
+    interval spans what the model misses on that policy, not only on its kind."""
+    tr, cm = replay
+    calls = _labelled(40, 0.0005)
+    over = resampled_overheads(calls, cm.params, 200, seed=0)
+    assert set(over.own_s) == {"none", "quota", "feplb"}
+    assert np.median(over.own_s["quota"]) == pytest.approx(0.010, abs=3e-4)
+    assert np.median(over.own_s["feplb"]) == pytest.approx(0.006, abs=3e-4)
+    res = simulate(tr, cm, ("quota",), max_plans=None)
+    rows = res.rows["quota"]
+    moving = np.array([w + c + g > 0 for w, c, g in zip(rows["weight_sync_s"], rows["copy_s"], rows["grad_reduce_s"])])
+    assert moving.any()
+    base = rows["time_s"] - rows["call_overhead_s"]
+    own = resampled_times(rows, over, "quota")
+    expect = base[None, :] + np.where(moving, over.base_s[1], over.base_s[0])[None, :] + over.own_s["quota"][:, None]
+    np.testing.assert_allclose(own, expect, rtol=1e-12)
+    # a chooser's calls each pay the candidate that ran them
+    ran = np.array(["feplb"] * len(base), dtype=object)
+    np.testing.assert_allclose(resampled_times(rows, over, "adaptive", ran)[:, moving],
+                               (base[None, :] + over.base_s[1] + over.own_s["feplb"][:, None])[:, moving], rtol=1e-12)
+    # negative control: calls that do not say their policy anchor by kind, about 2 ms below quota's own
+    plain = resampled_overheads(AnchorCalls(calls.step, calls.transfer, calls.diff_s), cm.params, 200, seed=0)
+    assert plain.own_s == {}
+    by_kind = resampled_times(rows, plain, "quota")
+    assert np.median(own[:, moving] - by_kind[:, moving]) == pytest.approx(0.002, abs=5e-4)
+
+
+def test_a_new_runs_noise_is_drawn_from_the_calls_of_the_policy_that_ran_them(replay):
+    """What a run measures scatters about the model by its calls' noise: each replayed call draws from the
+    calibration's calls of its policy about their median; a policy's draws are seeded, and independent of another's."""
+    tr, cm = replay
+    rows = simulate(tr, cm, ("quota",), max_plans=None).rows["quota"]
+    quiet = resampled_overheads(_labelled(40, 0.0005), cm.params, 100, seed=3)
+    noisy = resampled_overheads(_labelled(40, 0.004), cm.params, 100, seed=3)
+    a, b = run_noise(rows, noisy, "quota"), run_noise(rows, noisy, "quota")
+    assert a.shape == (100, len(rows["time_s"])) and np.array_equal(a, b)  # seeded
+    assert np.std(a) == pytest.approx(0.004, rel=0.25) and abs(np.median(a)) < 5e-4
+    assert np.std(run_noise(rows, quiet, "quota")) < np.std(a) / 5  # the calls' spread sets it
+    assert not np.array_equal(run_noise(rows, noisy, "feplb"), a)  # another policy's run: other draws
+    # negative control: calls without noise give a run without it
+    same = AnchorCalls(np.repeat(np.arange(10), 2), np.tile([False, True], 10), np.tile([0.003, 0.008], 10))
+    assert not run_noise(rows, resampled_overheads(same, cm.params, 50, seed=0), "quota").any()
+
+
+def test_a_chooser_runs_the_candidates_its_replay_decided():
+    rows = {"step": np.array([0, 0, 1]), "microbatch": np.array([0, 0, 0]), "layer": np.array([0, 1, 0])}
+    decisions = [(0, 0, 0, "quota", "r", {}, 0.1), (1, 0, 0, "none", "r", {}, 0.1)]
+    assert list(chooser_ran(rows, decisions)) == ["quota", None, "none"]
+
+
+def test_the_speed_up_interval_holds_a_new_runs_noise(replay):
+    """With noisy calls the speed-up's interval is wider than the model's alone (the same resampled overheads without
+    the noise), and none over itself stays exactly 1."""
+    tr, cm = replay
+    calls = _labelled(40, 0.004)
+    point, _ = anchor(cm, calls)
+    res = simulate(tr, point, ("none", "quota"), max_plans=None)
+    over = resampled_overheads(calls, cm.params, 400, seed=0)
+    iv = summary_intervals(res.rows, ["none", "quota"], over)
+    assert iv["none"]["speedup_vs_none"] == [1.0, 1.0]
+    sums = {p: resampled_sums(res.rows[p], over, p, noise=False) for p in ("none", "quota")}
+    lo, hi = bounds(sums["none"] / sums["quota"])
+    assert iv["quota"]["speedup_vs_none"][1] - iv["quota"]["speedup_vs_none"][0] > hi - lo

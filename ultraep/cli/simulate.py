@@ -217,14 +217,15 @@ def run(args: argparse.Namespace) -> int:
         result.settings["anchor"] = {k: dataclasses.asdict(v) for k, v in shifts.items()}
     intervals = None
     if calls is not None:  # the calibration's uncertainty, propagated to every figure (ultraep.sim.uncertainty)
-        from ultraep.sim.uncertainty import resampled_overheads, summary_intervals
+        from ultraep.sim.uncertainty import chooser_ran, resampled_overheads, summary_intervals
 
         over = resampled_overheads(calls, recorded, resamples, args.interval_seed)
         result.settings["interval"] = {"resamples": resamples, "seed": args.interval_seed,
                                        "steps": int(np.unique(calls.step).size)}
         if over is not None:
+            ran = {p: chooser_ran(result.rows[p], d) for p, d in result.decisions.items() if p in result.rows}
             intervals = summary_intervals(result.rows, [s["policy"] for s in summary], over,
-                                          step_fixed_s=args.step_fixed_ms * 1e-3)
+                                          step_fixed_s=args.step_fixed_ms * 1e-3, ran=ran)
             # (in the settings, the recorded runs' config carries them with --out; the JSON rows each their own)
             result.settings["interval"]["policies"] = intervals
     measured = measured_summary(args.trace, run_id) if run_id is not None else None
@@ -345,8 +346,8 @@ def print_intervals(intervals: dict | None, settings: dict, console) -> None:
         console.print(f"[bold]interval[/bold]: none ({why}): the figures' uncertainty is not known")
         return
     console.print(f"[bold]interval[/bold] (90 %): a bootstrap of the run's {n} compared steps ({settings['resamples']} "
-                  f"resamples, seed {settings['seed']}), each re-anchoring the model and re-predicting every call "
-                  "(docs/simulator.md)")
+                  f"resamples, seed {settings['seed']}), each re-anchoring the model (every policy on its own calls) and "
+                  "re-predicting every call with a new run's call-to-call noise (docs/simulator.md)")
     for pol, iv in intervals.items():
         parts = [f"{what} ±{100 * w:.1f} %" for what, w in (("ms/layer", iv["time_half_width"]),
                                                              ("speed-up", iv.get("speedup_half_width", 0.0)))

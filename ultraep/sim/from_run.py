@@ -174,12 +174,14 @@ def run_call_policies(con, run_id: str) -> dict[tuple[int, int, int], str]:
 @dataclass(frozen=True)
 class AnchorCalls:
     """The calls anchoring compares, one entry each: ``step`` [C] (int), ``transfer`` [C] (bool: the call moved expert
-    weights) and ``diff_s`` [C], its measured minus predicted layer time on the recorded model, both net of planning.
-    What :func:`anchor` derives the shifts from, and what :mod:`ultraep.sim.uncertainty` resamples."""
+    weights), ``diff_s`` [C], its measured minus predicted layer time on the recorded model, both net of planning, and
+    ``policy`` [C] (str: the policy that ran it; None: not known). What :func:`anchor` derives the shifts from (per
+    kind), and what :mod:`ultraep.sim.uncertainty` resamples (per kind and per policy)."""
 
     step: np.ndarray
     transfer: np.ndarray
     diff_s: np.ndarray
+    policy: np.ndarray | None = None
 
     def kinds(self, take: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """``{kind: diffs}`` of the calls ``take`` indexes (default all; an index drawn twice counts twice), kinds
@@ -203,7 +205,7 @@ def anchor_calls(path, run_id: str, cm: CostModel, trace, workers: int = 1) -> A
         "AND step > (SELECT min(step) FROM timings WHERE run_id = ?) GROUP BY ALL ORDER BY ALL", [run_id] * 3).fetchall()
     con.close()
     names = sorted({p for p in policy_of.values() if p in SIM_POLICIES})
-    steps, moving, diffs = [], [], []
+    steps, moving, diffs, ran = [], [], [], []
     if names and measured:
         res = simulate(trace, cm, names, max_plans=None, workers=workers)
         where = {n: {(int(s), int(m), int(l)): i for i, (s, m, l) in
@@ -217,10 +219,11 @@ def anchor_calls(path, run_id: str, cm: CostModel, trace, workers: int = 1) -> A
                 continue
             r = res.rows[n]
             steps.append(key[0])
+            ran.append(n)
             moving.append(moves_weights(r["weight_sync_s"][i], r["copy_s"][i], r["grad_reduce_s"][i]))
             diffs.append((float(total) - float(plan)) - (float(r["time_s"][i]) - float(r["plan_s"][i])))
     return AnchorCalls(np.asarray(steps, dtype=np.int64), np.asarray(moving, dtype=bool),
-                       np.asarray(diffs, dtype=np.float64))
+                       np.asarray(diffs, dtype=np.float64), np.asarray(ran, dtype=object))
 
 
 def anchored_overheads(params, shifts: dict[str, AnchorShift]) -> tuple[float, float]:

@@ -3,27 +3,37 @@
 ``ultraep simulate RUN --topology from-run`` predicts on the cost model the run's engine learned, anchored on the run's
 own measured calls (:func:`~ultraep.sim.from_run.anchor`): per kind of call (moving expert weights or not) the median
 of measured minus predicted, shrunk by its noise, moves that kind's call overhead. Those medians come from a sample of
-calls, and a sample of 30 noisy steps leaves them uncertain. The interval is a bootstrap over that sample:
+calls, and a sample of 30 noisy steps leaves them uncertain; what a run then measures scatters about the model by its
+own calls' noise. The interval is one on what a run of the replayed calls measures, a bootstrap over that sample:
 
     for b in 1..B:  draw the run's compared steps with replacement (every call of a drawn step, a step drawn twice
                     counted twice: the calls of one step share the machine's moment), re-derive each kind's shift
                     from the drawn calls' differences (the same median and shrinkage; a kind too few calls to shift
-                    at the point: its drawn median, unshrunk, :func:`_few`), hence the anchored overheads, and
-                    re-predict every replayed call with them
+                    at the point: its drawn median, unshrunk, :func:`_few`), hence the anchored overheads; anchor each
+                    policy of at least ANCHOR_MIN_CALLS calls on its own drawn calls (their median, unshrunk: the
+                    model can miss one policy's calls by more than their kind's); re-predict every replayed call with
+                    them (:func:`resampled_times`), and add to each a draw from the calibration's calls of the policy
+                    that ran it, about their median (:func:`run_noise`: a new run's call-to-call noise)
     interval = the 5th and 95th percentiles over the B re-predictions (a 90 % percentile interval), stretched to
                hold the point figure where the draws all lie on one side of it (:func:`bounds`)
 
+Why the two last terms (``bench_validate``, 10 shape-runs at 512 tokens per rank): the interval of the kinds' shifts
+alone held the measured speed-up in 6 of 10 shape-runs, and widened by the measured speed-up's own standard error in 7:
+the misses were runs where the model missed one balancing policy's calls by 2-4 % more than its kind's shift said
+(docs/simulator.md has the counts with them).
+
 Re-predicting is exact, not re-simulated: a call's overhead enters its predicted layer time as one additive term
 (``CostBreakdown.call_overhead_s``, the plain or the moving kind's), so a call re-predicted under other overheads is
-its replayed time minus its own overhead plus the resample's overhead of its kind. The plans of a fixed policy do not
-depend on the cost model, so the replay of every fixed policy is the same under every resample; a chooser's
-(``adaptive``) choices are held at the point model's (a resample could flip a choice between candidates whose
-predictions differ by less than the shift moved).
+its replayed time minus its own overhead plus the resample's overhead of its kind (or of its policy). The plans of a
+fixed policy do not depend on the cost model, so the replay of every fixed policy is the same under every resample; a
+chooser's (``adaptive``) choices are held at the point model's (a resample could flip a choice between candidates whose
+predictions differ by less than the shift moved), each call anchored and scattered as the candidate that ran it.
 
-The width scales as ``1 / sqrt(n)`` in the number of compared steps (a median's standard error does), so an interval
-of half-width ``h`` from ``n`` steps narrows to ``±5 %`` with ``n * (h / 5 %)^2`` steps (:func:`steps_for`). The
-engine's fit itself (its per-term scales) is the run's recorded state and not re-derived; what it misses on the run's
-own calls is what anchoring measures, per kind, and what the interval carries.
+The width scales as ``1 / sqrt(n)`` in the number of compared steps (a median's standard error does, and the replayed
+run is the calibration run's length), so an interval of half-width ``h`` from ``n`` steps narrows to ``±5 %`` with
+``n * (h / 5 %)^2`` steps (:func:`steps_for`). The engine's fit itself (its per-term scales) is the run's recorded
+state and not re-derived; what it misses on the run's own calls is what anchoring measures, per kind and per policy,
+and what the interval carries.
 
 Legend: B resamples, C compared calls, N replayed calls of a policy.
 """
@@ -31,7 +41,8 @@ Legend: B resamples, C compared calls, N replayed calls of a policy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -61,18 +72,27 @@ def check_resamples(resamples: int, seed: int, flag: str = "--resamples") -> Non
 @dataclass(frozen=True)
 class Overheads:
     """Per resample the anchored overheads a call pays: ``plain_s`` [B] (a call moving no expert weights) and
-    ``moving_s`` [B] (one that moves them), and the ``steps`` the calls were drawn from."""
+    ``moving_s`` [B] (one that moves them), and the ``steps`` the calls were drawn from. Where the calls say which
+    policy ran them: ``own_s`` ``{policy: [B]}``, each policy of at least ``ANCHOR_MIN_CALLS`` calls anchored on its
+    own drawn calls (their median difference, unshrunk; NaN where a draw held none of them), added to ``base_s``,
+    the recorded model's ``(plain, moving)`` overheads; and the calls' spread about their median, per policy
+    (``policy_spread``) and per kind (``kind_spread``), what a new run's calls scatter by (:func:`run_noise`)."""
 
     plain_s: np.ndarray
     moving_s: np.ndarray
     steps: int
+    base_s: tuple[float, float] = (0.0, 0.0)
+    own_s: dict[str, np.ndarray] = field(default_factory=dict)
+    policy_spread: dict[str, np.ndarray] = field(default_factory=dict)
+    kind_spread: dict[bool, np.ndarray] = field(default_factory=dict)
+    seed: int = 0
 
 
 def resampled_overheads(calls: AnchorCalls, params, resamples: int = DEFAULT_RESAMPLES, seed: int = 0
                         ) -> Overheads | None:
     """The anchored overheads of ``resamples`` bootstrap draws of ``calls``' steps, re-derived from the recorded
-    model's ``params`` as anchoring derives them (deterministic in ``seed``). None: fewer than 2 steps compared, or
-    no resample asked for."""
+    model's ``params`` as anchoring derives them, and per policy from its own drawn calls (deterministic in
+    ``seed``). None: fewer than 2 steps compared, or no resample asked for."""
     steps = np.unique(calls.step)
     if resamples <= 0 or steps.size < 2:
         return None
@@ -82,6 +102,9 @@ def resampled_overheads(calls: AnchorCalls, params, resamples: int = DEFAULT_RES
     plain = np.empty(resamples)
     moving = np.empty(resamples)
     point = {k: v.size for k, v in calls.kinds().items()}
+    ran = calls.policy if calls.policy is not None else np.full(calls.step.size, None, dtype=object)
+    names = sorted(q for q in set(ran) if q is not None and int(np.sum(ran == q)) >= ANCHOR_MIN_CALLS)
+    own = {q: np.full(resamples, np.nan) for q in names}
     for b in range(resamples):
         take = np.concatenate([of_step[i] for i in rng.integers(0, steps.size, steps.size)])
         drawn = calls.kinds(take)
@@ -90,7 +113,19 @@ def resampled_overheads(calls: AnchorCalls, params, resamples: int = DEFAULT_RES
                   for k, n in point.items()}
         p, extra = anchored_overheads(params, shifts)
         plain[b], moving[b] = p, max(0.0, p + extra)  # what a call of each kind pays (CostModel clamps at 0)
-    return Overheads(plain, moving, int(steps.size))
+        for q in names:
+            mine = calls.diff_s[take[ran[take] == q]]
+            if mine.size:
+                own[q][b] = float(np.median(mine))
+    base = (params.call_overhead_s, params.call_overhead_s + params.transfer_call_overhead_s)
+
+    def about_median(d: np.ndarray) -> np.ndarray:
+        return d - float(np.median(d))
+
+    policy_spread = {q: about_median(calls.diff_s[ran == q]) for q in names}
+    kind_spread = {t: about_median(calls.diff_s[calls.transfer == t]) for t in (False, True)
+                   if int(np.sum(calls.transfer == t)) >= ANCHOR_MIN_CALLS}
+    return Overheads(plain, moving, int(steps.size), base, own, policy_spread, kind_spread, seed)
 
 
 def _few(diff: np.ndarray) -> AnchorShift:
@@ -102,21 +137,98 @@ def _few(diff: np.ndarray) -> AnchorShift:
     return AnchorShift(int(diff.size), med, None, med)
 
 
-def resampled_times(rows: dict[str, np.ndarray], over: Overheads) -> np.ndarray:
-    """``[B, N]``: every replayed call of one policy (``rows``: its replay rows) re-predicted under each resample's
-    overheads: its time minus its own overhead plus the resample's of its kind."""
-    moving = np.fromiter((moves_weights(w, c, g) for w, c, g in
-                          zip(rows["weight_sync_s"], rows["copy_s"], rows["grad_reduce_s"])), bool, len(rows["time_s"]))
+def _moving(rows: dict[str, np.ndarray]) -> np.ndarray:
+    """``[N]`` bool: whether each replayed call moves expert weights."""
+    return np.fromiter((moves_weights(w, c, g) for w, c, g in
+                        zip(rows["weight_sync_s"], rows["copy_s"], rows["grad_reduce_s"])), bool, len(rows["time_s"]))
+
+
+def _names(rows: dict[str, np.ndarray], policy: str | None, ran: np.ndarray | None) -> np.ndarray:
+    """``[N]``: the policy each replayed call ran: ``ran`` (a chooser's candidates), else ``policy`` at every call."""
+    return np.asarray(ran, dtype=object) if ran is not None else np.full(len(rows["time_s"]), policy, dtype=object)
+
+
+def resampled_times(rows: dict[str, np.ndarray], over: Overheads, policy: str | None = None,
+                    ran: np.ndarray | None = None) -> np.ndarray:
+    """``[B, N]``: every replayed call of one policy (``rows``: its replay rows; ``policy``: its name, or ``ran``
+    [N]: the policy each call ran, a chooser's) re-predicted under each resample's overheads: its time minus its own
+    overhead plus the resample's of the policy that ran it, anchored on that policy's own drawn calls where it has
+    them (:class:`Overheads`), else of its kind."""
+    moving = _moving(rows)
     base = rows["time_s"] - rows["call_overhead_s"]
-    return base[None, :] + np.where(moving[None, :], over.moving_s[:, None], over.plain_s[:, None])
+    pay = np.where(moving[None, :], over.moving_s[:, None], over.plain_s[:, None])
+    names = _names(rows, policy, ran)
+    for q in sorted(set(names) & set(over.own_s)):
+        cols = names == q
+        own = over.own_s[q][:, None]
+        mine = np.maximum(0.0, np.where(moving[cols], over.base_s[1], over.base_s[0])[None, :] + own)
+        pay[:, cols] = np.where(np.isnan(own), pay[:, cols], mine)
+    return base[None, :] + pay
 
 
-def resampled_sums(rows: dict[str, np.ndarray], over: Overheads) -> np.ndarray:
-    """``[B]``: Σ of :func:`resampled_times` over the calls, without the ``[B, N]`` array (a trace's 30 000 calls)."""
-    moving = np.fromiter((moves_weights(w, c, g) for w, c, g in
-                          zip(rows["weight_sync_s"], rows["copy_s"], rows["grad_reduce_s"])), bool, len(rows["time_s"]))
+#: replayed calls per block of a new run's noise (bounds the ``[B, block]`` draws of a trace's 30 000 calls)
+NOISE_BLOCK = 2048
+
+
+def _noise_blocks(rows: dict[str, np.ndarray], over: Overheads, policy: str | None, ran: np.ndarray | None):
+    """The ``[B, block]`` blocks of :func:`run_noise`, in call order (the same draws whatever sums them)."""
+    n = len(rows["time_s"])
+    moving = _moving(rows)
+    names = _names(rows, policy, ran)
+    # one stream per policy: two policies' runs scatter independently, and a policy over itself is 1 in every draw
+    rng = np.random.default_rng([over.seed, zlib.crc32(str(policy).encode())])
+    size = over.plain_s.size
+    for a in range(0, n, NOISE_BLOCK):
+        sl = slice(a, min(n, a + NOISE_BLOCK))
+        block = np.zeros((size, sl.stop - a))
+        pools = [over.policy_spread.get(q, over.kind_spread.get(bool(m))) for q, m in zip(names[sl], moving[sl])]
+        for j, pool in enumerate(pools):
+            if pool is not None and pool.size:
+                block[:, j] = pool[rng.integers(0, pool.size, size)]
+        yield block
+
+
+def run_noise(rows: dict[str, np.ndarray], over: Overheads, policy: str | None = None,
+              ran: np.ndarray | None = None) -> np.ndarray:
+    """``[B, N]``: what a new run's calls scatter by about the model, per resample: each replayed call's draw from
+    the calibration's calls of the policy that ran it, about their median (its kind's where that policy ran fewer
+    than ``ANCHOR_MIN_CALLS``; 0 where neither). A measured figure of N calls carries that noise; added to
+    :func:`resampled_times` it turns the interval on the model into one on what a run of the replayed length
+    measures (seeded by ``over.seed`` and ``policy``)."""
+    blocks = list(_noise_blocks(rows, over, policy, ran))
+    return np.hstack(blocks) if blocks else np.zeros((over.plain_s.size, 0))
+
+
+def predicted_times(rows: dict[str, np.ndarray], over: Overheads, policy: str | None = None,
+                    ran: np.ndarray | None = None) -> np.ndarray:
+    """``[B, N]``: :func:`resampled_times` plus :func:`run_noise`: what each resample says a run of these calls
+    measures."""
+    return resampled_times(rows, over, policy, ran) + run_noise(rows, over, policy, ran)
+
+
+def resampled_sums(rows: dict[str, np.ndarray], over: Overheads, policy: str | None = None,
+                   ran: np.ndarray | None = None, noise: bool = True) -> np.ndarray:
+    """``[B]``: Σ of :func:`predicted_times` (of :func:`resampled_times` without ``noise``) over the calls, without
+    the ``[B, N]`` array (a trace's 30 000 calls)."""
+    moving = _moving(rows)
+    names = _names(rows, policy, ran)
     base = float(rows["time_s"].sum() - rows["call_overhead_s"].sum())
-    return base + int(moving.sum()) * over.moving_s + int((~moving).sum()) * over.plain_s
+    out = np.full(over.plain_s.size, base)
+    kind_of = np.ones(len(names), dtype=bool)  # calls paying their kind's overhead (not their policy's own)
+    for q in sorted(set(names) & set(over.own_s)):
+        cols = names == q
+        own = over.own_s[q]
+        fine = ~np.isnan(own)
+        for m, base_s in ((False, over.base_s[0]), (True, over.base_s[1])):
+            k = int(np.sum(cols & (moving == m)))
+            kind_s = over.moving_s if m else over.plain_s
+            out += k * np.where(fine, np.maximum(0.0, base_s + np.nan_to_num(own)), kind_s)
+        kind_of &= ~cols
+    out += int(np.sum(moving & kind_of)) * over.moving_s + int(np.sum(~moving & kind_of)) * over.plain_s
+    if noise:
+        for block in _noise_blocks(rows, over, policy, ran):
+            out += block.sum(axis=1)
+    return out
 
 
 def bounds(draws: np.ndarray, level: float = LEVEL, point: float | None = None) -> tuple[float, float]:
@@ -145,14 +257,25 @@ def steps_for(steps: int, width: float, target: float = TARGET) -> int:
     return int(math.ceil(steps * (width / target) ** 2))
 
 
+def chooser_ran(rows: dict[str, np.ndarray], decisions) -> np.ndarray:
+    """``[N]``: the candidate each replayed call of a chooser ran (its ``rows``), from its replay ``decisions``
+    (``(step, microbatch, layer, policy, ...)`` tuples; a call without one: None, anchored by its kind)."""
+    of = {(int(d[0]), int(d[1]), int(d[2])): d[3] for d in decisions}
+    return np.array([of.get((int(s), int(m), int(l))) for s, m, l in zip(rows["step"], rows["microbatch"],
+                                                                          rows["layer"])], dtype=object)
+
+
 def summary_intervals(rows: dict[str, dict[str, np.ndarray]], policies, over: Overheads, baseline: str = "none",
-                      step_fixed_s: float = 0.0, level: float = LEVEL) -> dict[str, dict]:
+                      step_fixed_s: float = 0.0, level: float = LEVEL, ran: dict[str, np.ndarray] | None = None
+                      ) -> dict[str, dict]:
     """Per policy of ``policies``, the interval of the figures :func:`~ultraep.sim.replay.summarise` reports:
     ``time_per_layer_ms`` and ``step_ms`` (the replayed layers of a step plus ``step_fixed_s``) as ``[lo, hi]``,
     ``speedup_vs_none`` as ``[lo, hi]`` (``baseline``'s time over the policy's in the same resample: both move with
     the same draw), each one's relative half-width about the point figure, the calibration steps the draws came from,
-    and ``steps_for_5pct`` (the steps that would narrow the wider of the two to ±5 %)."""
-    sums = {p: resampled_sums(rows[p], over) for p in dict.fromkeys([*policies, baseline]) if p in rows}
+    and ``steps_for_5pct`` (the steps that would narrow the wider of the two to ±5 %). ``ran``: per chooser the
+    candidate each of its calls ran (:func:`chooser_ran`)."""
+    ran = ran or {}
+    sums = {p: resampled_sums(rows[p], over, p, ran.get(p)) for p in dict.fromkeys([*policies, baseline]) if p in rows}
 
     def fixed_of(p: str) -> float:  # the step's fixed time over the policy's replayed steps (as summarise adds it)
         return step_fixed_s * int(np.unique(rows[p]["step"]).size)
