@@ -18,7 +18,8 @@ be checked against). A shape takes ``--iters`` timed calls at the default shape'
 and noisy (:func:`timed_iters`: 5.7x at 64 tokens per rank). ``--demo`` adds ``ultraep demo`` (none and adaptive on
 a real model; calibrated on its adaptive run, which ran every policy 4-33 times). A second table gives, per shape,
 adaptive's measured layer time over the best fixed policy's and what adaptive ran (issues 33 and 34 read it from the
-same run). ``--from DIR`` measures nothing: it re-predicts the recordings a ``--keep DIR`` run left (deterministic).
+same run). ``--from DIR`` measures nothing: it re-predicts the recordings a ``--keep DIR`` run left (deterministic) and
+appends their rows.
 Each predicted speed-up has its 90 % interval, as from-run computes it (``ultraep.sim.uncertainty``: the calibrating
 run's steps resampled, ``--resamples`` times), and the table says whether the measured speed-up falls inside it, with
 the count over the speed-ups and over the shape-runs (issue 56, item 8: at least 9 of 10 shape-runs).
@@ -476,10 +477,12 @@ def main() -> None:
         if demo:
             sources.append(("demo", *demo_rows(args.from_dir / "demo", resamples=args.resamples,
                                                seed=args.interval_seed)))
-        print_tables(sources, f"simulator (from-run, calibrated on each shape's {args.calibrate_on} run) vs the "
-                     f"runtime: re-predicted recordings in {args.from_dir}")
+        out = print_tables(sources, f"simulator (from-run, calibrated on each shape's {args.calibrate_on} run) vs "
+                           f"the runtime: re-predicted recordings in {args.from_dir}")
         print_adaptive_calibrated(args.from_dir, sources, names, args)
         print_unanchored(args.from_dir, sources, names, args)
+        # (the recordings' measurements with this code's predictions: what a fresh run of this code would write)
+        print(f"rows appended to {write_rows('bench_validate', out)}")
         return
     from ultraep.models import preload
 

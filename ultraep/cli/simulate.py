@@ -346,8 +346,8 @@ def print_intervals(intervals: dict | None, settings: dict, console) -> None:
         console.print(f"[bold]interval[/bold]: none ({why}): the figures' uncertainty is not known")
         return
     console.print(f"[bold]interval[/bold] (90 %): a bootstrap of the run's {n} compared steps ({settings['resamples']} "
-                  f"resamples, seed {settings['seed']}), each re-anchoring the model (every policy on its own calls) and "
-                  "re-predicting every call with a new run's call-to-call noise (docs/simulator.md)")
+                  f"resamples, seed {settings['seed']}), each re-anchoring the model (every policy on its own "
+                  "calls) and re-predicting every call with a new run's call-to-call noise (docs/simulator.md)")
     for pol, iv in intervals.items():
         parts = [f"{what} ±{100 * w:.1f} %" for what, w in (("ms/layer", iv["time_half_width"]),
                                                              ("speed-up", iv.get("speedup_half_width", 0.0)))

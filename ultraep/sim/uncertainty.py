@@ -17,10 +17,9 @@ own calls' noise. The interval is one on what a run of the replayed calls measur
     interval = the 5th and 95th percentiles over the B re-predictions (a 90 % percentile interval), stretched to
                hold the point figure where the draws all lie on one side of it (:func:`bounds`)
 
-Why the two last terms (``bench_validate``, 10 shape-runs at 512 tokens per rank): the interval of the kinds' shifts
-alone held the measured speed-up in 6 of 10 shape-runs, and widened by the measured speed-up's own standard error in 7:
-the misses were runs where the model missed one balancing policy's calls by 2-4 % more than its kind's shift said
-(docs/simulator.md has the counts with them).
+Why the two last terms (``bench_validate``, 10 shape-runs at 512 tokens per rank, the same recordings): the interval
+of the kinds' shifts alone held the measured speed-up in 3 of 10 shape-runs; with each policy's own anchoring 7, with
+the run's noise 6, with both 9 (docs/design.md).
 
 Re-predicting is exact, not re-simulated: a call's overhead enters its predicted layer time as one additive term
 (``CostBreakdown.call_overhead_s``, the plain or the moving kind's), so a call re-predicted under other overheads is
