@@ -136,15 +136,26 @@ def _few(diff: np.ndarray) -> AnchorShift:
     return AnchorShift(int(diff.size), med, None, med)
 
 
-def _moving(rows: dict[str, np.ndarray]) -> np.ndarray:
-    """``[N]`` bool: whether each replayed call moves expert weights."""
-    return np.fromiter((moves_weights(w, c, g) for w, c, g in
-                        zip(rows["weight_sync_s"], rows["copy_s"], rows["grad_reduce_s"])), bool, len(rows["time_s"]))
+def _calls_of(rows: dict[str, np.ndarray], policy: str | None, ran: np.ndarray | None
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """``([N] bool, [N] str)``: whether each replayed call moves expert weights, and the policy it ran: ``ran`` (a
+    chooser's candidates), else ``policy`` at every call."""
+    moving = np.fromiter((moves_weights(w, c, g) for w, c, g in
+                          zip(rows["weight_sync_s"], rows["copy_s"], rows["grad_reduce_s"])), bool, len(rows["time_s"]))
+    names = np.asarray(ran, dtype=object) if ran is not None else np.full(len(rows["time_s"]), policy, dtype=object)
+    return moving, names
 
 
-def _names(rows: dict[str, np.ndarray], policy: str | None, ran: np.ndarray | None) -> np.ndarray:
-    """``[N]``: the policy each replayed call ran: ``ran`` (a chooser's candidates), else ``policy`` at every call."""
-    return np.asarray(ran, dtype=object) if ran is not None else np.full(len(rows["time_s"]), policy, dtype=object)
+def _pay(over: Overheads, moving: np.ndarray, names: np.ndarray) -> np.ndarray:
+    """``[B, n]``: the overhead each of ``n`` calls pays per resample: its policy's own (:class:`Overheads`) where it
+    has them, else its kind's."""
+    pay = np.where(moving[None, :], over.moving_s[:, None], over.plain_s[:, None])
+    for q in sorted(set(names) & set(over.own_s)):
+        cols = names == q
+        own = over.own_s[q][:, None]
+        mine = np.maximum(0.0, np.where(moving[cols], over.base_s[1], over.base_s[0])[None, :] + own)
+        pay[:, cols] = np.where(np.isnan(own), pay[:, cols], mine)
+    return pay
 
 
 def resampled_times(rows: dict[str, np.ndarray], over: Overheads, policy: str | None = None,
@@ -153,32 +164,20 @@ def resampled_times(rows: dict[str, np.ndarray], over: Overheads, policy: str | 
     [N]: the policy each call ran, a chooser's) re-predicted under each resample's overheads: its time minus its own
     overhead plus the resample's of the policy that ran it, anchored on that policy's own drawn calls where it has
     them (:class:`Overheads`), else of its kind."""
-    moving = _moving(rows)
-    base = rows["time_s"] - rows["call_overhead_s"]
-    pay = np.where(moving[None, :], over.moving_s[:, None], over.plain_s[:, None])
-    names = _names(rows, policy, ran)
-    for q in sorted(set(names) & set(over.own_s)):
-        cols = names == q
-        own = over.own_s[q][:, None]
-        mine = np.maximum(0.0, np.where(moving[cols], over.base_s[1], over.base_s[0])[None, :] + own)
-        pay[:, cols] = np.where(np.isnan(own), pay[:, cols], mine)
-    return base[None, :] + pay
+    return (rows["time_s"] - rows["call_overhead_s"])[None, :] + _pay(over, *_calls_of(rows, policy, ran))
 
 
-#: replayed calls per block of a new run's noise (bounds the ``[B, block]`` draws of a trace's 30 000 calls)
+#: replayed calls per block (bounds the ``[B, block]`` arrays of a trace's 30 000 calls)
 NOISE_BLOCK = 2048
 
 
-def _noise_blocks(rows: dict[str, np.ndarray], over: Overheads, policy: str | None, ran: np.ndarray | None):
+def _noise_blocks(over: Overheads, policy: str | None, moving: np.ndarray, names: np.ndarray):
     """The ``[B, block]`` blocks of :func:`run_noise`, in call order (the same draws whatever sums them)."""
-    n = len(rows["time_s"])
-    moving = _moving(rows)
-    names = _names(rows, policy, ran)
     # one stream per policy: two policies' runs scatter independently, and a policy over itself is 1 in every draw
     rng = np.random.default_rng([over.seed, zlib.crc32(str(policy).encode())])
     size = over.plain_s.size
-    for a in range(0, n, NOISE_BLOCK):
-        sl = slice(a, min(n, a + NOISE_BLOCK))
+    for a in range(0, len(names), NOISE_BLOCK):
+        sl = slice(a, min(len(names), a + NOISE_BLOCK))
         block = np.zeros((size, sl.stop - a))
         pools = [over.policy_spread.get(q, over.kind_spread.get(bool(m))) for q, m in zip(names[sl], moving[sl])]
         for j, pool in enumerate(pools):
@@ -194,7 +193,7 @@ def run_noise(rows: dict[str, np.ndarray], over: Overheads, policy: str | None =
     than ``ANCHOR_MIN_CALLS``; 0 where neither). A measured figure of N calls carries that noise; added to
     :func:`resampled_times` it turns the interval on the model into one on what a run of the replayed length
     measures (seeded by ``over.seed`` and ``policy``)."""
-    blocks = list(_noise_blocks(rows, over, policy, ran))
+    blocks = list(_noise_blocks(over, policy, *_calls_of(rows, policy, ran)))
     return np.hstack(blocks) if blocks else np.zeros((over.plain_s.size, 0))
 
 
@@ -207,25 +206,14 @@ def predicted_times(rows: dict[str, np.ndarray], over: Overheads, policy: str | 
 
 def resampled_sums(rows: dict[str, np.ndarray], over: Overheads, policy: str | None = None,
                    ran: np.ndarray | None = None, noise: bool = True) -> np.ndarray:
-    """``[B]``: Σ of :func:`predicted_times` (of :func:`resampled_times` without ``noise``) over the calls, without
-    the ``[B, N]`` array (a trace's 30 000 calls)."""
-    moving = _moving(rows)
-    names = _names(rows, policy, ran)
-    base = float(rows["time_s"].sum() - rows["call_overhead_s"].sum())
-    out = np.full(over.plain_s.size, base)
-    kind_of = np.ones(len(names), dtype=bool)  # calls paying their kind's overhead (not their policy's own)
-    for q in sorted(set(names) & set(over.own_s)):
-        cols = names == q
-        own = over.own_s[q]
-        fine = ~np.isnan(own)
-        for m, base_s in ((False, over.base_s[0]), (True, over.base_s[1])):
-            k = int(np.sum(cols & (moving == m)))
-            kind_s = over.moving_s if m else over.plain_s
-            out += k * np.where(fine, np.maximum(0.0, base_s + np.nan_to_num(own)), kind_s)
-        kind_of &= ~cols
-    out += int(np.sum(moving & kind_of)) * over.moving_s + int(np.sum(~moving & kind_of)) * over.plain_s
+    """``[B]``: Σ of :func:`predicted_times` (of :func:`resampled_times` without ``noise``) over the calls, a block
+    of calls at a time (not the ``[B, N]`` array of a trace's 30 000 calls)."""
+    moving, names = _calls_of(rows, policy, ran)
+    out = np.full(over.plain_s.size, float(rows["time_s"].sum() - rows["call_overhead_s"].sum()))
+    for a in range(0, len(names), NOISE_BLOCK):
+        out += _pay(over, moving[a:a + NOISE_BLOCK], names[a:a + NOISE_BLOCK]).sum(axis=1)
     if noise:
-        for block in _noise_blocks(rows, over, policy, ran):
+        for block in _noise_blocks(over, policy, moving, names):
             out += block.sum(axis=1)
     return out
 
