@@ -16,7 +16,9 @@ Two parts, one table each, rows in ``benchmarks/results/bench_long.csv``:
    ====================  ==============================================================================
 
    Per window of ``--window`` calls: adaptive / the best fixed policy of that window (measured, each policy's
-   summed layer time), the engine's prediction error and the share of adaptive's calls that were probes. The error
+   summed layer time), the engine's prediction error, the share of adaptive's calls that were probes, and what deciding
+   costs: each policy's mean planning time per call (the engine's decision included, inside the timed call) and
+   adaptive's beyond ``none``'s as a share of ``none``'s layer time (``deciding``). The error
    of the window is |sum predicted / sum measured - 1| over adaptive's calls (the runtime's measured layer time,
    slowest rank): what the engine predicted the window to cost. Per call, mean |predicted / measured - 1| is shown
    beside the calls' own noise, the floor no model of the load can go below: mean |log(m_i / m_(i-1))| / sqrt(2) of
@@ -130,7 +132,7 @@ def _body(rank, world, shape: Shape, args, policies):
         runs.append((name, layer, rt, torch.optim.SGD(layer.parameters(), lr=1e-6)))
     g = torch.Generator().manual_seed(7 + rank)
     xs = {T: torch.randn(T, shape.hidden, generator=g) for T in (shape.tokens, shape.small)}
-    out = {name: {"t": [], "measured": [], "predicted": [], "chosen": [], "probe": []} for name in policies}
+    out = {name: {"t": [], "measured": [], "predicted": [], "plan": [], "chosen": [], "probe": []} for name in policies}
     orders = carryover_orders(len(runs))
     for i in range(args.calls):
         ids, T, _ = routing(i, args.calls, rank, shape, args.seed)
@@ -153,13 +155,15 @@ def _body(rank, world, shape: Shape, args, policies):
             o["t"].append(t)
             o["measured"].append(float(tm.get("measured_s", float("nan"))))
             o["predicted"].append(float(tm.get("predicted_s", float("nan"))))
+            o["plan"].append(float(tm.get("plan_s", float("nan"))))
             o["chosen"].append(layer.last_plan.chosen_policy)
             o["probe"].append(bool(choice is not None and choice.probe))
     return out
 
 
 def run_runtime(shape: Shape, args) -> dict:
-    """``{policy: {"t": [calls] s (slowest rank), "measured", "predicted": [calls] s, "chosen", "probe"}}``."""
+    """``{policy: {"t": [calls] s (slowest rank), "measured", "predicted", "plan": [calls] s, "chosen", "probe"}}``
+    (``plan``: the call's planning, the engine's decision included, on its slowest-planning rank)."""
     from ultraep.launch import launch
 
     policies = (*FIXED, "adaptive")
@@ -170,13 +174,16 @@ def run_runtime(shape: Shape, args) -> dict:
         per = [o[name] for o in outs]
         res[name] = {"t": np.max([p["t"] for p in per], axis=0),
                      "measured": np.max([p["measured"] for p in per], axis=0),
-                     "predicted": np.asarray(per[0]["predicted"]), "chosen": per[0]["chosen"], "probe": per[0]["probe"]}
+                     "predicted": np.asarray(per[0]["predicted"]), "plan": np.max([p["plan"] for p in per], axis=0),
+                     "chosen": per[0]["chosen"], "probe": per[0]["probe"]}
     return res
 
 
 def windows(res: dict, calls: int, window: int, experts: int) -> list[dict]:
     """Per window of ``window`` calls: its phases, the best fixed policy, adaptive / best (summed layer time), the
-    prediction error of adaptive's calls, its probe share and what it chose most."""
+    prediction error of adaptive's calls, its probe share, what it chose most, each policy's mean planning time per
+    call (``plan``, the engine's decision included: on the critical path) and adaptive's planning beyond ``none``'s as a
+    share of ``none``'s layer time (``deciding``: what deciding costs the window, right choices or not)."""
     out = []
     for lo in range(0, calls, window):
         hi = min(calls, lo + window)
@@ -188,13 +195,15 @@ def windows(res: dict, calls: int, window: int, experts: int) -> list[dict]:
         err = float(abs(p[ok].sum() / m[ok].sum() - 1)) if ok.any() else float("nan")
         per_call = float(np.mean(np.abs(p[ok] / m[ok] - 1))) if ok.any() else float("nan")
         chosen = a["chosen"][lo:hi]
+        plan = {n: float(np.nanmean(r["plan"][lo:hi])) for n, r in res.items()}
         phases = sorted({phase_of(i, calls, experts).name for i in range(lo, hi)},
                         key=[n for n, _ in PHASES].index)
         out.append({"lo": lo, "hi": hi, "phases": "+".join(phases), "best": best,
                     "ratio": tot["adaptive"] / tot[best], "pred_error": err, "per_call_error": per_call,
                     "noise": noise_floor(m[ok]),
                     "probe_share": float(np.mean(a["probe"][lo:hi])),
-                    "chose": max(set(chosen), key=chosen.count), "totals": tot})
+                    "chose": max(set(chosen), key=chosen.count), "totals": tot, "plan": plan,
+                    "deciding": (plan["adaptive"] - plan["none"]) * (hi - lo) / tot["none"]})
     return out
 
 
@@ -292,24 +301,26 @@ def main(argv=None) -> int:
                           f"(T={shape.tokens}/{shape.small} H={shape.hidden} I={shape.ffn} E={shape.experts} "
                           f"k={shape.top_k} N={shape.slots}), load avg {load_at_start:.2f} at start")
         for c in ("calls", "phases", "best fixed", "adaptive / best", "prediction error", "per call", "calls' noise",
-                  "probes", "adaptive ran"):
+                  "probes", "deciding", "adaptive ran"):
             tab.add_column(c, justify="right")
         for w in windows(res, args.calls, args.window, shape.experts):
             x = f"{x0}/{w['lo']}-{w['hi']}"
             tab.add_row(f"{w['lo']}-{w['hi']}", w["phases"], w["best"], f"{w['ratio']:.3f}",
                         f"{100 * w['pred_error']:.1f} %", f"{100 * w['per_call_error']:.1f} %",
-                        f"{100 * w['noise']:.1f} %", f"{100 * w['probe_share']:.0f} %", w["chose"])
+                        f"{100 * w['noise']:.1f} %", f"{100 * w['probe_share']:.0f} %", f"{100 * w['deciding']:+.1f} %", w["chose"])
             rows.append(row("long_run", "adaptive", "vs_best_fixed", "ratio", x, w["ratio"]))
             rows.append(row("long_run", "adaptive", "prediction_error_window", "ratio", x, w["pred_error"]))
             rows.append(row("long_run", "adaptive", "prediction_error", "ratio", x, w["per_call_error"]))  # per call
             rows.append(row("long_run", "adaptive", "noise_floor", "ratio", x, w["noise"]))
             rows.append(row("long_run", "adaptive", "probe_share", "ratio", x, w["probe_share"]))
+            rows.append(row("long_run", "adaptive", "deciding_share", "ratio", x, w["deciding"]))
             for name, tot in w["totals"].items():
                 rows.append(row("long_run", name, "layer_time_sum", "s", x, tot))
+                rows.append(row("long_run", name, "plan_time", "s", x, w["plan"][name]))
         total = {n: float(np.sum(r["t"])) for n, r in res.items()}
         best = min(FIXED, key=total.get)
         tab.add_section()
-        tab.add_row("all", "", best, f"{total['adaptive'] / total[best]:.3f}", "", "", "")
+        tab.add_row("all", "", best, f"{total['adaptive'] / total[best]:.3f}", "", "", "", "", "")
         rows.append(row("long_run", "adaptive", "vs_best_fixed", "ratio", f"{x0}/all", total["adaptive"] / total[best]))
         console.print(tab)
     if args.part in ("all", "engine"):

@@ -43,13 +43,27 @@ def test_the_noise_floor_is_what_a_perfect_model_misses_per_call_and_the_window_
     floor = bench_long.noise_floor(measured)
     per_call = float(np.mean(np.abs(truth / measured - 1)))
     assert floor == pytest.approx(0.8 * 0.1, rel=0.08) and per_call == pytest.approx(floor, rel=0.1)
-    res = {n: {"t": measured} for n in (*bench_long.FIXED, "adaptive")}
+    res = {n: {"t": measured, "plan": np.zeros(truth.size)} for n in (*bench_long.FIXED, "adaptive")}
     for bias, want in ((1.0, 0.005), (1.08, 0.075)):  # (the sum of log-normal noise: e^(s^2 / 2) = 1.005)
-        res["adaptive"] = {"t": measured, "measured": measured, "predicted": truth * bias,
+        res["adaptive"] = {"t": measured, "measured": measured, "predicted": truth * bias, "plan": np.zeros(truth.size),
                            "chosen": ["none"] * truth.size, "probe": [False] * truth.size}
         (w,) = bench_long.windows(res, truth.size, truth.size, 16)
         assert w["pred_error"] == pytest.approx(want, abs=0.005) and w["noise"] == pytest.approx(floor)
     assert np.isnan(bench_long.noise_floor(measured[:1]))
+
+
+def test_deciding_is_adaptive_planning_beyond_none_over_none_layer_time():
+    """Per window, each policy's mean planning time per call, and adaptive's beyond ``none``'s over ``none``'s summed
+    layer time: 1 ms more a call on 50 ms calls is 2 % of the window; planning like ``none``'s costs nothing."""
+    n = 40
+    t = np.full(n, 0.05)
+    for extra, want in ((0.001, 0.02), (0.0, 0.0)):  # (0.0: the negative control)
+        res = {p: {"t": t, "plan": np.full(n, 0.0007)} for p in bench_long.FIXED}
+        res["adaptive"] = {"t": t, "measured": t, "predicted": t, "plan": np.full(n, 0.0007 + extra),
+                           "chosen": ["none"] * n, "probe": [False] * n}
+        w1, w2 = bench_long.windows(res, n, n // 2, 16)
+        assert w1["deciding"] == pytest.approx(want) and w2["deciding"] == pytest.approx(want)
+        assert w1["plan"]["none"] == pytest.approx(0.0007) and w1["plan"]["adaptive"] == pytest.approx(0.0007 + extra)
 
 
 def test_bad_sizes_are_refused_with_one_line(capsys):
@@ -70,8 +84,9 @@ def test_a_smoke_run_writes_rows_of_the_benchmarks_columns(tmp_path, monkeypatch
     got = {(r["what"], r["provider"], r["metric"]) for r in rows}
     for metric in ("vs_best_fixed", "prediction_error_window", "prediction_error", "noise_floor", "probe_share"):
         assert ("long_run", "adaptive", metric) in got
+    assert ("long_run", "adaptive", "deciding_share") in got
     for name in (*bench_long.FIXED, "adaptive"):
-        assert ("long_run", name, "layer_time_sum") in got
+        assert ("long_run", name, "layer_time_sum") in got and ("long_run", name, "plan_time") in got
     for metric in ("items", "bytes", "decision_time", "probe_share"):
         assert ("engine_state", "adaptive", metric) in got
     windows = [r["x"] for r in rows if r["metric"] == "vs_best_fixed"]
