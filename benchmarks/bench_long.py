@@ -307,7 +307,8 @@ def main(argv=None) -> int:
             x = f"{x0}/{w['lo']}-{w['hi']}"
             tab.add_row(f"{w['lo']}-{w['hi']}", w["phases"], w["best"], f"{w['ratio']:.3f}",
                         f"{100 * w['pred_error']:.1f} %", f"{100 * w['per_call_error']:.1f} %",
-                        f"{100 * w['noise']:.1f} %", f"{100 * w['probe_share']:.0f} %", f"{100 * w['deciding']:+.1f} %", w["chose"])
+                        f"{100 * w['noise']:.1f} %", f"{100 * w['probe_share']:.0f} %", f"{100 * w['deciding']:+.1f} %",
+                        w["chose"])
             rows.append(row("long_run", "adaptive", "vs_best_fixed", "ratio", x, w["ratio"]))
             rows.append(row("long_run", "adaptive", "prediction_error_window", "ratio", x, w["pred_error"]))
             rows.append(row("long_run", "adaptive", "prediction_error", "ratio", x, w["per_call_error"]))  # per call
