@@ -55,7 +55,7 @@ from ultraep.topology import Topology
 
 from .candidates import Candidates
 from .exploration import OF_GAIN, SHARE, ExplorationBudget
-from .outcomes import CLOCK_RUNS, FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker, regime_of
+from .outcomes import CLOCK_RUNS, FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker
 from .hysteresis import Hysteresis
 from .idle import idle_plan
 from .settled import settled_plan, verdict
@@ -184,7 +184,7 @@ class AdaptivePolicy:
         has = resident_RE is not None
         self._known = None
         self.candidates.begin()
-        self.outcomes.at(regime_of(load_RE))  # the measured outcomes read at this load's size
+        self.outcomes.at(self.outcomes.regime_at(load_RE))  # the measured outcomes read at this load's size
         for rested in (idle_plan, settled_plan):  # Step 0: the exploration budget; Step 0b: settled
             if (pl := rested(self, cm, load_RE, topology, resident_RE)) is not None:
                 return pl
@@ -214,7 +214,7 @@ class AdaptivePolicy:
         transfers are exactly what moves (see :meth:`_predict`); ``idle``: Step 0 planned the fallback alone (True),
         or Step 0b the policy in force alone (the decision's reason): nothing weighed."""
         topology = topology or next(iter(plans.values())).topology
-        self.outcomes.at(regime_of(next(iter(plans.values())).load_RE))  # (decide() called directly)
+        self.outcomes.at(self.outcomes.regime_at(next(iter(plans.values())).load_RE))  # (decide() called directly)
         cm = self._cost(topology)
         if self.outcomes.anchor_plans is plans:  # plan() started them; add candidates planned since
             ran = [n for n in plans if self.outcomes.anchored(n, self.current)]
@@ -282,7 +282,7 @@ class AdaptivePolicy:
         a = plan.info["adaptive"]
         self.hysteresis.commit(a["chosen"], a.get("pending"), bool(a.get("probe")))  # a probe runs once
         preds, chosen = a["predictions"], a["chosen"]
-        self.outcomes.observing = (chosen, float(a.get("anchor_s", 0.0)), regime_of(plan.load_RE))  # to measure
+        self.outcomes.observing = (chosen, float(a.get("anchor_s", 0.0)), self.outcomes.regime_at(plan.load_RE))  # to measure
         self.outcomes.restart = chosen if a.get("confirm") else None  # a confirmation replaces its stale history
         self.outcomes.decisions += 1
         same, idle = set(a.get("same_as_none", ())), bool(a.get("idle")) or bool(a.get("settled"))  # weighed nothing

@@ -80,6 +80,7 @@ class OutcomeTracker:
         #: per candidate, (decision, log-ratio against the anchor) of its last 2 probe_every measurements: the clock
         #: that tells how much faster the machine runs now than when a measurement was taken (:meth:`credit`)
         self._clock: dict[str, tuple[list[int], list[float]]] = {}
+        self._regime_of: tuple | None = None  # (the load decided, its regime): :meth:`regime_at`
 
     # ------------------------------------------------------------------ folding measurements in
     def observe(self, name: str, predicted_s: float, measured_s: float, current: str | None) -> bool:
@@ -110,6 +111,14 @@ class OutcomeTracker:
         if x is not None:
             self._fold_anchor(name, when, x, current, self.observing[2])
         return True
+
+    def regime_at(self, load_RE: np.ndarray) -> int:
+        """:func:`regime_of` of ``load_RE``, kept for the same array: a decision reads it when it plans, decides and
+        commits."""
+        got = self._regime_of
+        if got is None or got[0] is not load_RE:
+            got = self._regime_of = (load_RE, regime_of(load_RE))
+        return got[1]
 
     def at(self, regime: int | None) -> None:
         """The load being decided is of ``regime`` (:func:`regime_of`): where it moved, every candidate's anchor

@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 
 from ultraep.policies import AdaptivePolicy
-from ultraep.policies import adaptive as adaptive_mod
+from ultraep.policies import outcomes as outcomes_mod
 from ultraep.policies.outcomes import OUTCOME_WARMUP, REGIMES, OutcomeTracker, regime_of
 
 from test_adaptive_settled import _cm, _drive, _load  # noqa: E402
@@ -64,7 +64,7 @@ def test_a_size_measured_before_is_estimated_from_its_own_calls_when_the_run_goe
 
     def back_at_big(one_regime: bool) -> Counter:
         if one_regime:
-            monkeypatch.setattr(adaptive_mod, "regime_of", lambda load: 0)
+            monkeypatch.setattr(outcomes_mod, "regime_of", lambda load: 0)
         cm = _cm()
         out = _drive(AdaptivePolicy(cost_model=cm), cm, [big] * n + [small] * n + [big] * n, truth)
         assert Counter(a["chosen"] for a in out[n + 10:2 * n])["none"] >= n - 15  # none runs the small calls

@@ -130,12 +130,21 @@ class CostModel:
     def for_topology(self, topology: Topology) -> "CostModel":
         """This model re-targeted to ``topology`` (same hardware, expert and parameters): itself for its own
         topology, else one copy per topology, rebuilt when the parameters were replaced (calibration)."""
-        if topology == self.topology:
+        if topology is self.topology:
             return self
-        cache = self.__dict__.setdefault("_retargeted", {})
-        cm = cache.get(topology)
-        if cm is None or cm.params is not self.params:
-            cm = cache[topology] = CostModel(topology, self.hardware, self.expert, self.params)
+        # (the last answer, by identity: comparing and hashing a topology's fields costs more than the rest of a
+        # prediction's set-up, and the adaptive engine asks for its calibrated and its anchor model at each decision)
+        last = self.__dict__.get("_last_for")
+        if last is not None and last[0] is topology and (last[1] is self or last[1].params is self.params):
+            return last[1]
+        if topology == self.topology:
+            cm = self
+        else:
+            cache = self.__dict__.setdefault("_retargeted", {})
+            cm = cache.get(topology)
+            if cm is None or cm.params is not self.params:
+                cm = cache[topology] = CostModel(topology, self.hardware, self.expert, self.params)
+        self.__dict__["_last_for"] = (topology, cm)
         return cm
 
     def _cache(self) -> None:
@@ -427,9 +436,15 @@ class CostModel:
         per_rank = total / R
         k = self.params.dedup_top_k
         if k is None:
-            dom_T = np.repeat(T_src.reshape(-1, D).sum(axis=1), D)  # [R] tokens sourced in each rank's domain
-            send = np.stack([T_src * (D - 1) / R, T_src * (R - D) / R], axis=1)
-            recv = np.stack([(dom_T - T_src) / R, (total - dom_T) / R], axis=1)
+            dom_T = np.repeat(T_src.reshape(-1, D).sum(axis=1), D) if D > 1 else T_src  # [R] sourced in r's domain
+            send, recv = np.empty((R, 2)), np.empty((R, 2))  # (filled by column: np.stack's dispatch costs more)
+            np.multiply(T_src, D - 1, out=send[:, 0])
+            np.multiply(T_src, R - D, out=send[:, 1])
+            send /= R
+            np.subtract(dom_T, T_src, out=recv[:, 0])
+            recv[:, 0] /= R
+            np.subtract(total, dom_T, out=recv[:, 1])
+            recv[:, 1] /= R
         else:  # distinct tokens: a token picks each expert with probability k / E (the de-duplication estimate)
             tok = T_src / k
             q = min(k / t.num_experts, 1.0 - 1e-12)
@@ -498,25 +513,55 @@ class CostModel:
             grad_s = 0.0
             bwd = 0.0
         tokens = np.asarray(tr.tokens_R, dtype=np.float64)
-        # (sum / size is what ndarray.mean computes, without its dispatch: this runs for every prediction)
-        mean = tokens.sum() / tokens.size if tokens.size else 0.0
-        top = float(tokens.max()) if tokens.size else 0.0
-        return CostBreakdown(
+        top, mean = _top_mean(tokens)
+        c_top, c_mean = _top_mean(comp_R)
+        reps = tr.replica_instances_R
+        return _breakdown(
             engine_s=engine_s, plan_s=plan_s, weight_sync_s=wsync, sync_exposed_s=sync_exposed, a2a_fwd_s=a2a, compute_fwd_s=compute,
             hybrid_ag_s=ag_s, hybrid_ag_exposed_s=ag_exposed, non_moe_fwd_s=p.non_moe_fwd_s, fwd_s=fwd,
             compute_bwd_s=comp_b, a2a_bwd_s=a2a_b, restore_exposed_s=restore, grad_reduce_s=grad_s,
             grad_reduce_exposed_s=grad_exposed, non_moe_bwd_s=p.non_moe_bwd_s if p.mode == "training" else 0.0,
             copy_s=copy_s, call_overhead_s=overhead, bwd_s=bwd, total_s=fwd + bwd,
-            gemm_straggler_s=float(comp_R.max() - comp_R.sum() / comp_R.size) if comp_R.size else 0.0,
-            token_straggler=float(top - mean) if tokens.size else 0.0,
+            gemm_straggler_s=float(c_top - c_mean),
+            token_straggler=float(top - mean),
             imbalance=float(top / mean) if mean > 0 else 1.0,
             rank_tokens_R=tokens, instances_R=np.asarray(tr.instances_R, dtype=np.float64),
-            replicas_R=None if tr.replica_instances_R is None else np.asarray(tr.replica_instances_R, dtype=np.float64),
+            replicas_R=None if reps is None else np.asarray(reps, dtype=np.float64),
             moves_R=moves_R,
             sec_per_token=self.sec_per_token,
-            replica_tokens=float(np.sum(tr.replica_tokens_R)) if tr.replica_tokens_R is not None else 0.0,
-            replica_instances=float(np.sum(tr.replica_instances_R)) if tr.replica_instances_R is not None else 0.0,
+            replica_tokens=float(tr.replica_tokens_R.sum()) if tr.replica_tokens_R is not None else 0.0,
+            replica_instances=float(reps.sum()) if reps is not None else 0.0,
         )
+
+
+#: every field of :class:`CostBreakdown` at its default (what :func:`_breakdown` starts from)
+_BREAKDOWN_DEFAULTS = {f.name: f.default for f in fields(CostBreakdown)}
+
+
+def _breakdown(**terms) -> CostBreakdown:
+    """``CostBreakdown(**terms)`` without the frozen dataclass's per-field ``object.__setattr__`` (30 fields: a fifth
+    of a prediction's time, and the adaptive engine predicts every candidate at each decision). Equal to the
+    constructor's result and as frozen: only its ``__init__`` is bypassed."""
+    out = object.__new__(CostBreakdown)
+    d = out.__dict__
+    d.update(_BREAKDOWN_DEFAULTS)
+    d.update(terms)
+    return out
+
+
+#: arrays of up to this many ranks are summarised in Python floats (numpy's per-call dispatch is most of the cost
+#: there); longer ones in numpy
+_SMALL = 64
+
+
+def _top_mean(a: np.ndarray) -> tuple[float, float]:
+    """``(max, mean)`` of the 1-D array ``a`` (``(0, 0)`` when empty): a prediction's straggler and imbalance terms."""
+    if a.size == 0:
+        return 0.0, 0.0
+    if a.size <= _SMALL:
+        v = a.tolist()
+        return max(v), sum(v) / len(v)
+    return float(a.max()), float(a.sum()) / a.size
 
 
 def moves_weights(weight_sync_s: float, copy_s: float, grad_reduce_s: float) -> bool:

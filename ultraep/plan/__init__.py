@@ -167,9 +167,14 @@ class Plan:
         costs, the choice, diagnostics), the copy shares this plan's derived figures (its cached properties and what
         the cost model derived from it, :func:`ultraep.cost.model.plan_memo`) instead of deriving them again: the
         adaptive engine hands on a candidate's plan as its own, and the engine predicts that copy."""
-        out = replace(self, **changes)
-        if not _STRUCTURE.intersection(changes):
-            out.__dict__.update({k: v for k, v in self.__dict__.items() if k not in _FIELDS})
+        if _STRUCTURE.intersection(changes) or not _FIELDS.issuperset(changes):
+            return replace(self, **changes)  # (a new placement: derived again; an unknown field: replace's TypeError)
+        # the same placement: this plan's fields and derived figures, with ``changes`` (dataclasses.replace runs the
+        # constructor and __post_init__ again: most of the time of handing a candidate's plan on)
+        out = object.__new__(Plan)
+        d = out.__dict__
+        d.update(self.__dict__)
+        d.update(changes)
         return out
 
     @property
@@ -240,7 +245,7 @@ class Plan:
     def num_replicas(self) -> int:
         """Redundant slots in use."""
         M = self.topology.num_masters
-        return int((self.phy2log_RS[:, M:] >= 0).sum())
+        return int(np.count_nonzero(self.phy2log_RS[:, M:] >= 0))
 
     @cached_property
     def busiest_sender_bytes(self) -> int:
