@@ -419,3 +419,70 @@ def test_the_kept_slowdown_follows_new_uneven_calls():
             fit.add(n, i, np.zeros(2), _finish(0.3 * (n + 20 * i) * SPT, k), SPT, regime="quota")
         fit._solved = None
         assert fit.solve().k == pytest.approx(k)
+
+
+# ------------------------------------------------------------------------------------------- the compiled kernels
+def _reference_best(G, g, c):
+    """The fit's per-slowdown least squares in numpy (every subset of the unknowns for every k, one batched solve):
+    what ultraep.cost.fit._best_fits compiles."""
+    from ultraep.cost.fit import _FIT_MASKS, FIT_UNKNOWNS
+
+    U, k = FIT_UNKNOWNS, SLOWDOWNS[:, None]
+    GK = G[0] + SLOWDOWNS[:, None, None] * G[1] + (SLOWDOWNS ** 2)[:, None, None] * G[2]
+    gK = g[0] + k * g[1]
+    diag = np.einsum("kii->ki", GK)
+    u = np.where(diag > 0, 1.0 / np.sqrt(np.where(diag > 0, diag, 1.0)), 1.0)
+    GU = GK * u[:, :, None] * u[:, None, :] + 1e-12 * np.eye(U)
+    M = _FIT_MASKS[:, None, :]
+    A = np.where((M[..., :, None] * M[..., None, :]) > 0, GU[None], np.eye(U))
+    W = np.linalg.solve(A, (gK * u)[None, ..., None] * M[..., None])[..., 0] * u[None]
+    resid = np.einsum("ski,kij,skj->sk", W, GK, W) - 2 * np.einsum("ski,ki->sk", W, gK) + c
+    resid = np.where((W >= 0).all(axis=2) & (W.sum(axis=2) > 0), resid, np.inf)
+    s = resid.argmin(axis=0)
+    return resid[s, np.arange(len(SLOWDOWNS))], W[s, np.arange(len(SLOWDOWNS))]
+
+
+@pytest.mark.parametrize("R", [2, 3, 8])
+def test_the_compiled_fit_computes_what_its_numpy_formulation_does(R):
+    """The rows, the sums and the per-slowdown solves run compiled (they run on every measured layer call); against the
+    numpy formulation (corun_matrices, matrix products, a batched solve) they agree to rounding, and the fit takes the
+    same slowdown and every unknown within 1e-9 — and a rank left out, or a perturbed sum, shows (negative controls)."""
+    from ultraep.cost.fit import _FitSums, _best_fits, _rows, _FIT_MASKS
+
+    rng = np.random.default_rng(R)
+    sums, G, H, gg, rows = _FitSums(), np.zeros((3, 4, 4)), np.zeros((3, 4, 4)), np.zeros((2, 4)), 0
+    for _ in range(12):
+        n, i, p = (x.astype(float) for x in next(_calls(rng, R, 1)))
+        m = rng.integers(0, 3, R).astype(float)
+        t = _finish(SPT * n + 3 * SPT * i + 1e-3 * p, 0.25) * rng.lognormal(0.0, 0.05, R)
+        use = np.ones(R, bool)
+        use[0] = R > 2  # a rank that measured nothing is left out of the rows
+        X = np.stack([n * SPT, i * SPT, p, m], axis=1)
+        D0, D1 = X[use] / t[use, None], (corun_matrices(t)[1] @ X)[use] / t[use, None]
+        got0, got1 = _rows(n, i, p, m, t, SPT, use)
+        np.testing.assert_allclose(got0, D0, rtol=1e-13)
+        np.testing.assert_allclose(got1, D1, rtol=1e-13)
+        sums.add(got0, got1)
+        C0, C1 = D0 - D0.mean(axis=0), D1 - D1.mean(axis=0)
+        for acc, (a, b) in ((G, (D0, D1)), (H, (C0, C1))):
+            acc += np.stack([a.T @ a, a.T @ b + b.T @ a, b.T @ b])
+        gg += np.stack([D0.sum(axis=0), D1.sum(axis=0)])
+        rows += D0.shape[0]
+    np.testing.assert_allclose(sums.G, G, rtol=1e-12)
+    np.testing.assert_allclose(sums.g, gg, rtol=1e-12)
+    np.testing.assert_allclose(sums.H, H, rtol=1e-9, atol=1e-12 * np.abs(H).max())
+    assert sums.c == rows
+    ref_r, ref_w = _reference_best(G, gg, float(rows))
+    got_r, got_w, ok = _best_fits(sums.G, sums.g, float(sums.c), SLOWDOWNS, _FIT_MASKS)
+    assert ok and np.isfinite(got_r).any()
+    fin = np.isfinite(ref_r)
+    assert np.array_equal(np.isfinite(got_r), fin)
+    np.testing.assert_allclose(got_r[fin], ref_r[fin], rtol=1e-9, atol=1e-9 * rows)
+    np.testing.assert_allclose(got_w[fin], ref_w[fin], rtol=1e-9, atol=1e-15)
+    assert int(np.argmin(got_r)) == int(np.argmin(ref_r))
+    bad = sums.G.copy()
+    bad[2, 0, 0] *= 1.01  # negative control: a perturbed sum moves the fit
+    moved = _best_fits(bad, sums.g, float(sums.c), SLOWDOWNS, _FIT_MASKS)[1]
+    assert not np.allclose(moved[fin], ref_w[fin], rtol=1e-9, atol=1e-15)
+    lost = _rows(np.array([1.0, 2.0]), np.ones(2), np.zeros(2), np.zeros(2), np.ones(2), SPT, np.array([True, False]))
+    assert lost[0].shape == (1, 4)  # the rank left out has no row

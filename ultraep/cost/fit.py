@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from itertools import combinations
 
 import numpy as np
+from numba import njit
 
 
 #: a call teaches the per-instance cost only when its busiest rank has this many times the tokens of the least busy
@@ -148,13 +149,7 @@ class _FitSums:
 
     def add(self, D0: np.ndarray, D1: np.ndarray) -> None:
         """One call's rows ``[R', U]`` (``D0 + k D1`` per rank, over its measurement)."""
-        C0, C1 = D0 - D0.mean(axis=0), D1 - D1.mean(axis=0)  # centred: their fitted values are the ranks' spread
-        for acc, (a, b) in ((self.G, (D0, D1)), (self.H, (C0, C1))):  # (in place, slice by slice: no stacked copies)
-            acc[0] += a.T @ a
-            acc[1] += a.T @ b + b.T @ a
-            acc[2] += b.T @ b
-        self.g[0] += D0.sum(axis=0)
-        self.g[1] += D1.sum(axis=0)
+        _accumulate(self.G, self.g, self.H, D0, D1)
         self.c += float(D0.shape[0])
         self.dof += float(D0.shape[0]) - 1.0
 
@@ -216,9 +211,7 @@ class ComputeFit:
         use = (t > 0) & (n > 0)
         if use.sum() == 0 or not np.all(np.isfinite(t)):
             return False
-        X = np.stack([n * sec_per_token, i * sec_per_token, p, m], axis=1)  # [R, 4] model seconds
-        _, A1 = corun_matrices(t)  # (A0 is the identity)
-        D0, D1 = X[use] / t[use, None], (A1 @ X)[use] / t[use, None]  # [R', 4]: each row over its measurement
+        D0, D1 = _rows(n, i, p, m, t, float(sec_per_token), use)  # [R', 4]: each row over its measurement
         for key, sums in self._regimes.items():
             sums.decay(FIT_DECAY if key == regime else FIT_STALE_DECAY)
         self._regimes.setdefault(regime, _FitSums()).add(D0, D1)
@@ -271,34 +264,176 @@ class ComputeFit:
 
 def _best_per_slowdown(sums: _FitSums) -> tuple[np.ndarray, np.ndarray] | None:
     """``([K], [K, 4])`` per slowdown of FIT_SLOWDOWNS the least residual of a non-negative fit of ``sums`` and its
-    unknowns (inf where none is feasible), or None where no k has one."""
-    K = len(FIT_SLOWDOWNS)
-    k = FIT_SLOWDOWNS[:, None]
-    G, g = sums.G, sums.g
-    GK = G[0] + FIT_SLOWDOWNS[:, None, None] * G[1] + (FIT_SLOWDOWNS ** 2)[:, None, None] * G[2]  # [K, U, U]
-    gK = g[0] + k * g[1]  # [K, U]
-    # every subset of the unknowns for every k in one batched solve: an unknown left out of a subset gets the
-    # identity row and a 0 right-hand side, so it solves to 0
-    # (solved in unknowns scaled to a unit diagonal: tokens, instances and replicas differ by orders of magnitude)
-    diag = np.einsum("kii->ki", GK)
-    u = np.where(diag > 0, 1.0 / np.sqrt(np.where(diag > 0, diag, 1.0)), 1.0)  # [K, U]
-    U = FIT_UNKNOWNS
-    GU = GK * u[:, :, None] * u[:, None, :] + 1e-12 * np.eye(U)
-    M = _FIT_MASKS[:, None, :]  # [S, 1, U]
-    sel = M[..., :, None] * M[..., None, :]  # [S, 1, U, U]
-    A = np.where(sel > 0, GU[None], np.eye(U))  # [S, K, U, U]
-    try:
-        W = np.linalg.solve(A, (gK * u)[None, ..., None] * M[..., None])[..., 0] * u[None]  # [S, K, U]
-    except np.linalg.LinAlgError:
+    unknowns (inf where none is feasible), or None where no k has one (or a system is singular)."""
+    best_r, best_w, ok = _best_fits(sums.G, sums.g, float(sums.c), FIT_SLOWDOWNS, _FIT_MASKS)
+    if not ok or not np.isfinite(best_r).any():
         return None
-    resid = np.einsum("ski,kij,skj->sk", W, GK, W) - 2 * np.einsum("ski,ki->sk", W, gK) + sums.c  # [S, K]
-    feasible = (W >= 0).all(axis=2) & (W.sum(axis=2) > 0)
-    resid = np.where(feasible, resid, np.inf)
-    s_best = resid.argmin(axis=0)  # [K]
-    best_r = resid[s_best, np.arange(K)]
-    if not np.isfinite(best_r).any():
-        return None
-    return best_r, W[s_best, np.arange(K)]
+    return best_r, best_w
+
+
+# ------------------------------------------------------------------------------------------- compiled kernels
+# The calibrator folds every measured layer call into two fits (forward, backward) and solves them every
+# FIT_SOLVE_EVERY calls, on the call's critical path (after the load all-gather, before the plan). In numpy that was
+# 1.2 ms of every layer call on the runtime (2 gloo ranks, 256 tokens per rank: 3-4 % of the call, for every policy;
+# dozens of array calls on [R, 4] rows and 615 batched 4 x 4 solves). Compiled, the same arithmetic in loops.
+
+@njit(cache=True)
+def _rows(n, i, p, m, t, sec_per_token, use):
+    """``(D0, D1)`` ``[R', 4]``: the model seconds ``X = [n spt, i spt, p, m]`` of the used ranks and ``A1 @ X``
+    (:func:`corun_matrices`: in ``t``'s order, row j of A1 is 1 left of the diagonal and ``R - 1 - j`` on it), each
+    row over its rank's measured seconds."""
+    R = n.shape[0]
+    X = np.empty((R, 4))
+    for r in range(R):
+        X[r, 0] = n[r] * sec_per_token
+        X[r, 1] = i[r] * sec_per_token
+        X[r, 2] = p[r]
+        X[r, 3] = m[r]
+    order = np.argsort(t, kind="mergesort")  # (stable, as corun_matrices')
+    AX = np.zeros((R, 4))
+    for j in range(R):
+        row = order[j]
+        for u in range(4):
+            acc = (R - 1 - j) * X[row, u]
+            for q in range(j):
+                acc += X[order[q], u]
+            AX[row, u] = acc
+    cnt = 0
+    for r in range(R):
+        if use[r]:
+            cnt += 1
+    D0 = np.empty((cnt, 4))
+    D1 = np.empty((cnt, 4))
+    w = 0
+    for r in range(R):
+        if use[r]:
+            for u in range(4):
+                D0[w, u] = X[r, u] / t[r]
+                D1[w, u] = AX[r, u] / t[r]
+            w += 1
+    return D0, D1
+
+
+@njit(cache=True)
+def _accumulate(G, g, H, D0, D1):
+    """Add one call's rows to the sums in place: ``G[0] += D0'D0``, ``G[1] += D0'D1 + D1'D0``, ``G[2] += D1'D1``, the
+    same of the rows centred within the call into H, and the columns' sums into g."""
+    n, U = D0.shape
+    m0 = np.zeros(U)
+    m1 = np.zeros(U)
+    for r in range(n):
+        for a in range(U):
+            m0[a] += D0[r, a]
+            m1[a] += D1[r, a]
+    for a in range(U):
+        g[0, a] += m0[a]
+        g[1, a] += m1[a]
+        m0[a] /= n
+        m1[a] /= n
+    for r in range(n):
+        for a in range(U):
+            x0, x1 = D0[r, a], D1[r, a]
+            c0, c1 = x0 - m0[a], x1 - m1[a]
+            for b in range(U):
+                y0, y1 = D0[r, b], D1[r, b]
+                e0, e1 = y0 - m0[b], y1 - m1[b]
+                G[0, a, b] += x0 * y0
+                G[1, a, b] += x0 * y1 + x1 * y0
+                G[2, a, b] += x1 * y1
+                H[0, a, b] += c0 * e0
+                H[1, a, b] += c0 * e1 + c1 * e0
+                H[2, a, b] += c1 * e1
+
+
+@njit(cache=True)
+def _solve_small(M, x):
+    """``M x = b`` in place for a small dense ``M`` (overwritten) and ``x`` (``b`` in, the solution out), by Gaussian
+    elimination with partial pivoting (LAPACK's getrf/getrs on one matrix); False where a pivot is exactly 0
+    (singular, where numpy raises)."""
+    U = M.shape[0]
+    for col in range(U):
+        piv = col
+        big = abs(M[col, col])
+        for r in range(col + 1, U):
+            if abs(M[r, col]) > big:
+                big, piv = abs(M[r, col]), r
+        if big == 0.0:
+            return False
+        if piv != col:
+            for c in range(U):
+                M[col, c], M[piv, c] = M[piv, c], M[col, c]
+            x[col], x[piv] = x[piv], x[col]
+        for r in range(col + 1, U):
+            f = M[r, col] / M[col, col]
+            if f != 0.0:
+                for c in range(col, U):
+                    M[r, c] -= f * M[col, c]
+                x[r] -= f * x[col]
+    for r in range(U - 1, -1, -1):
+        acc = x[r]
+        for c in range(r + 1, U):
+            acc -= M[r, c] * x[c]
+        x[r] = acc / M[r, r]
+    return True
+
+
+@njit(cache=True)
+def _best_fits(G, g, c, slowdowns, masks):
+    """Per slowdown k: ``G(k) = G0 + k G1 + k^2 G2``, ``g(k) = g0 + k g1``; every subset of the unknowns (``masks``
+    ``[S, U]``: an unknown left out gets the identity row and a 0 right-hand side) solved in unknowns scaled to a unit
+    diagonal (tokens, instances and replicas differ by orders of magnitude), its residual ``w'G(k)w - 2 w'g(k) + c``
+    where the fit is non-negative and not all 0 (else inf), the least one kept. Returns ``(best_r [K], best_w [K, U],
+    ok)``; ok False where a system is singular."""
+    K = slowdowns.shape[0]
+    S, U = masks.shape
+    best_r = np.full(K, np.inf)
+    best_w = np.zeros((K, U))
+    GK = np.empty((U, U))
+    gK = np.empty(U)
+    u = np.empty(U)
+    A = np.empty((U, U))
+    x = np.empty(U)
+    for kk in range(K):
+        k = slowdowns[kk]
+        for a in range(U):
+            gK[a] = g[0, a] + k * g[1, a]
+            for b in range(U):
+                GK[a, b] = G[0, a, b] + k * G[1, a, b] + k * k * G[2, a, b]
+        for a in range(U):
+            u[a] = 1.0 / np.sqrt(GK[a, a]) if GK[a, a] > 0 else 1.0
+        first = True
+        for s in range(S):
+            for a in range(U):
+                for b in range(U):
+                    if masks[s, a] > 0 and masks[s, b] > 0:
+                        A[a, b] = GK[a, b] * u[a] * u[b] + (1e-12 if a == b else 0.0)
+                    else:
+                        A[a, b] = 1.0 if a == b else 0.0
+                x[a] = gK[a] * u[a] * masks[s, a]
+            if not _solve_small(A, x):
+                return best_r, best_w, False
+            feasible = True
+            tot = 0.0
+            for a in range(U):
+                x[a] *= u[a]
+                if x[a] < 0:
+                    feasible = False
+                tot += x[a]
+            if not feasible or tot <= 0:
+                continue
+            quad = 0.0
+            lin = 0.0
+            for a in range(U):
+                lin += x[a] * gK[a]
+                for b in range(U):
+                    quad += x[a] * GK[a, b] * x[b]
+            r = quad - 2.0 * lin + c
+            if first or r < best_r[kk]:
+                best_r[kk] = r
+                for a in range(U):
+                    best_w[kk, a] = x[a]
+                first = False
+    return best_r, best_w, True
 
 
 def _near_best(best_r: np.ndarray, rows: float) -> np.ndarray:
