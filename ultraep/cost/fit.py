@@ -86,7 +86,7 @@ FIT_TIE = 0.01
 FIT_UNEVEN: float | None = 0.1
 #: calls a fit needs before it is used
 FIT_MIN_CALLS = 4
-#: a solved fit is kept for this many calls (the sums move slowly; a solve costs ~0.15 ms on the decision's path)
+#: a solved fit is kept for this many calls (the sums move slowly; a solve, on the call's path, costs 0.2 ms compiled)
 FIT_SOLVE_EVERY = 4
 #: the unknowns: a (tokens), b (instances), d (replica instances), e (replica copies)
 FIT_UNKNOWNS = 4
