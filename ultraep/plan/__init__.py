@@ -171,7 +171,7 @@ class Plan:
             return replace(self, **changes)  # (a new placement: derived again; an unknown field: replace's TypeError)
         # the same placement: this plan's fields and derived figures, with ``changes`` (dataclasses.replace runs the
         # constructor and __post_init__ again: most of the time of handing a candidate's plan on)
-        out = object.__new__(Plan)
+        out = object.__new__(type(self))
         d = out.__dict__
         d.update(self.__dict__)
         d.update(changes)
