@@ -33,6 +33,7 @@ Two parts, one table each, rows in ``benchmarks/results/bench_long.csv``:
     .venv/bin/python benchmarks/bench_long.py --calls 60 --window 20 --decisions 2000   # a smoke run (minutes)
     .venv/bin/python benchmarks/bench_long.py --part engine      # only the engine's state (10^5 decisions)
     .venv/bin/python benchmarks/bench_long.py --probe-share 0.1  # the adaptive engine's probe budget
+    .venv/bin/python benchmarks/bench_long.py --calls-out calls.csv   # and every call's time, planning and decision
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def _body(rank, world, shape: Shape, args, policies):
         runs.append((name, layer, rt, torch.optim.SGD(layer.parameters(), lr=1e-6)))
     g = torch.Generator().manual_seed(7 + rank)
     xs = {T: torch.randn(T, shape.hidden, generator=g) for T in (shape.tokens, shape.small)}
-    out = {name: {"t": [], "measured": [], "predicted": [], "plan": [], "chosen": [], "probe": []} for name in policies}
+    out = {name: {"t": [], "measured": [], "predicted": [], "plan": [], "chosen": [], "probe": [], "reason": []}
+           for name in policies}
     orders = carryover_orders(len(runs))
     for i in range(args.calls):
         ids, T, _ = routing(i, args.calls, rank, shape, args.seed)
@@ -158,6 +160,7 @@ def _body(rank, world, shape: Shape, args, policies):
             o["plan"].append(float(tm.get("plan_s", float("nan"))))
             o["chosen"].append(layer.last_plan.chosen_policy)
             o["probe"].append(bool(choice is not None and choice.probe))
+            o["reason"].append(choice.reason if choice is not None else "")
     return out
 
 
@@ -175,8 +178,22 @@ def run_runtime(shape: Shape, args) -> dict:
         res[name] = {"t": np.max([p["t"] for p in per], axis=0),
                      "measured": np.max([p["measured"] for p in per], axis=0),
                      "predicted": np.asarray(per[0]["predicted"]), "plan": np.max([p["plan"] for p in per], axis=0),
-                     "chosen": per[0]["chosen"], "probe": per[0]["probe"]}
+                     "chosen": per[0]["chosen"], "probe": per[0]["probe"], "reason": per[0]["reason"]}
     return res
+
+
+def write_calls(res: dict, path: str) -> None:
+    """Every call of every policy as CSV rows (``policy, call, t_s, measured_s, predicted_s, plan_s, chosen, probe,
+    reason``): what a window lost, call by call (which decisions probed, weighed or held a slower policy)."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["policy", "call", "t_s", "measured_s", "predicted_s", "plan_s", "chosen", "probe", "reason"])
+        for name, r in res.items():
+            for i in range(len(r["t"])):
+                w.writerow([name, i, f"{r['t'][i]:.6g}", f"{r['measured'][i]:.6g}", f"{r['predicted'][i]:.6g}",
+                            f"{r['plan'][i]:.6g}", r["chosen"][i], int(r["probe"][i]), r["reason"][i]])
 
 
 def windows(res: dict, calls: int, window: int, experts: int) -> list[dict]:
@@ -279,6 +296,8 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-share", type=float, default=None,
                     help="the adaptive engine's probe_share (default: its own; negative: no bound)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calls-out", default=None, metavar="CSV",
+                    help="also write every call of every policy (time, planning, choice, reason) to this CSV")
     args = ap.parse_args(argv)
     for name in ("calls", "window", "decisions", "tokens", "small_tokens"):
         if getattr(args, name) < 1:
@@ -296,6 +315,8 @@ def main(argv=None) -> int:
         preload()
         load_at_start = os.getloadavg()[0]
         res = run_runtime(shape, args)
+        if args.calls_out:
+            write_calls(res, args.calls_out)
         x0 = f"2x1/T{shape.tokens}-{shape.small}/E{shape.experts}"
         tab = Table(title=f"adaptive over {args.calls} interleaved calls per policy, 2 gloo ranks x 1 thread "
                           f"(T={shape.tokens}/{shape.small} H={shape.hidden} I={shape.ffn} E={shape.experts} "

@@ -34,8 +34,9 @@ Steps (one layer, one microbatch; each part in its own module):
     Step 5a: confirmation (:mod:`.probes`): where outcomes are measured, a switch to a candidate whose own latest
             measurement is not from the previous decision runs it once as a probe instead; the switch happens at
             the next decision if the fresh measurement still wins.
-    Step 5b: a probe (:mod:`.probes`): a candidate due, within ``probe_max_loss`` of the best, runs once to be
-            measured (:mod:`.outcomes` keeps what it measured), paced by its cost (``probe_cost_share``).
+    Step 5b: a probe (:mod:`.probes`): a candidate due runs once to be measured (:mod:`.outcomes` keeps what it
+            measured), paced by its cost (``probe_cost_share``); one measured FEW_RUNS times is due once the decisions
+            since it ran pay for its probe at ``probe_regret`` each, others within ``probe_max_loss`` of the best.
     Step 6: the chosen plan is returned as policy ``adaptive`` with the engine's exposed overhead
             (``plan.engine_s``: decision time plus the planning of candidates slower than the chosen
             one's own planner, since they ran before the choice).
@@ -59,7 +60,8 @@ from .outcomes import CLOCK_RUNS, FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker
 from .hysteresis import Hysteresis
 from .idle import idle_plan
 from .settled import settled_plan, verdict
-from .probes import LOSING_STREAK, PROBE_BURST, PROBE_COST_SHARE, PROBE_SHARE, ProbeSchedule
+from .probes import LOSING_STREAK, PROBE_BURST, PROBE_COST_SHARE, PROBE_REGRET, PROBE_SHARE, ProbeSchedule
+from .probes import confirm as confirm_switch
 from .screening import Screen
 
 DEFAULT_CANDIDATES = ("none", "quota", "eplb", "feplb", "hybridep")
@@ -83,8 +85,8 @@ class AdaptivePolicy:
         screen: skip planning stateless candidates that cannot pay for their own planner (Step 1).
         probe_every, probe_max_loss: a candidate not run for ``probe_every`` decisions runs once if predicted at
             most ``probe_max_loss`` (relative) slower than the best (Step 5b).
-        probe_share, probe_cost_share: probes may run on at most ``probe_share`` of the decisions beside PROBE_BURST
-            per candidate, and cost at most ``probe_cost_share`` of the policy in force's time (:mod:`.probes`).
+        probe_share, probe_cost_share, probe_regret: probes run on at most ``probe_share`` of the decisions beside
+            PROBE_BURST per candidate, cost at most ``probe_cost_share`` of the time, one rival's ``probe_regret`` a call.
         outcome_window: measured outcomes per candidate whose median corrects its predictions.
         explore_share, explore_of_gain: weighing may cost ``explore_share`` of the run's layer time plus
             ``explore_of_gain`` of what it found, over the run (:mod:`.exploration`; ``explore_share=None``: no bound).
@@ -103,7 +105,8 @@ class AdaptivePolicy:
     def __init__(self, candidates=DEFAULT_CANDIDATES, margin: float = 0.005, patience: int = 2,
                  switch_now: float = 0.02, deadline_s: float | None = None, screen: bool = True,
                  probe_every: int = 32, probe_max_loss: float = 0.25, probe_share: float | None = PROBE_SHARE,
-                 probe_cost_share: float | None = PROBE_COST_SHARE, outcome_window: int = 5,
+                 probe_cost_share: float | None = PROBE_COST_SHARE, probe_regret: float | None = PROBE_REGRET,
+                 outcome_window: int = 5,
                  explore_share: float | None = SHARE, explore_of_gain: float = OF_GAIN,
                  candidate_options: dict | None = None, cost_model=None, policies: dict | None = None,
                  owns_candidates: bool = True) -> None:
@@ -120,14 +123,14 @@ class AdaptivePolicy:
         # candidate's correction does not drift when calibration (learned from other candidates' runs) moves
         self.outcomes = OutcomeTracker(cost_model, outcome_window, self.switch_now, probe_every)
         self.schedule = ProbeSchedule(probe_every, probe_max_loss, self.switch_now, self.outcomes, probe_share,
-                                      PROBE_BURST * len(self.policies), probe_cost_share)
+                                      PROBE_BURST * len(self.policies), probe_cost_share, probe_regret)
         self.budget = ExplorationBudget(None if explore_share is None else float(explore_share),
                                         float(explore_of_gain))
         self.screening = Screen(self.candidates, self.schedule, self.outcomes, self.budget, screen)
         #: the last decision, its candidate plans and, when it weighed, its chosen's calibrated (total, imbalance)
         self._memo: tuple[Plan, dict, tuple | None] | None = None
         self._rest = None  # the last weighed idle verdict (:class:`.idle.Rest`), taken while the load stays (Step 0)
-        self._settled = None  # the last settled verdict (:class:`.settled.Settled`), taken while it holds (Step 0b)
+        self._settled = self._ran_out = None  # Step 0b's verdict, (policy, length) of a rest run out (:mod:`.settled`)
         self._known: tuple | None = None  # (choice, model, breakdown) of an idle plan returned: :meth:`breakdown_of`
         self._weighing: dict | None = None  # what the budget keeps of the decision being made (Step 0)
 
@@ -137,25 +140,25 @@ class AdaptivePolicy:
         return self.hysteresis.current
 
     def _cost(self, topology: Topology):
-        """The cost model for ``topology``: the one the engine handed over (calibrated), re-targeted to another
-        topology with the current calibrated parameters (:func:`~ultraep.cost.model_for`)."""
+        """The cost model handed over (calibrated), re-targeted to ``topology`` (:func:`~ultraep.cost.model_for`)."""
         return model_for(self.cost_model, topology)
 
     def breakdown_of(self, plan: Plan, cost_model):
-        """The breakdown of ``plan`` (one this policy returned, or a copy sharing its ``choice``) on ``cost_model`` where
-        this policy predicted exactly that plan on it (a rest: no engine or switch cost added); else None."""
+        """``plan``'s breakdown (or a copy's) on ``cost_model`` where this policy predicted just that on it, else None."""
         k = self._known
         return k[2] if k is not None and k[0] is plan.choice and k[1] is cost_model else None
 
     # ------------------------------------------------------------------ measured outcomes
     def observe_outcome(self, name: str, predicted_s: float, measured_s: float) -> None:
-        """Fold one measured layer time of candidate ``name`` into its outcome corrections (the tracker's
-        :meth:`~ultraep.policies.outcomes.OutcomeTracker.observe`) and a probe's cost (:meth:`.ProbeSchedule.settle`)."""
+        """Fold one measured layer time of ``name`` into its outcome corrections (:meth:`.OutcomeTracker.observe`), a
+        probe's cost (:meth:`.ProbeSchedule.settle`) and its standing (:meth:`.ExplorationBudget.rescale`)."""
         if measured_s <= 0 or name not in self.policies:
             return
         self.schedule.settle(name, measured_s)
+        before = self.outcomes.scale(name)
         if not self.outcomes.observe(name, predicted_s, measured_s, self.current):
             self.schedule.forget(name)
+        self.budget.rescale(name, self.outcomes.scale(name) / before)
 
     def _anchor_predictions(self, topology: Topology, plans: dict, resident: bool, names=None) -> None:
         """Anchor-model predictions for :meth:`.OutcomeTracker.estimate` of ``names`` (default: the candidates that have
@@ -183,6 +186,7 @@ class AdaptivePolicy:
         cm = self._cost(topology)
         has = resident_RE is not None
         self._known = None
+        self.schedule.pace.weigh_s = cm.params.engine_overhead_s  # what a probe's weighings cost (its period)
         self.candidates.begin()
         self.outcomes.at(self.outcomes.regime_at(load_RE))  # the measured outcomes read at this load's size
         for rested in (idle_plan, settled_plan):  # Step 0: the exploration budget; Step 0b: settled
@@ -231,7 +235,7 @@ class AdaptivePolicy:
         chosen, reason, pending = self.hysteresis.choose(feasible, best, late, self.fallback, self.deadline_s)
         probe = False
         switch = self.current in feasible and chosen != self.current  # hysteresis let the cheapest take over
-        confirm = self.schedule.confirm(chosen, self.current) if switch else None
+        confirm = confirm_switch(self.schedule, chosen, self.current) if switch else None
         if confirm is not None:  # Step 5a: a switch on stale or no measurement of its own is measured first
             reason, pending, probe = f"confirm: {reason[len('switch '):]}; {confirm}", None, True
         elif self.schedule.probe_every > 0 and self.current is not None:  # Step 5b: bounded-regret probe
@@ -295,7 +299,7 @@ class AdaptivePolicy:
         if not idle and weighing is not None:
             self.budget.note(preds, self.fallback, same, weighing["floors"], weighing["stake_s"])
         self.budget.charge(a.get("predicted_s", 0.0), a.get("saved_s", 0.0), plan.engine_s + max(0.0, loss), loss)
-        self._settled = self._settled if idle else verdict(self, plan, same)  # a weighing: whether it settles (0b)
+        self._settled, self._ran_out = (self._settled, self._ran_out) if idle else (verdict(self, plan, same), None)
         if self.owns_candidates:
             self._commit_candidates(plan, a)
         self._memo = None

@@ -34,6 +34,7 @@ the budget can pay its planner; where outcomes are measured it never waits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 #: share of the run's layer time that weighing may always cost (the floor that keeps re-evaluating a regime
@@ -110,6 +111,14 @@ class ExplorationBudget:
                 self.standing[n] = float("inf") if n in same else float(v)
                 self.floors.discard(n)
         self.stake_s = float(stake_s)
+
+    def rescale(self, name: str, factor: float) -> None:
+        """``name`` was measured since its last weighing and its measured correction moved by ``factor``: its standing
+        moves with it (not a floor's, a bound). Without it a probe that measured a rival 30 % faster than ``none``
+        left its standing where the weighing before the probe put it, and the decisions idled on ``none`` until its
+        next probe (100 decisions)."""
+        if name in self.standing and name not in self.floors and factor > 0 and math.isfinite(factor):
+            self.standing[name] *= factor
 
     def charge(self, run_s: float, saved_s: float, spent_s: float, probe_s: float = 0.0) -> None:
         """Book one committed decision: its predicted layer time, what the best candidate was predicted to save

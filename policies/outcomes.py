@@ -151,8 +151,15 @@ class OutcomeTracker:
 
     def _anchor_median(self, h: list, name: str | None = None, now: float | None = None) -> float:
         """The credited median of anchor history ``h``: its entries at the regime now, else its last ``window``
-        (``now``: ``name``'s clock level now, when the caller has it)."""
+        (``now``: ``name``'s clock level now, when the caller has it), of those taken within ``window x probe_every``
+        decisions of the newest. That is the span a rival probed every ``probe_every`` decisions fills; one probed
+        less often (its probes paced by their cost, :meth:`.ProbeSchedule.period`) is estimated from its measurements
+        of that span only, so a fresh probe is not outvoted by four taken hundreds of decisions before, on another
+        machine state (a rival that had turned 30 % faster went unchosen for 3 probes, 120 decisions)."""
         use = [e for e in h if e[3] == self.regime] or h[-self.window:]
+        if self.probe_every > 0:  # (only those within window x probe_every decisions of its newest: :attr:`span`)
+            newest = use[-1][0] - self.window * self.probe_every
+            use = [e for e in use if e[0] >= newest]
         return statistics.median([v - self.credit(ref, t, now if ref == name else None) for t, v, ref, _ in use])
 
     # ------------------------------------------------------------------ the clock

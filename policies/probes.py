@@ -20,9 +20,26 @@ on). On the runtime at the default shape (2026-11-26) quota's four runs in the e
 was not measured again within the 40-call run: adaptive ran 11 % slower than quota's own run. A candidate is
 re-checked at most once per ``probe_every`` decisions, so two candidates within noise of each other cannot make
 the engine alternate between them on re-checks.
+
+First probe of the fallback: one the first weighing put within ``probe_max_loss`` of the best is probed at the first
+decision after the warm-up, whatever the ledger holds. Calibration learns from the policies that run, and on the
+runtime at 64 tokens per rank, 16 experts it raised ``none``'s prediction from 1.14x FEPLB's at the first weighing to
+1.5-1.7x (measured, ``none`` ran at 0.8x of FEPLB and quota), so its probe waited 31 calls for the ledger while they
+ran. One further behind at first (the default shape: 1.47x quota) waits for the ledger: its probe costs some 0.4 of a
+call there.
+
+Switches: one a decision takes on fresh evidence is not displaced by a probe. Each probe that displaced it kept the
+slower policy in force one more call (in a replay of the 16-expert shape, two probes in a row cancelled the switch
+from quota to ``none``, measured 16 % faster).
+
+Paced by regret: a rival measured FEW_RUNS times is probed again once the decisions since it ran pay for its probe at
+``probe_regret`` of the policy in force's time each (:class:`Pace`), at any predicted loss: probing costs each window
+about that much per rival, and no estimate, however stale, keeps a rival out of reach for good.
 """
 
 from __future__ import annotations
+
+import math
 
 from .outcomes import FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker
 
@@ -42,10 +59,48 @@ PROBE_BURST = FEW_RUNS
 #: shape (tests/first_calls_replay.py; the runtime measured 8 %)
 PROBE_COST_SHARE = 0.02
 
+#: what the probes of one measured rival may cost per decision, as a share of the policy in force's predicted time
+#: (``adaptive.probe_regret``): a rival measured FEW_RUNS times is probed again once the decisions since it last ran
+#: pay for its probe at this rate, its :meth:`ProbeSchedule.probe_cost` (its predicted loss over the policy in force
+#: plus the two weighings a probe takes) over PROBE_REGRET decisions, at least ``probe_every`` and at most PERIOD_CAP
+#: of them. So probing costs the run about PROBE_REGRET per rival in every window, and no rival is left unmeasured for
+#: good however far behind its estimate puts it (with a fixed period and ``probe_max_loss`` as a cut-off, a rival
+#: measured only while the machine ran slower stayed out of probe range, and the engine held a slower policy for the
+#: last 300-400 calls of a long run)
+PROBE_REGRET = 0.0025
+#: the longest wait between two probes of a measured rival, in ``probe_every`` periods
+PERIOD_CAP = 8
+
 #: a candidate that lost clearly this many planned decisions in a row rests — not planned, not predicted — until
 #: it is due for re-evaluation: its planning and prediction are then paid once per ``probe_every`` decisions
 #: (only candidates whose history can advance without a plan rest: those with an ``advance`` method)
 LOSING_STREAK = 8
+
+
+class Pace:
+    """The probe period of a measured rival, paced by what its probe costs (``adaptive.probe_regret``, PROBE_REGRET).
+
+    ``regret``: the share of the policy in force's time one rival's probes may cost per decision (None: not paced);
+    ``weigh_s``: what a weighing costs the call (the chooser sets its cost model's ``engine_overhead_s``)."""
+
+    __slots__ = ("regret", "weigh_s")
+
+    def __init__(self, regret: float | None) -> None:
+        self.regret = None if regret is None else float(regret)
+        self.weigh_s = 0.0
+
+    def cost(self, est_s: float, ref_s: float) -> float | None:
+        """A probe of a candidate estimated at ``est_s``, relative to the policy in force's ``ref_s``: its predicted
+        loss over it and the two weighings a probe takes (its own decision, and the next: a probe does not settle).
+        None without a reference."""
+        if not ref_s > 0 or not math.isfinite(est_s):
+            return None
+        return max(0.0, est_s / ref_s - 1.0) + 2.0 * self.weigh_s / ref_s
+
+    def period(self, probe_every: int, cost: float) -> int:
+        """The decisions that pay for a probe of relative ``cost`` at ``regret`` each, within ``probe_every`` and
+        PERIOD_CAP times it."""
+        return int(min(PERIOD_CAP * probe_every, max(probe_every, math.ceil(cost / self.regret))))
 
 
 class ProbeSchedule:
@@ -62,10 +117,13 @@ class ProbeSchedule:
         cost_share: the probes' predicted seconds over the policy in force may sum to at most this share of its
             predicted time so far (:meth:`loss_room`); None: not paced by cost (the schedule before issue 56's
             first-calls item: no warm-up wait, never-run candidates first).
+        regret: :class:`Pace`'s (None: every ``probe_every`` decisions, within ``probe_max_loss`` of the best).
     """
 
     def __init__(self, probe_every: int, probe_max_loss: float, switch_now: float, outcomes: OutcomeTracker,
-                 probe_share: float | None = None, burst: int = 0, cost_share: float | None = None) -> None:
+                 probe_share: float | None = None, burst: int = 0, cost_share: float | None = None,
+                 regret: float | None = None) -> None:
+        self.pace = Pace(regret)
         self.probe_share = None if probe_share is None else float(probe_share)
         self.burst = int(burst)
         self.cost_share = None if cost_share is None else float(cost_share)
@@ -117,15 +175,27 @@ class ProbeSchedule:
     def since_run(self, name: str) -> int:
         return self.probe_every if name not in self._ran else self._since.get(name, 0)
 
-    def period(self, name: str) -> int:
-        """``probe_every``, or ``probe_every / 8`` for a candidate measured fewer than FEW_RUNS times or left by a
-        switch and not measured since (only where outcomes are measured at all: a simulation measures nothing)."""
-        few = self.outcomes.observed and (self.outcomes.runs(name) < FEW_RUNS or name in self._recheck)
-        return max(1, self.probe_every // 8) if few else self.probe_every
+    def _few(self, name: str) -> bool:
+        """Measured fewer than FEW_RUNS times, or left by a switch and not measured since (only where outcomes are
+        measured at all: a simulation measures nothing)."""
+        return bool(self.outcomes.observed) and (self.outcomes.runs(name) < FEW_RUNS or name in self._recheck)
 
-    def due(self, name: str) -> bool:
-        """Whether ``name`` is due for a probe: it has not run for its :meth:`period`."""
-        return self.probe_every > 0 and self.since_run(name) >= self.period(name)
+    def paced(self, name: str, few: bool = False) -> bool:
+        """Whether ``name``'s probes are paced by their cost (:class:`Pace`): it ran, and is not :meth:`_few` (with
+        ``few``: whether or not; a rival measured fewer times is probed sooner within ``probe_max_loss``, paced
+        beyond it)."""
+        return self.pace.regret is not None and name in self._ran and (few or not self._few(name))
+
+    def period(self, name: str, cost: float | None = None) -> int:
+        """With a probe's relative ``cost`` (:meth:`Pace.cost`), for a candidate that ran, the period that pays for it
+        (:meth:`Pace.period`); else ``probe_every``, or ``probe_every / 8`` for a candidate :meth:`_few`."""
+        if cost is not None and self.paced(name, few=True):
+            return self.pace.period(self.probe_every, cost)
+        return max(1, self.probe_every // 8) if self._few(name) else self.probe_every
+
+    def due(self, name: str, cost: float | None = None) -> bool:
+        """Whether ``name`` is due for a probe: it has not run for its :meth:`period` (``cost``: its probe's)."""
+        return self.probe_every > 0 and self.since_run(name) >= self.period(name, cost)
 
     def probe_range(self, names, ref_s: float = 0.0, standing: dict | None = None) -> dict[str, float]:
         """Where outcomes are measured, the candidates of ``names`` due for a probe, each with the range it is
@@ -134,8 +204,16 @@ class ProbeSchedule:
         one whose probe would cost more than :meth:`loss_room` is not due yet (weighing for it would buy nothing)."""
         if not self.outcomes.observed or not self.affordable() or self.warming():  # no probe could run now
             return {}
-        room, standing = self.loss_room(ref_s), standing or {}
-        return {n: self.probe_max_loss for n in names if self.due(n) and standing.get(n, 0.0) - ref_s <= room}
+        room, standing, out = self.loss_room(ref_s), standing or {}, {}
+        for n in names:  # a paced one within any loss, once its period paid for its probe
+            if standing.get(n, 0.0) - ref_s > room:
+                continue
+            cost = self.pace.cost(standing[n], ref_s) if n in standing and self.paced(n, few=True) else None
+            if not self.paced(n) and self.due(n):
+                out[n] = self.probe_max_loss
+            elif cost is not None and self.due(n, cost):
+                out[n] = max(self.probe_max_loss, standing[n] / ref_s - 1.0)
+        return out
 
     def reevaluate(self, name: str) -> bool:
         """Whether ``name`` must be planned this decision whatever the screen says: it was not planned for
@@ -156,8 +234,8 @@ class ProbeSchedule:
 
     def probe(self, feasible: dict[str, float], chosen: str, best: str, fallback: str | None = None,
               switching: bool = False) -> str | None:
-        """The candidate to probe this decision, if any: due, not the chosen one, and predicted within
-        ``probe_max_loss`` of the best (``feasible``: corrected predictions). Never-run candidates come first:
+        """The candidate to probe this decision, if any: due, not the chosen one, and, unless :meth:`paced`, predicted
+        within ``probe_max_loss`` of the best (``feasible``: corrected predictions). Never-run candidates come first:
         until a candidate has run, its prediction borrows the others' measured/predicted ratio, which says
         nothing about its own overheads; then the one that ran longest ago.
 
@@ -166,10 +244,7 @@ class ProbeSchedule:
         runs without balancing. At 64 tokens per rank the uncalibrated model put ``none`` 27 % above
         FEPLB (measured, the two are within a few percent), past ``probe_max_loss``: ``none`` went unmeasured
         and the engine ran feplb, or quota at 0.8x of none, for 20 calls or the whole run.
-
-        None while a probe would exceed the budget (:meth:`affordable`): the due candidates wait, the oldest first
-        once it allows one.
-
+        None while a probe would exceed the budget (:meth:`affordable`): the due candidates wait.
         Paced by cost (``cost_share``): no probe in the outcome warm-up (:meth:`warming`); a probe whose predicted
         time over ``chosen``'s exceeds :meth:`loss_room` waits; of the others the unmeasured fallback runs first (the
         reference of every gain: at 64 tokens per rank, 16 experts, the model's pick quota measured 13 % over ``none``
@@ -179,14 +254,8 @@ class ProbeSchedule:
         charged its prediction it would wait for good; so it waits at most ``probe_max_loss / cost_share`` decisions
         (12.5 at the defaults) after the warm-up. What it measured is charged when it is measured (:meth:`settle`).
         A fallback the first weighing put within ``probe_max_loss`` of the best is probed at the first decision after
-        the warm-up, whatever the ledger holds: calibration learns from the policies that run, and on the runtime at
-        64 tokens per rank, 16 experts it raised ``none``'s prediction from 1.14x FEPLB's at the first weighing to
-        1.5-1.7x (measured, ``none`` ran at 0.8x of FEPLB and quota), so its probe waited 31 calls for the ledger
-        while they ran. One further behind at first (the default shape: 1.47x quota) waits for the ledger: its probe
-        costs some 0.4 of a call there.
-        A switch this decision takes on fresh evidence (``switching``) is not displaced by a probe: each probe that
-        displaced it kept the slower policy in force one more call (in a replay of the 16-expert shape, two probes
-        in a row cancelled the switch from quota to ``none``, measured 16 % faster)."""
+        the warm-up, whatever the ledger holds (the module's *first probe of the fallback*). A switch this decision
+        takes on fresh evidence (``switching``) is not displaced by a probe (the module's *switches*)."""
         if self._contender is None and fallback in feasible:
             self._contender = feasible[fallback] <= (1 + self.probe_max_loss) * feasible[best]
         if not self.affordable() or self.warming() or (switching and self.cost_share is not None):
@@ -202,31 +271,18 @@ class ProbeSchedule:
             loss = max(0.0, feasible[n] - ref)
             return min(loss, self.probe_max_loss * ref) if n == unmeasured_fallback else loss
 
-        due = [n for n in sorted(feasible) if n != chosen and self.due(n) and cost(n) <= room
-               and (feasible[n] <= (1 + self.probe_max_loss) * feasible[best] or n == unmeasured_fallback)]
+        def due(n: str) -> bool:  # paced: due once its period paid for its probe, at any predicted loss
+            if not self.paced(n) and self.due(n) and (feasible[n] <= (1 + self.probe_max_loss) * feasible[best]
+                                                       or n == unmeasured_fallback):
+                return True
+            return self.paced(n, few=True) and self.due(n, self.pace.cost(feasible[n], ref))
+
+        due = [n for n in sorted(feasible) if n != chosen and cost(n) <= room and due(n)]
         if not due:
             return None
         if self.cost_share is not None:
             return min(due, key=lambda n: (n != unmeasured_fallback, cost(n), n in self._ran, -self.since_run(n), n))
         return max(due, key=lambda n: (n not in self._ran, self.since_run(n), n))
-
-    def confirm(self, target: str, current: str | None) -> str | None:
-        """Why a switch from ``current`` to ``target`` must first measure ``target`` again (None: switch now).
-
-        Where outcomes are measured, a switch is taken only on a measurement of ``target`` from the previous
-        decision, next to the policy in force's (the clock's A-B-A pairing). A stale one compares a measurement taken
-        on another machine state with a fresh median: at 64 tokens per rank, after 24 calls of ``none`` that drifted
-        from 87 to 99 ms, one FEPLB call measured at the fourth decision switched the engine to FEPLB "4 % faster";
-        a rival measured only in the warm-up, or never, was switched to on the model's word. Confirming costs one
-        call, the one the switch would have run anyway."""
-        if current is None or target == current or not self.outcomes.observed or self.probe_every <= 0:
-            return None
-        if target not in self._ran or self.outcomes.runs(target) == 0:
-            return f"{target} not measured yet, measured before the switch (kept {current})"
-        if self.since_run(target) > 0:
-            return f"{target} last measured {self.since_run(target) + 1} decisions ago, measured again before the " \
-                   f"switch (kept {current})"
-        return None
 
     def reason(self, name: str, current: str | None) -> str:
         """The decision's reason when ``name`` is probed while ``current`` stays in force."""
@@ -285,3 +341,23 @@ class ProbeSchedule:
             lost = n != chosen and (v > predictions[chosen] * (1 + self.switch_now) or n in same)
             self._lost[n] = self._lost.get(n, 0) + 1 if lost else 0
         self._none_streak = self._none_streak + 1 if fallback_clear else 0
+
+
+def confirm(schedule: ProbeSchedule, target: str, current: str | None) -> str | None:
+    """Why a switch from ``current`` to ``target`` must first measure ``target`` again (None: switch now), by
+    ``schedule`` (Step 5a).
+
+    Where outcomes are measured, a switch is taken only on a measurement of ``target`` from the previous
+    decision, next to the policy in force's (the clock's A-B-A pairing). A stale one compares a measurement taken
+    on another machine state with a fresh median: at 64 tokens per rank, after 24 calls of ``none`` that drifted
+    from 87 to 99 ms, one FEPLB call measured at the fourth decision switched the engine to FEPLB "4 % faster";
+    a rival measured only in the warm-up, or never, was switched to on the model's word. Confirming costs one
+    call, the one the switch would have run anyway."""
+    if current is None or target == current or not schedule.outcomes.observed or schedule.probe_every <= 0:
+        return None
+    if not schedule.has_run(target) or schedule.outcomes.runs(target) == 0:
+        return f"{target} not measured yet, measured before the switch (kept {current})"
+    if schedule.since_run(target) > 0:
+        return f"{target} last measured {schedule.since_run(target) + 1} decisions ago, measured again before the " \
+               f"switch (kept {current})"
+    return None

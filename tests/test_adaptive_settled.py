@@ -13,7 +13,7 @@ from ultraep.cost import CostModel
 from ultraep.policies import AdaptivePolicy
 from ultraep.policies.adaptive import DEFAULT_CANDIDATES
 from ultraep.policies import adaptive as adaptive_mod
-from ultraep.policies.settled import SETTLED_REST
+from ultraep.policies.settled import SETTLED_REST_MAX
 from ultraep.presets import get_preset
 from ultraep.sim.workload import power_law_popularity
 
@@ -70,7 +70,7 @@ def test_a_kept_balancing_policy_is_planned_alone_between_weighings(monkeypatch)
     assert len(settled) >= len(late) // 2, [a["reason"] for a in late]
     assert all(late[i]["chosen"] == "quota" and list(late[i]["predictions"]) == ["quota"] for i in settled)
     assert all(late[i]["reason"].startswith("settled: quota") for i in settled)
-    assert max(np.diff([-1, *weighed, len(late)])) <= SETTLED_REST  # weighed again at least every SETTLED_REST
+    assert max(np.diff([-1, *weighed, len(late)])) <= SETTLED_REST_MAX  # weighed again at least every SETTLED_REST_MAX
     # what a settled decision costs: the policy in force predicted (calibrated and anchor model), not every candidate
     counted["n"] = 0
     _drive(pol, cm, [_load(1.2)] * 40, _quota_wins)
@@ -117,8 +117,8 @@ def test_probes_run_when_they_would_have(monkeypatch, probe_every):
     def probes(settle: bool):
         if not settle:
             monkeypatch.setattr(adaptive_mod, "verdict", lambda *a: None)
-        cm = _cm()
-        pol = AdaptivePolicy(cost_model=cm, probe_every=probe_every)
+        cm = _cm()  # (the fixed schedule: paced probes are tests/test_adaptive_pacing.py's)
+        pol = AdaptivePolicy(cost_model=cm, probe_every=probe_every, probe_regret=None)
         got = _drive(pol, cm, [_load(1.2)] * 240, lambda i, n: 0.95 if n == "quota" else 1.0)
         return got, [i for i, a in enumerate(got) if a["reason"].startswith("probe")]
 

@@ -181,6 +181,13 @@ class AdaptiveOptions(_Options):
         "time so far, at every decision from the first; the cheapest due probe runs first, none in the first 2 calls "
         "(null: probes are paced only by probe_share, every rival probed from the second call).",
     )
+    probe_regret: StrictFloat | None = Field(
+        default=0.0025, gt=0.0, le=1.0,
+        description="A rival measured a few times is probed again once the decisions since it ran pay for its probe "
+        "(its predicted loss over the policy in force plus two weighings) at this share of the policy in force's time "
+        "each, however far behind it is predicted: every probe_every to 8 x probe_every decisions (null: every "
+        "probe_every decisions, only within probe_max_loss).",
+    )
     outcome_window: StrictInt = Field(
         default=5, ge=1,
         description="A candidate's measured/predicted layer-time ratio is the median of its last this many runs.",
@@ -336,6 +343,6 @@ def calibration_config(**overrides: Any) -> dict[str, Any]:
     the adaptive run of the same recordings within 6.9 / 5.7 / 25.9 / 8.4 % (``quota`` at 64 tokens per rank,
     predicted from the 4 / 1 / 4 calls the adaptive engine ran of it in the first, third and fourth)."""
     adaptive = {"probe_every": CALIBRATION_PROBE_EVERY, "probe_max_loss": 1e6, "explore_share": None,
-                "probe_share": None, "probe_cost_share": None,
+                "probe_share": None, "probe_cost_share": None, "probe_regret": None,
                 **dict(overrides.pop("adaptive", None) or {})}
     return {"policy": "adaptive", "adaptive": adaptive, **overrides}
