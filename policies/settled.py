@@ -134,19 +134,20 @@ def settled_plan(chooser, cm, load_RE: np.ndarray, topology: Topology, resident_
 
 def _probe_due(chooser, s: Settled, others: list[str], estimate_s: float) -> bool:
     """Whether a probe the weighing would run is due: a candidate due and affordable
-    (:meth:`.ProbeSchedule.probe_range`) that is unmeasured, paced by its probe's cost (its period already weighed its
-    predicted loss), or whose estimate now (the verdict's, scaled as in
+    (:meth:`.ProbeSchedule.probe_range`) that is unmeasured, or whose estimate now (the verdict's, scaled as in
     :meth:`Settled.holds`, else its standing at its last weighing) is within ``probe_max_loss`` of the policy in
-    force's ``estimate_s``. Not a candidate resting on its losing streak (:meth:`.Screen.resting`): the weighing does
+    force's ``estimate_s``, or, paced, gives a probe cost its period has paid for (the weighing's probe reads that
+    estimate; read from the standing alone, a probe could be due here that the weighing then does not run). Not a candidate resting on its losing streak (:meth:`.Screen.resting`): the weighing does
     not plan it, so it cannot probe it, and its re-evaluation ends the rest when it falls due. Counted, such an
     unmeasured candidate (eplb, never probed) ended every rest at once while the weighings it caused kept it resting."""
     sched, outcomes = chooser.schedule, chooser.outcomes
     standing = chooser.budget.standing
     resting = set(chooser.screening.resting(chooser.current))  # not planned by the weighing: it could not probe them
     for n, within in sched.probe_range([n for n in others if n not in resting], estimate_s, standing).items():
-        if within > sched.probe_max_loss or sched.paced(n):  # due by its paced period (at any loss)
-            return True
         level = s.rivals[n][0] * outcomes.scale(n) / s.rivals[n][1] if n in s.rivals else standing.get(n, 0.0)
-        if outcomes.runs(n) == 0 or level <= (1 + within) * estimate_s:
+        if within > sched.probe_max_loss or sched.paced(n):  # paced: due as the weighing will see it (its level)
+            if sched.due(n, sched.pace.cost(level, estimate_s)):
+                return True
+        elif outcomes.runs(n) == 0 or level <= (1 + within) * estimate_s:
             return True
     return False
