@@ -184,7 +184,8 @@ def run_runtime(shape: Shape, args) -> dict:
 
 def write_calls(res: dict, path: str) -> None:
     """Every call of every policy as CSV rows (``policy, call, t_s, measured_s, predicted_s, plan_s, chosen, probe,
-    reason``): what a window lost, call by call (which decisions probed, weighed or held a slower policy)."""
+    reason``): what a window lost, call by call (which decisions probed, weighed or held a slower policy); a fixed
+    policy's calls have no reason (nothing was chosen)."""
     import csv
 
     with open(path, "w", newline="") as f:

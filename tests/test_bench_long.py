@@ -75,7 +75,8 @@ def test_bad_sizes_are_refused_with_one_line(capsys):
 @pytest.mark.slow
 def test_a_smoke_run_writes_rows_of_the_benchmarks_columns(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(common, "RESULTS", tmp_path)
-    assert bench_long.main(["--calls", "6", "--window", "3", "--decisions", "40"]) == 0
+    calls = tmp_path / "calls.csv"
+    assert bench_long.main(["--calls", "6", "--window", "3", "--decisions", "40", "--calls-out", str(calls)]) == 0
     out = capsys.readouterr().out
     assert "adaptive / best" in out and "items held" in out
     with (tmp_path / "bench_long.csv").open() as fh:
@@ -92,3 +93,11 @@ def test_a_smoke_run_writes_rows_of_the_benchmarks_columns(tmp_path, monkeypatch
     windows = [r["x"] for r in rows if r["metric"] == "vs_best_fixed"]
     assert windows[:2] == ["2x1/T256-64/E16/0-3", "2x1/T256-64/E16/3-6"] and windows[-1].endswith("/all")
     assert all(float(r["p50"]) > 0 for r in rows if r["metric"] == "vs_best_fixed")
+    # --calls-out: every call of every policy, with what adaptive chose and why
+    with calls.open() as fh:
+        per = list(csv.DictReader(fh))
+    assert {(r["policy"], int(r["call"])) for r in per} == {(n, i) for n in (*bench_long.FIXED, "adaptive") for i in range(6)}
+    assert all(float(r["t_s"]) > 0 and float(r["plan_s"]) > 0 for r in per)
+    mine = [r for r in per if r["policy"] == "adaptive"]
+    assert all(r["chosen"] in bench_long.FIXED and r["reason"] for r in mine)
+    assert all(r["chosen"] == r["policy"] and not r["reason"] for r in per if r["policy"] == "quota")  # (no choice)
