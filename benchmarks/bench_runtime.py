@@ -176,7 +176,7 @@ def _body(rank, world, shape: Shape, args, policies, runs_dir=None):
         recs = {name: Recorder.open(runs_dir, f"{shape.name}-{name}", world_size=world, rank=rank, flush_interval_s=None,
                                     config={"policy": policy}) for name, policy, _ in policies}
     runs = [(name, *_setup(rank, shape, args, policy, skew, recs.get(name))) for name, policy, skew in policies]
-    out = {name: {"times": [], "phases": [], "chosen": [], "first": []} for name, *_ in runs}
+    out = {name: {"times": [], "phases": [], "chosen": [], "first": [], "calls": []} for name, *_ in runs}
     orders = carryover_orders(len(runs))
     # on GPUs the work is asynchronous: the wall time of a call ends when the device finished it
     sync = torch.cuda.synchronize if args.backend == "nccl" else (lambda: None)
@@ -195,6 +195,8 @@ def _body(rank, world, shape: Shape, args, policies, runs_dir=None):
             rt.next_step()  # records the call (with its backward phases) into layer.last_timings
             if it < FIRST_CALLS:  # a fresh wrap's first calls, warm-up included: what a user's first try sees
                 out[name]["first"].append(t)
+            choice = getattr(layer.last_plan, "choice", None)  # every call, warm-up included (--calls-out)
+            out[name]["calls"].append((t, layer.last_plan.chosen_policy, choice.reason if choice is not None else ""))
             if it >= args.warmup:
                 o = out[name]
                 o["times"].append(t)
@@ -309,6 +311,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each shape, each a fresh pair of processes (fresh wraps: their own first calls); "
                     "rows per run (x <shape>/run<k>) and a table of adaptive's first-calls and steady figures per run")
+    ap.add_argument("--calls-out", default=None, metavar="CSV",
+                    help="also write every call of every run (warm-up included: time, policy run, adaptive's reason)")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
                     help="gloo: CPU ranks (the runs of record); nccl: one GPU per rank (needs 2 GPUs)")
     args = ap.parse_args()
@@ -349,11 +353,12 @@ def main() -> None:
     for c in ["shape", "run", f"first {FIRST_CALLS}: adaptive / best fixed", "steady: adaptive / best fixed [90 %]",
               "steady: vs none", "adaptive chose"]:
         runs_t.add_column(c, justify="right")
-    rows = []
+    rows, calls = [], []
     for shape in shapes:
         for k in range(args.repeats):
             x = f"2x1/{shape.name}" + (f"/run{k + 1}" if args.repeats > 1 else "")
             res = _run_shape(shape, args, policies)
+            calls += [(x, name, i, *c) for name, (_, out) in res.items() for i, c in enumerate(out[0]["calls"])]
             fig = _report_shape(shape, res, x, main_t, phase_t, rows)
             if fig is not None:
                 runs_t.add_row(shape.name if k == 0 else "", str(k + 1), *fig)
@@ -363,6 +368,19 @@ def main() -> None:
     if args.repeats > 1 and "adaptive" in {p for p, _, _ in policies}:
         console.print(runs_t)
     print(f"rows appended to {write_rows('bench_runtime', rows)}")
+    if args.calls_out:
+        write_calls(calls, args.calls_out)
+
+
+def write_calls(calls: list, path: str) -> None:
+    """Every call of every run (warm-up included) as CSV rows ``x, policy, call, t_s, chosen, reason``: rank 0's wall
+    time of the call, the policy that ran and, for ``adaptive``, its decision's reason (a fixed policy's is empty)."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["x", "policy", "call", "t_s", "chosen", "reason"])
+        w.writerows((x, name, i, f"{t:.6g}", chosen, reason) for x, name, i, t, chosen, reason in calls)
 
 
 if __name__ == "__main__":

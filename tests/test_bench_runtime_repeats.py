@@ -41,3 +41,25 @@ def test_each_run_has_its_own_first_calls_and_steady_rows():
     assert _report_shape(SHAPES["default"], _res({"none": 1.4, "quota": 1.0}, {"none": 1.4, "quota": 1.0}),
                          "2x1/default/run3", main_t, phase_t, rows) is None
     assert not _rows(rows, "2x1/default/run3")
+
+
+def test_calls_out_writes_every_call_of_every_run_with_adaptives_reasons(tmp_path):
+    """``--calls-out``: a tiny run on two gloo ranks; every call (warm-up included) of every policy is a row, and
+    adaptive's rows carry its decisions' reasons (a fixed policy's are empty: nothing was chosen)."""
+    import argparse
+    import csv
+
+    from benchmarks.bench_runtime import POLICIES, Shape, _run_shape, write_calls
+
+    args = argparse.Namespace(warmup=2, iters=2, seed=0, slots=1, backend="gloo")
+    shape = Shape("tiny", tokens=32, hidden=32, ffn=32, experts=4)
+    policies = [p for p in POLICIES if p[0] in ("none", "adaptive")]
+    res = _run_shape(shape, args, policies)
+    calls = [("2x1/tiny", name, i, *c) for name, (_, out) in res.items() for i, c in enumerate(out[0]["calls"])]
+    write_calls(calls, tmp_path / "calls.csv")
+    with (tmp_path / "calls.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert {(r["policy"], int(r["call"])) for r in rows} == {(n, i) for n in ("none", "adaptive") for i in range(4)}
+    assert all(float(r["t_s"]) > 0 for r in rows)
+    assert all(r["reason"] for r in rows if r["policy"] == "adaptive")
+    assert all(r["chosen"] == "none" and not r["reason"] for r in rows if r["policy"] == "none")
