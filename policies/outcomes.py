@@ -157,7 +157,7 @@ class OutcomeTracker:
         of that span only, so a fresh probe is not outvoted by four taken hundreds of decisions before, on another
         machine state (a rival that had turned 30 % faster went unchosen for 3 probes, 120 decisions)."""
         use = [e for e in h if e[3] == self.regime] or h[-self.window:]
-        if self.probe_every > 0:  # (only those within window x probe_every decisions of its newest: :attr:`span`)
+        if self.probe_every > 0:  # only those within window x probe_every decisions of its newest
             newest = use[-1][0] - self.window * self.probe_every
             use = [e for e in use if e[0] >= newest]
         return statistics.median([v - self.credit(ref, t, now if ref == name else None) for t, v, ref, _ in use])

@@ -61,10 +61,10 @@ PROBE_COST_SHARE = 0.02
 
 #: what the probes of one measured rival may cost per decision, as a share of the policy in force's predicted time
 #: (``adaptive.probe_regret``): a rival measured FEW_RUNS times is probed again once the decisions since it last ran
-#: pay for its probe at this rate, its :meth:`ProbeSchedule.probe_cost` (its predicted loss over the policy in force
-#: plus the two weighings a probe takes) over PROBE_REGRET decisions, at least ``probe_every`` and at most PERIOD_CAP
-#: of them. So probing costs the run about PROBE_REGRET per rival in every window, and no rival is left unmeasured for
-#: good however far behind its estimate puts it (with a fixed period and ``probe_max_loss`` as a cut-off, a rival
+#: pay for its probe at this rate: its :meth:`Pace.cost` (its predicted loss over the policy in force plus the two
+#: weighings a probe takes) over PROBE_REGRET decisions, at least ``probe_every`` and at most PERIOD_CAP times that.
+#: So probing costs the run about PROBE_REGRET per rival in every window, and no rival is left unmeasured for good
+#: however far behind its estimate puts it (with a fixed period and ``probe_max_loss`` as a cut-off, a rival
 #: measured only while the machine ran slower stayed out of probe range, and the engine held a slower policy for the
 #: last 300-400 calls of a long run)
 PROBE_REGRET = 0.0025
