@@ -215,14 +215,6 @@ class ProbeSchedule:
                 out[n] = max(self.probe_max_loss, standing[n] / ref_s - 1.0)
         return out
 
-    def _open(self, unmeasured_fallback: str | None) -> set[str]:
-        """The candidates whose estimate's error is open, probed within any predicted loss and first, their probe
-        charged at most ``probe_max_loss``: the unmeasured fallback (the model's word alone) and those a switch left,
-        not measured since (a median that can reach back to calls no clock credits: in a replay of a 512-token
-        layer whose first 8 calls ran 1.1-1.8x slower, quota's one counted warm-up call kept it 60 % behind the
-        policy a switch took, and, out of range, its re-check never ran; ``tests/test_adaptive_pacing.py``)."""
-        return {unmeasured_fallback, *self._recheck} - {None}
-
     def reevaluate(self, name: str) -> bool:
         """Whether ``name`` must be planned this decision whatever the screen says: it was not planned for
         ``probe_every`` decisions, or it ran, is due for a probe and was not planned for its probe period
@@ -274,15 +266,14 @@ class ProbeSchedule:
                 and unmeasured_fallback != chosen and self.due(unmeasured_fallback)):
             return unmeasured_fallback
         room, ref = self.loss_room(feasible[chosen]), feasible[chosen]
-        open_ = self._open(unmeasured_fallback)
 
-        def cost(n: str) -> float:  # theirs at most probe_max_loss: charged their estimate they could wait for good
+        def cost(n: str) -> float:  # the unmeasured fallback's at most probe_max_loss: the model's error on it is open
             loss = max(0.0, feasible[n] - ref)
-            return min(loss, self.probe_max_loss * ref) if n in open_ else loss
+            return min(loss, self.probe_max_loss * ref) if n == unmeasured_fallback else loss
 
         def due(n: str) -> bool:  # paced: due once its period paid for its probe, at any predicted loss
             if not self.paced(n) and self.due(n) and (feasible[n] <= (1 + self.probe_max_loss) * feasible[best]
-                                                       or n in open_):
+                                                       or n == unmeasured_fallback):
                 return True
             return self.paced(n, few=True) and self.due(n, self.pace.cost(feasible[n], ref))
 
@@ -290,8 +281,7 @@ class ProbeSchedule:
         if not due:
             return None
         if self.cost_share is not None:
-            return min(due, key=lambda n: (n != unmeasured_fallback, n not in open_, cost(n), n in self._ran,
-                                           -self.since_run(n), n))
+            return min(due, key=lambda n: (n != unmeasured_fallback, cost(n), n in self._ran, -self.since_run(n), n))
         return max(due, key=lambda n: (n not in self._ran, self.since_run(n), n))
 
     def reason(self, name: str, current: str | None) -> str:
