@@ -137,8 +137,9 @@ def _probe_due(chooser, s: Settled, others: list[str], estimate_s: float) -> boo
     (:meth:`.ProbeSchedule.probe_range`) that is unmeasured, or whose estimate now (the verdict's, scaled as in
     :meth:`Settled.holds`, else its standing at its last weighing) is within ``probe_max_loss`` of the policy in
     force's ``estimate_s``, or, paced, gives a probe cost its period has paid for (the weighing's probe reads that
-    estimate; read from the standing alone, a probe could be due here that the weighing then does not run). Not a candidate resting on its losing streak (:meth:`.Screen.resting`): the weighing does
-    not plan it, so it cannot probe it, and its re-evaluation ends the rest when it falls due. Counted, such an
+    estimate; read from the standing alone, a probe could be due here that the weighing then does not run). Not a
+    candidate resting on its losing streak (:meth:`.Screen.resting`): the weighing does not plan it, so it cannot probe
+    it, and its re-evaluation ends the rest when it falls due. Counted, such an
     unmeasured candidate (eplb, never probed) ended every rest at once while the weighings it caused kept it resting."""
     sched, outcomes = chooser.schedule, chooser.outcomes
     standing = chooser.budget.standing
