@@ -155,10 +155,10 @@ class AdaptivePolicy:
         if measured_s <= 0 or name not in self.policies:
             return
         self.schedule.settle(name, measured_s)
-        before = self.outcomes.scale(name)
+        before = self.outcomes.scale(name) if name in self.budget.standing else None  # (a rival weighed before)
         if not self.outcomes.observe(name, predicted_s, measured_s, self.current):
             self.schedule.forget(name)
-        self.budget.rescale(name, self.outcomes.scale(name) / before)
+        self.budget.rescale(name, self.outcomes.scale(name) / before if before else None)
 
     def _anchor_predictions(self, topology: Topology, plans: dict, resident: bool, names=None) -> None:
         """Anchor-model predictions for :meth:`.OutcomeTracker.estimate` of ``names`` (default: the candidates that have

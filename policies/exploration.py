@@ -112,12 +112,12 @@ class ExplorationBudget:
                 self.floors.discard(n)
         self.stake_s = float(stake_s)
 
-    def rescale(self, name: str, factor: float) -> None:
+    def rescale(self, name: str, factor: float | None) -> None:
         """``name`` was measured since its last weighing and its measured correction moved by ``factor``: its standing
         moves with it (not a floor's, a bound). Without it a probe that measured a rival 30 % faster than ``none``
         left its standing where the weighing before the probe put it, and the decisions idled on ``none`` until its
         next probe (100 decisions)."""
-        if name in self.standing and name not in self.floors and factor > 0 and math.isfinite(factor):
+        if factor and factor > 0 and math.isfinite(factor) and name in self.standing and name not in self.floors:
             self.standing[name] *= factor
 
     def charge(self, run_s: float, saved_s: float, spent_s: float, probe_s: float = 0.0) -> None:

@@ -271,13 +271,13 @@ class ProbeSchedule:
             loss = max(0.0, feasible[n] - ref)
             return min(loss, self.probe_max_loss * ref) if n == unmeasured_fallback else loss
 
-        def due(n: str) -> bool:  # paced: due once its period paid for its probe, at any predicted loss
+        def is_due(n: str) -> bool:  # paced: due once its period paid for its probe, at any predicted loss
             if not self.paced(n) and self.due(n) and (feasible[n] <= (1 + self.probe_max_loss) * feasible[best]
                                                        or n == unmeasured_fallback):
                 return True
             return self.paced(n, few=True) and self.due(n, self.pace.cost(feasible[n], ref))
 
-        due = [n for n in sorted(feasible) if n != chosen and cost(n) <= room and due(n)]
+        due = [n for n in sorted(feasible) if n != chosen and cost(n) <= room and is_due(n)]
         if not due:
             return None
         if self.cost_share is not None:
