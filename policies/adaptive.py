@@ -123,7 +123,7 @@ class AdaptivePolicy:
         # candidate's correction does not drift when calibration (learned from other candidates' runs) moves
         self.outcomes = OutcomeTracker(cost_model, outcome_window, self.switch_now, probe_every)
         self.schedule = ProbeSchedule(probe_every, probe_max_loss, self.switch_now, self.outcomes, probe_share,
-                                      PROBE_BURST * len(self.policies), probe_cost_share, probe_regret)
+                                      PROBE_BURST * len(self.policies), probe_cost_share, probe_regret, self.fallback)
         self.budget = ExplorationBudget(None if explore_share is None else float(explore_share),
                                         float(explore_of_gain))
         self.screening = Screen(self.candidates, self.schedule, self.outcomes, self.budget, screen)
@@ -235,9 +235,9 @@ class AdaptivePolicy:
         chosen, reason, pending = self.hysteresis.choose(feasible, best, late, self.fallback, self.deadline_s)
         probe = False
         switch = self.current in feasible and chosen != self.current  # hysteresis let the cheapest take over
-        confirm = confirm_switch(self.schedule, chosen, self.current) if switch else None
-        if confirm is not None:  # Step 5a: a switch on stale or no measurement of its own is measured first
-            reason, pending, probe = f"confirm: {reason[len('switch '):]}; {confirm}", None, True
+        confirm = confirm_switch(self.schedule, chosen, self.current, feasible) if switch else None  # (why, restart)
+        if confirm is not None:  # Step 5a: a switch on stale, no, or too few measurements of its own is measured first
+            reason, pending, probe = f"confirm: {reason[len('switch '):]}; {confirm[0]}", None, True
         elif self.schedule.probe_every > 0 and self.current is not None:  # Step 5b: bounded-regret probe
             probe_of = self.schedule.probe(feasible, chosen, best, self.fallback, switching=switch)
             if probe_of is not None and probe_of != self.current:  # the policy in force is measured anyway (a
@@ -249,7 +249,7 @@ class AdaptivePolicy:
             reason = idle if settled else f"idle: {self.fallback} in force, nothing in contention, exploration budget spent"
         idle = bool(idle) and not settled
         facts = {"late": late, "same_as_none": same, "screened": list(screened), "pending": pending, "probe": probe,
-                 "confirm": confirm is not None, "settled": settled,
+                 "confirm": confirm is not None, "restart": bool(confirm and confirm[1]), "settled": settled,
                  "none_clear": _clear_win(feasible, best, self.fallback, self.switch_now), "idle": idle,
                  "saved_s": max(0.0, feasible[self.current] - feasible[best]) if self.current in feasible else 0.0}
         plan = self._assemble(cm, plans, bds, predictions, chosen, reason, facts, resident)  # Step 6
@@ -287,7 +287,7 @@ class AdaptivePolicy:
         self.hysteresis.commit(a["chosen"], a.get("pending"), bool(a.get("probe")))  # a probe runs once
         preds, chosen = a["predictions"], a["chosen"]
         self.outcomes.observing = (chosen, float(a.get("anchor_s", 0.0)), self.outcomes.regime_at(plan.load_RE))  # to measure
-        self.outcomes.restart = chosen if a.get("confirm") else None  # a confirmation replaces its stale history
+        self.outcomes.restart = chosen if a.get("confirm") and a.get("restart") else None  # (stale: replaced)
         self.outcomes.decisions += 1
         same, idle = set(a.get("same_as_none", ())), bool(a.get("idle")) or bool(a.get("settled"))  # weighed nothing
         ref_s = preds.get(a.get("previous"), preds[chosen]) if a.get("probe") else preds[chosen]  # in force's
@@ -357,6 +357,7 @@ def _decided(src: Plan, policy: str, chosen: str, reason: str, predictions: dict
         "predicted_s": predicted_s, "late": facts["late"], "same_as_none": facts["same_as_none"],
         "screened": facts["screened"], "previous": facts["previous"],
         "pending": list(pending) if pending else None, "probe": facts["probe"], "confirm": facts["confirm"],
+        "restart": facts["restart"],
         "anchor_s": facts["anchor_s"], "none_clear": facts["none_clear"], "idle": facts["idle"],
         "settled": facts["settled"],
         "saved_s": float(facts["saved_s"]),

@@ -32,6 +32,16 @@ CLOCK_RUNS = 3
 #: the load regimes a candidate's anchor outcomes are kept for (the most recently measured ones), each its last
 #: ``window`` measurements: bounded state, and room for a run that goes back and forth between a few batch sizes
 REGIMES = 4
+#: a switch whose measured gain is within NOISE_Z standard errors of the two medians' difference is measured again
+#: first (:func:`.probes.confirm`); one-sided 95 %
+NOISE_Z = 1.645
+#: the standard error of a median of n measurements is about MEDIAN_SE x sigma / sqrt(n) (sqrt(pi / 2) for large n;
+#: one measurement is its own median, sigma)
+MEDIAN_SE = 1.2533
+#: a policy's per-call noise is read from its last SPREAD_RUNS or more measurements on the clock
+SPREAD_RUNS = 6
+#: the standard deviation of a normal variable over its median absolute deviation
+MAD_SIGMA = 1.4826
 
 
 def regime_of(load_RE: np.ndarray) -> int:
@@ -156,11 +166,38 @@ class OutcomeTracker:
         less often (its probes paced by their cost, :meth:`.ProbeSchedule.period`) is estimated from its measurements
         of that span only, so a fresh probe is not outvoted by four taken hundreds of decisions before, on another
         machine state (a rival that had turned 30 % faster went unchosen for 3 probes, 120 decisions)."""
+        return statistics.median([v - self.credit(ref, t, now if ref == name else None) for t, v, ref, _ in self._span(h)])
+
+    def _span(self, h: list) -> list:
+        """The entries of anchor history ``h`` its estimate reads (:meth:`_anchor_median`)."""
         use = [e for e in h if e[3] == self.regime] or h[-self.window:]
         if self.probe_every > 0:  # only those within window x probe_every decisions of its newest
             newest = use[-1][0] - self.window * self.probe_every
             use = [e for e in use if e[0] >= newest]
-        return statistics.median([v - self.credit(ref, t, now if ref == name else None) for t, v, ref, _ in use])
+        return use
+
+    def support(self, name: str) -> int:
+        """How many measurements ``name``'s anchor estimate is the median of now (0: it has none)."""
+        h = self._outcome_hist.get(("anchor", name))
+        return len(self._span(h)) if h else 0
+
+    def spread(self, name: str) -> float | None:
+        """The noise of one measured call of ``name``: the standard deviation of its log-ratio, robustly from the
+        differences of its successive measurements on the clock (a level shift, a new load or a slower machine, moves
+        one difference, not the median of them), or None with fewer than SPREAD_RUNS of them."""
+        xs = self._clock.get(name, ((), ()))[1]
+        if len(xs) < SPREAD_RUNS:  # (read on a switch only: not kept)
+            return None
+        return statistics.median(abs(b - a) for a, b in zip(xs, xs[1:])) * MAD_SIGMA / math.sqrt(2.0)
+
+    def resolution(self, name: str, current: str) -> float | None:
+        """The relative gain of ``name`` over ``current`` their measured estimates tell apart from noise: ``NOISE_Z``
+        standard errors of the difference of the two medians (each ``MEDIAN_SE`` x spread / sqrt(its support)), the
+        spread read on ``current``'s calls. None when either has no measurement or ``current`` too few calls."""
+        sigma, n, m = self.spread(current), self.support(name), self.support(current)
+        if sigma is None or n == 0 or m == 0:
+            return None
+        return math.expm1(NOISE_Z * MEDIAN_SE * sigma * math.sqrt(1.0 / n + 1.0 / m))
 
     # ------------------------------------------------------------------ the clock
     def level(self, ref: str, when: int | None = None) -> float | None:

@@ -32,6 +32,11 @@ Switches: one a decision takes on fresh evidence is not displaced by a probe. Ea
 slower policy in force one more call (in a replay of the 16-expert shape, two probes in a row cancelled the switch
 from quota to ``none``, measured 16 % faster).
 
+Uncertain fallback: a re-check or a confirmation replaces the fallback's history by one measurement, and one slow
+call kept as its whole history put it far behind. Paced by that estimate, ``none`` was not measured again for 150
+decisions while EPLB, 30 % slower, ran (bench_long's runtime calls replayed, the small-token phase). Until it has
+FEW_RUNS measurements again it is probed every ``probe_every`` decisions, as if within ``probe_max_loss``.
+
 Paced by regret: a rival measured FEW_RUNS times is probed again once the decisions since it ran pay for its probe at
 ``probe_regret`` of the policy in force's time each (:class:`Pace`), at any predicted loss: probing costs each window
 about that much per rival, and no estimate, however stale, keeps a rival out of reach for good.
@@ -122,8 +127,9 @@ class ProbeSchedule:
 
     def __init__(self, probe_every: int, probe_max_loss: float, switch_now: float, outcomes: OutcomeTracker,
                  probe_share: float | None = None, burst: int = 0, cost_share: float | None = None,
-                 regret: float | None = None) -> None:
+                 regret: float | None = None, fallback: str | None = None) -> None:
         self.pace = Pace(regret)
+        self.fallback = fallback
         self.probe_share = None if probe_share is None else float(probe_share)
         self.burst = int(burst)
         self.cost_share = None if cost_share is None else float(cost_share)
@@ -184,7 +190,15 @@ class ProbeSchedule:
         """Whether ``name``'s probes are paced by their cost (:class:`Pace`): it ran, and is not :meth:`_few` (with
         ``few``: whether or not; a rival measured fewer times is probed sooner within ``probe_max_loss``, paced
         beyond it)."""
-        return self.pace.regret is not None and name in self._ran and (few or not self._few(name))
+        return (self.pace.regret is not None and name in self._ran and (few or not self._few(name))
+                and not self.uncertain(name))
+
+    def uncertain(self, name: str) -> bool:
+        """Whether ``name`` is the fallback, measured FEW_RUNS times, whose history a re-check or a confirmation
+        replaced by fewer: probed every ``probe_every`` decisions at any predicted loss, charged at most
+        ``probe_max_loss`` (the module's *uncertain fallback*)."""
+        o = self.outcomes
+        return name == self.fallback and bool(o.observed) and o.support(name) < FEW_RUNS <= o.runs(name)
 
     def period(self, name: str, cost: float | None = None) -> int:
         """With a probe's relative ``cost`` (:meth:`Pace.cost`), for a candidate that ran, the period that pays for it
@@ -206,11 +220,13 @@ class ProbeSchedule:
             return {}
         room, standing, out = self.loss_room(ref_s), standing or {}, {}
         for n in names:  # a paced one within any loss, once its period paid for its probe
-            if standing.get(n, 0.0) - ref_s > room:
+            cap = self.probe_max_loss * ref_s if self.uncertain(n) else float("inf")
+            if min(cap, standing.get(n, 0.0) - ref_s) > room:
                 continue
             cost = self.pace.cost(standing[n], ref_s) if n in standing and self.paced(n, few=True) else None
             if not self.paced(n) and self.due(n):
-                out[n] = self.probe_max_loss
+                far = standing[n] / ref_s - 1.0 if self.uncertain(n) and n in standing and ref_s > 0 else 0.0
+                out[n] = max(self.probe_max_loss, far)
             elif cost is not None and self.due(n, cost):
                 out[n] = max(self.probe_max_loss, standing[n] / ref_s - 1.0)
         return out
@@ -267,13 +283,13 @@ class ProbeSchedule:
             return unmeasured_fallback
         room, ref = self.loss_room(feasible[chosen]), feasible[chosen]
 
-        def cost(n: str) -> float:  # the unmeasured fallback's at most probe_max_loss: the model's error on it is open
+        def cost(n: str) -> float:  # the fallback's, unmeasured or uncertain, at most probe_max_loss: its error is open
             loss = max(0.0, feasible[n] - ref)
-            return min(loss, self.probe_max_loss * ref) if n == unmeasured_fallback else loss
+            return min(loss, self.probe_max_loss * ref) if n == unmeasured_fallback or self.uncertain(n) else loss
 
         def is_due(n: str) -> bool:  # paced: due once its period paid for its probe, at any predicted loss
             if not self.paced(n) and self.due(n) and (feasible[n] <= (1 + self.probe_max_loss) * feasible[best]
-                                                       or n == unmeasured_fallback):
+                                                       or n == unmeasured_fallback or self.uncertain(n)):
                 return True
             return self.paced(n, few=True) and self.due(n, self.pace.cost(feasible[n], ref))
 
@@ -343,21 +359,44 @@ class ProbeSchedule:
         self._none_streak = self._none_streak + 1 if fallback_clear else 0
 
 
-def confirm(schedule: ProbeSchedule, target: str, current: str | None) -> str | None:
-    """Why a switch from ``current`` to ``target`` must first measure ``target`` again (None: switch now), by
-    ``schedule`` (Step 5a).
+def confirm(schedule: ProbeSchedule, target: str, current: str | None, feasible: dict) -> tuple[str, bool] | None:
+    """Why a switch from ``current`` to ``target`` must first measure ``target`` again, and whether that measurement
+    replaces its history (None: switch now), by ``schedule`` (Step 5a); ``feasible``: the corrected estimates.
 
     Where outcomes are measured, a switch is taken only on a measurement of ``target`` from the previous
     decision, next to the policy in force's (the clock's A-B-A pairing). A stale one compares a measurement taken
     on another machine state with a fresh median: at 64 tokens per rank, after 24 calls of ``none`` that drifted
     from 87 to 99 ms, one FEPLB call measured at the fourth decision switched the engine to FEPLB "4 % faster";
-    a rival measured only in the warm-up, or never, was switched to on the model's word. Confirming costs one
-    call, the one the switch would have run anyway."""
+    a rival measured only in the warm-up, or never, was switched to on the model's word. That measurement replaces
+    the stale history. Confirming costs one call, the one the switch would have run anyway.
+
+    A fresh one is added to (:func:`_within_noise`) while the gain is within the noise of the medians it compares."""
     if current is None or target == current or not schedule.outcomes.observed or schedule.probe_every <= 0:
         return None
     if not schedule.has_run(target) or schedule.outcomes.runs(target) == 0:
-        return f"{target} not measured yet, measured before the switch (kept {current})"
+        return f"{target} not measured yet, measured before the switch (kept {current})", True
     if schedule.since_run(target) > 0:
         return f"{target} last measured {schedule.since_run(target) + 1} decisions ago, measured again before the " \
-               f"switch (kept {current})"
-    return None
+               f"switch (kept {current})", True
+    ref = feasible.get(current, 0.0)
+    why = _within_noise(schedule, target, current, (ref - feasible[target]) / ref if ref > 0 else 0.0)
+    return None if why is None else (why, False)
+
+
+def _within_noise(schedule: ProbeSchedule, target: str, current: str, gain: float) -> str | None:
+    """Why a switch from ``current`` to ``target``, freshly measured, must measure ``target`` once more (None: it need
+    not): the switch leaves the fallback (a switch back to it is taken at once: its worst case is the layer without
+    balancing), its ``gain`` (relative, corrected estimates) is within the noise of the two medians
+    (:meth:`.OutcomeTracker.resolution`), and ``target``'s median is of fewer than ``outcome_window`` measurements.
+
+    On the runtime at 64 tokens per rank a single EPLB probe, 25 % slower than ``none`` on the same calls, measured
+    "3 % faster" and switched the engine to it: a call's noise there is 5-10 % (12 % at bench_long's shape). The switch
+    paid that loss until EPLB's own median moved, then a confirmation of ``none`` and the switch back."""
+    o = schedule.outcomes
+    if target == schedule.fallback:
+        return None
+    n, need = o.support(target), o.resolution(target, current)
+    if need is None or n >= o.window or gain >= need:
+        return None
+    return f"{target} {gain:.1%} faster on {n} measurement(s), within their noise ({need:.1%}), measured again " \
+           f"before the switch (kept {current})"

@@ -1,0 +1,124 @@
+"""Switches weighed against the noise of what they compare, and a fallback whose history a re-check cut short (issue 56).
+
+A switch away from the fallback on a rival's gain within the noise of the two medians it compares measures the rival
+again first, and adds that measurement to its history (``policies.probes.confirm``); a switch back to the fallback is
+taken at once. The fallback, once measured FEW_RUNS times, whose history a re-check or a confirmation replaced by
+fewer, is probed every ``probe_every`` decisions whatever its estimate (``ProbeSchedule.uncertain``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ultraep.policies import AdaptivePolicy
+from ultraep.policies import probes as probes_mod
+from ultraep.policies.outcomes import MEDIAN_SE, NOISE_Z, OutcomeTracker
+from ultraep.policies.probes import ProbeSchedule
+from test_adaptive_settled import _cm, _load  # noqa: E402
+
+#: ``none``'s per-call factors: an alternation whose successive log-differences (0.2) make its spread about 0.21
+WIGGLE = (1.1, 0.9)
+
+
+def _run(calls: int, measured) -> list[dict]:
+    """``none`` and quota on a near-uniform load (the model keeps ``none`` in force); the chosen candidate measures
+    ``measured(i, name, reason)`` x 10 ms."""
+    cm, load = _cm(), _load(0.05)
+    pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"))
+    out = []
+    for i in range(calls):
+        plan = pol.plan(load, cm.topology)
+        pol.commit(plan)
+        a = plan.info["adaptive"]
+        pol.observe_outcome(a["chosen"], pol.cost_model.predict(plan).total_s,
+                            1e-2 * measured(i, a["chosen"], a["reason"]))
+        out.append({**a, "support": pol.outcomes.support("quota")})
+    return out
+
+
+def _lucky_first_quota():
+    """quota measures 15 % under ``none``'s level on its first call, 10 % over it after; ``none`` wiggles +-10 %."""
+    seen = []
+
+    def measured(i, name, reason):
+        if name == "quota":
+            seen.append(i)
+            return 0.85 if len(seen) == 1 else 1.1
+        return WIGGLE[i % 2]
+    return measured
+
+
+def test_a_gain_within_the_noise_is_measured_again_before_the_switch(monkeypatch):
+    """quota's one lucky call puts it 15-20 % ahead of ``none``, whose calls vary by +-10 %: the engine measures quota
+    again (its history kept and added to), finds it slower and stays on ``none``. The negative control, without the
+    noise check, switches to quota on that one call."""
+    got = _run(40, _lucky_first_quota())
+    first = next(i for i, a in enumerate(got) if a["chosen"] == "quota")
+    noisy = [a for a in got if "within their noise" in a["reason"]]
+    assert noisy and noisy[0]["reason"].startswith("confirm: none -> quota"), [a["reason"] for a in got[:first + 3]]
+    assert not noisy[0]["restart"] and max(a["support"] for a in got) >= 2  # added to, not replaced
+    assert not any(a["reason"].startswith("switch none -> quota") for a in got)
+    assert got[-1]["chosen"] == "none"
+
+    monkeypatch.setattr(probes_mod, "_within_noise", lambda *a, **k: None)
+    got = _run(40, _lucky_first_quota())
+    first = next(i for i, a in enumerate(got) if a["chosen"] == "quota")
+    assert got[first + 1]["reason"].startswith("switch none -> quota"), got[first + 1]["reason"]
+
+
+def test_the_noise_a_switch_must_clear_shrinks_with_the_measurements_and_spares_the_fallback():
+    """:meth:`OutcomeTracker.resolution`: NOISE_Z standard errors of the difference of two medians, from the policy in
+    force's spread; a switch back to the fallback is never held for it."""
+    o = OutcomeTracker(_cm(), window=5, switch_now=0.02, probe_every=32)
+    assert o.resolution("quota", "none") is None  # nothing measured
+    for k in range(12):  # none in force, alternating +-10 %, then quota measured k times
+        o.observing = ("none", 1e-2, 7)
+        o.decisions += 1
+        o.observe("none", 1e-2, 1e-2 * WIGGLE[k % 2], "none")
+    assert 0.18 < o.spread("none") < 0.24
+    sched = ProbeSchedule(32, 0.25, 0.02, o, fallback="none")
+    needs, held = [], []
+    for k in range(5):
+        o.observing = ("quota", 1e-2, 7)
+        o.decisions += 1
+        o.observe("quota", 1e-2, 1e-2, "none")
+        needs.append(o.resolution("quota", "none"))
+        held.append(probes_mod._within_noise(sched, "quota", "none", 0.05) is not None)
+        assert probes_mod._within_noise(sched, "none", "quota", 0.05) is None  # back to the fallback: at once
+        assert probes_mod._within_noise(sched, "quota", "none", needs[-1] + 0.01) is None  # beyond the noise: at once
+    assert all(a > b for a, b in zip(needs, needs[1:])), needs  # each measurement narrows it
+    assert abs(needs[0] - math.expm1(NOISE_Z * MEDIAN_SE * o.spread("none") * math.sqrt(1 + 1 / 5))) < 1e-9
+    assert held == [True, True, True, True, False]  # a 5 % gain is held until quota's median is of outcome_window
+
+
+def test_a_fallback_cut_to_one_slow_call_is_probed_again(monkeypatch):
+    """quota in force, ``none`` 30 % slower; the re-check of ``none`` after the switch to quota measures one call 3x
+    slow, and that call is ``none``'s whole history. Ten decisions later ``none`` turns 20 % faster than quota. As
+    uncertain, ``none`` is probed again at ``probe_every`` and taken back within 150 decisions; paced by its estimate
+    (the negative control) it is not probed again for 8 x ``probe_every`` decisions."""
+
+    def run():
+        cm, load = _cm(), _load(1.0)
+        pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"))
+        out, outlier = [], None
+        for i in range(400):
+            plan = pol.plan(load, cm.topology)
+            pol.commit(plan)
+            a = plan.info["adaptive"]
+            m = 1.0
+            if a["chosen"] == "none":
+                m = 0.8 if i < 40 or (outlier is not None and i >= outlier + 10) else 1.3
+                if i >= 40 and outlier is None and "re-checked" in a["reason"]:
+                    m, outlier = 3.0, i
+            pol.observe_outcome(a["chosen"], pol.cost_model.predict(plan).total_s, 1e-2 * m)
+            out.append(a)
+        assert outlier is not None
+        back = next((i for i, a in enumerate(out) if i > outlier and a["reason"].startswith("switch quota -> none")),
+                    None)
+        return outlier, back
+
+    outlier, back = run()
+    assert back is not None and back - outlier <= 150, (outlier, back)
+    monkeypatch.setattr(ProbeSchedule, "uncertain", lambda self, name: False)
+    outlier, back = run()
+    assert back is None or back - outlier > 230, (outlier, back)
