@@ -1,0 +1,75 @@
+"""benchmarks/replay_long.py: the engine of this checkout replayed on bench_long's recorded calls (issue 56)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks import replay_long
+from benchmarks.bench_long import FIXED, Shape, write_calls
+
+N = 60
+
+
+def _recording(path, times: dict[str, float], extra: dict[str, float] | None = None) -> str:
+    """A --calls-out CSV of N calls: each fixed policy measures ``times[policy]`` s every call (planning 1 ms); the
+    recorded adaptive ran ``none`` with planning 1 ms + ``extra[kind]`` for its decisions' kinds (idle, cheapest)."""
+    extra = extra or {}
+    res = {}
+    for p in FIXED:
+        res[p] = {"t": np.full(N, times[p]), "measured": np.full(N, times[p]), "predicted": np.full(N, times[p]),
+                  "plan": np.full(N, 1e-3), "chosen": [p] * N, "probe": [False] * N, "reason": [""] * N}
+    kinds = ["idle: none in force" if i % 3 else "cheapest (kept)" for i in range(N)]
+    res["adaptive"] = {"t": np.full(N, times["none"]), "measured": np.full(N, times["none"]),
+                       "predicted": np.full(N, times["none"]),
+                       "plan": np.array([1e-3 + extra.get(replay_long.kind_of(k), 0.0) for k in kinds]),
+                       "chosen": ["none"] * N, "probe": [False] * N, "reason": kinds}
+    write_calls(res, str(path))
+    return str(path)
+
+
+def test_deciding_costs_are_read_per_kind_from_the_recording(tmp_path):
+    rec = replay_long.read_calls(_recording(tmp_path / "c.csv", {p: 0.02 for p in FIXED},
+                                            {"idle": 0.2e-3, "cheapest": 1.5e-3}))
+    cost = replay_long.deciding_cost(rec)
+    assert cost["idle"] == pytest.approx(0.2e-3) and cost["cheapest"] == pytest.approx(1.5e-3)
+    assert cost[""] == pytest.approx((2 * 0.2e-3 + 1.5e-3) / 3, rel=0.05)  # the mean over every recorded decision
+
+
+def test_the_replay_runs_what_the_recording_measured(tmp_path):
+    """The replayed engine's calls cost what its chosen policy measured: where ``none`` measured half of every other
+    policy it ends on ``none``; where quota measured a quarter of the others (the negative control: the same model,
+    other recorded times) it ends on quota."""
+    shape = Shape()
+    slow = {p: 0.04 for p in FIXED}
+    times = {**slow, "none": 0.02}
+    got = replay_long.replay(replay_long.read_calls(_recording(tmp_path / "a.csv", times)), shape, 0)
+    assert got["chosen"][-10:] == ["none"] * 10
+    assert set(got["chosen"]) > {"none"}  # it explored: other calls cost what those policies measured
+    assert got["t"] == pytest.approx([times[c] for c in got["chosen"]])  # (this recording's deciding costs are 0)
+    got = replay_long.replay(replay_long.read_calls(_recording(tmp_path / "b.csv", {**slow, "quota": 0.01})), shape, 0)
+    assert got["chosen"][-10:] == ["quota"] * 10
+
+
+def test_a_recording_that_cannot_be_replayed_is_refused_by_name(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("policy,call,t_s,measured_s,predicted_s,plan_s,chosen,probe,reason\nnone,0,0.1,0.1,0.1,0.001,none,0,\n")
+    assert replay_long.main([str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "quota" in err and "Traceback" not in err
+    assert replay_long.main([str(tmp_path / "missing.csv")]) == 2
+    assert "missing.csv" in capsys.readouterr().err
+
+
+def test_jittered_replays_are_samples_of_the_same_run(tmp_path, capsys, monkeypatch):
+    """Each replay multiplies every call by its own draw of exp(N(0, jitter)): draws differ from each other and from the
+    unjittered replay by about the jitter; the CLI replays each recording ``--repeats`` times and reports their mean."""
+    monkeypatch.setattr("benchmarks.common.RESULTS", tmp_path, raising=False)
+    rec = replay_long.read_calls(_recording(tmp_path / "a.csv", {**{p: 0.04 for p in FIXED}, "none": 0.02}))
+    plain = replay_long.replay(rec, Shape(), 0)["t"]
+    a, b = (replay_long.replay(rec, Shape(), 0, jitter=0.01, draw=k)["t"] for k in (0, 1))
+    assert not np.allclose(a, b) and not np.allclose(a, plain)
+    assert np.std(np.log(a[-20:] / plain[-20:])) == pytest.approx(0.01, rel=0.5)  # (the same policy: none)
+    assert replay_long.main([str(tmp_path / "a.csv"), "--repeats", "2", "--window", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "2 replay(s) each" in out and "a.csv" in out and "x 2 replay(s)" in out
