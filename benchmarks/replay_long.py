@@ -14,12 +14,14 @@ of the fixed run, and the engine is fed each call's total time alone (its comput
 
     .venv/bin/python benchmarks/bench_long.py --part runtime --calls-out calls.csv
     .venv/bin/python benchmarks/replay_long.py calls.csv [more.csv ...]   # per recording: replayed and recorded
+    .venv/bin/python benchmarks/replay_long.py benchmarks/results_committed/calls/*.csv.gz   # the committed recordings
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import os
 import sys
 from collections import Counter, defaultdict
@@ -44,18 +46,18 @@ def kind_of(reason: str) -> str:
 
 
 def read_calls(path: str) -> dict:
-    """``{policy: {"t": [N] s, "plan": [N] s, "chosen": [N], "reason": [N]}}`` of a ``--calls-out`` CSV; every fixed
-    policy and ``adaptive`` must be there with the same calls."""
+    """``{policy: {"t": [N] s, "plan": [N] s, "chosen": [N], "reason": [N]}}`` of a ``--calls-out`` CSV (gzipped where
+    its name ends in ``.gz``); every fixed policy and ``adaptive`` must be there with the same calls."""
     by: dict = defaultdict(lambda: {"t": [], "plan": [], "chosen": [], "reason": []})
     try:
-        with open(path, newline="") as f:
+        with (gzip.open(path, "rt", newline="") if path.endswith(".gz") else open(path, newline="")) as f:
             for r in csv.DictReader(f):
                 d = by[r["policy"]]
                 d["t"].append(float(r["t_s"]))
                 d["plan"].append(float(r["plan_s"]))
                 d["chosen"].append(r["chosen"])
                 d["reason"].append(r["reason"])
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, EOFError, gzip.BadGzipFile) as e:
         raise RecordingError(f"{path}: not a bench_long --calls-out CSV ({e})") from None
     missing = [p for p in (*FIXED, "adaptive") if p not in by]
     if missing:

@@ -385,7 +385,7 @@ def confirm(schedule: ProbeSchedule, target: str, current: str | None, feasible:
 
 def _within_noise(schedule: ProbeSchedule, target: str, current: str, gain: float) -> str | None:
     """Why a switch from ``current`` to ``target``, freshly measured, must measure ``target`` once more (None: it need
-    not): the switch leaves the fallback (a switch back to it is taken at once: its worst case is the layer without
+    not): ``target`` is not the fallback (a switch back to it is taken at once: its worst case is the layer without
     balancing), its ``gain`` (relative, corrected estimates) is within the noise of the two medians
     (:meth:`.OutcomeTracker.resolution`), and ``target``'s median is of fewer than ``outcome_window`` measurements.
 

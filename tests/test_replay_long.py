@@ -29,8 +29,13 @@ def _recording(path, times: dict[str, float], extra: dict[str, float] | None = N
 
 
 def test_deciding_costs_are_read_per_kind_from_the_recording(tmp_path):
-    rec = replay_long.read_calls(_recording(tmp_path / "c.csv", {p: 0.02 for p in FIXED},
-                                            {"idle": 0.2e-3, "cheapest": 1.5e-3}))
+    import gzip
+
+    plain = _recording(tmp_path / "c.csv", {p: 0.02 for p in FIXED}, {"idle": 0.2e-3, "cheapest": 1.5e-3})
+    with open(plain, "rb") as f, gzip.open(tmp_path / "c.csv.gz", "wb") as g:
+        g.write(f.read())
+    rec = replay_long.read_calls(str(tmp_path / "c.csv.gz"))  # a committed recording is gzipped
+    assert np.array_equal(rec["none"]["t"], replay_long.read_calls(plain)["none"]["t"])
     cost = replay_long.deciding_cost(rec)
     assert cost["idle"] == pytest.approx(0.2e-3) and cost["cheapest"] == pytest.approx(1.5e-3)
     assert cost[""] == pytest.approx((2 * 0.2e-3 + 1.5e-3) / 3, rel=0.05)  # the mean over every recorded decision
