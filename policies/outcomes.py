@@ -35,8 +35,8 @@ REGIMES = 4
 #: a switch whose measured gain is within NOISE_Z standard errors of the two medians' difference is measured again
 #: first (:func:`.probes.confirm`); one-sided 95 %
 NOISE_Z = 1.645
-#: the standard error of a median of n measurements is about MEDIAN_SE x sigma / sqrt(n) (sqrt(pi / 2) for large n;
-#: one measurement is its own median, sigma)
+#: the standard error of a median of n measurements is about MEDIAN_SE x sigma / sqrt(n): sqrt(pi / 2) for large n,
+#: 1 for one or two measurements (their mean), so small n is taken a little wider than it is
 MEDIAN_SE = 1.2533
 #: a policy's per-call noise is read from its last SPREAD_RUNS or more measurements on the clock
 SPREAD_RUNS = 6
