@@ -237,12 +237,14 @@ def noise_floor(measured: np.ndarray) -> float:
 
 
 # ------------------------------------------------------------------------------------- part 2: engine state
-def run_engine(decisions: int, seed: int, options: dict | None = None, at=None, engine=None) -> dict:
+def run_engine(decisions: int, seed: int, options: dict | None = None, at=None, engine=None,
+               cycle: int | None = None) -> dict:
     """Drive one adaptive :class:`~ultraep.engine.Engine` (8 ranks, 32 experts, 2 slots; ``options``: its
     AdaptiveOptions) through ``decisions`` calls with synthetic timings. Returns ``marks`` (its footprint after each
     decision count of ``at``, default a tenth and the end), ``first`` and ``last`` (seconds per decision of the first
     and the last tenth) and ``ledger`` (what it spent exploring). ``engine``: called with the engine once built (a
-    test's negative control breaks it there)."""
+    test's negative control breaks it there). ``cycle``: the stream's phases run once every ``cycle`` decisions (default:
+    once over the run), so that a footprint taken after the first cycle has seen every load regime the run will."""
     from ultraep.config import AdaptiveOptions, BalancerConfig
     from ultraep.cost import CostModel
     from ultraep.engine import Engine
@@ -263,7 +265,7 @@ def run_engine(decisions: int, seed: int, options: dict | None = None, at=None, 
     times = np.empty(decisions)
     marks = {}
     for i in range(decisions):
-        ph = phase_of(i, decisions, E)
+        ph = phase_of(i % (cycle or decisions), cycle or decisions, E)
         load = rng.multinomial((tokens // 16 if ph.small else tokens) * top_k, popularity(ph, E), size=R)
         t0 = time.perf_counter()
         d = eng.decide(i, 0, 0, load)
