@@ -220,12 +220,12 @@ class ProbeSchedule:
             return {}
         room, standing, out = self.loss_room(ref_s), standing or {}, {}
         for n in names:  # a paced one within any loss, once its period paid for its probe
-            cap = self.probe_max_loss * ref_s if self.uncertain(n) else float("inf")
-            if min(cap, standing.get(n, 0.0) - ref_s) > room:
+            unsure = self.uncertain(n)  # (read once: it counts the fallback's measurements)
+            if min(self.probe_max_loss * ref_s if unsure else float("inf"), standing.get(n, 0.0) - ref_s) > room:
                 continue
             cost = self.pace.cost(standing[n], ref_s) if n in standing and self.paced(n, few=True) else None
             if not self.paced(n) and self.due(n):
-                far = standing[n] / ref_s - 1.0 if self.uncertain(n) and n in standing and ref_s > 0 else 0.0
+                far = standing[n] / ref_s - 1.0 if unsure and n in standing and ref_s > 0 else 0.0
                 out[n] = max(self.probe_max_loss, far)
             elif cost is not None and self.due(n, cost):
                 out[n] = max(self.probe_max_loss, standing[n] / ref_s - 1.0)
