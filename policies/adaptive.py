@@ -233,11 +233,11 @@ class AdaptivePolicy:
             feasible = {self.fallback: predictions[self.fallback]}
         best = min(feasible, key=lambda n: (feasible[n], n != self.fallback))
         chosen, reason, pending = self.hysteresis.choose(feasible, best, late, self.fallback, self.deadline_s)
-        probe = False
-        switch = self.current in feasible and chosen != self.current  # hysteresis let the cheapest take over
-        confirm = confirm_switch(self.schedule, chosen, self.current, feasible) if switch else None  # (why, restart)
+        switch, probe = self.current in feasible and chosen != self.current, False  # hysteresis let the cheapest win
+        confirm = confirm_switch(self.schedule, chosen, self.current, feasible) if switch else None  # why, restart, run
         if confirm is not None:  # Step 5a: a switch on stale, no, or too few measurements of its own is measured first
-            reason, pending, probe = f"confirm: {reason[len('switch '):]}; {confirm[0]}", None, True
+            reason, pending, chosen = f"confirm: {reason[7:]}; {confirm[0]}", None, confirm[2]
+            probe = chosen != self.current  # (the policy in force measured beside the target is no probe)
         elif self.schedule.probe_every > 0 and self.current is not None:  # Step 5b: bounded-regret probe
             probe_of = self.schedule.probe(feasible, chosen, best, self.fallback, switching=switch)
             if probe_of is not None and probe_of != self.current:  # the policy in force is measured anyway (a

@@ -359,28 +359,46 @@ class ProbeSchedule:
         self._none_streak = self._none_streak + 1 if fallback_clear else 0
 
 
-def confirm(schedule: ProbeSchedule, target: str, current: str | None, feasible: dict) -> tuple[str, bool] | None:
-    """Why a switch from ``current`` to ``target`` must first measure ``target`` again, and whether that measurement
-    replaces its history (None: switch now), by ``schedule`` (Step 5a); ``feasible``: the corrected estimates.
+def confirm(schedule: ProbeSchedule, target: str, current: str | None, feasible: dict) -> tuple[str, bool, str] | None:
+    """Why a switch from ``current`` to ``target`` must first measure again, whether that measurement of ``target``
+    replaces its history, and which policy runs this decision (None: switch now), by ``schedule`` (Step 5a);
+    ``feasible``: the corrected estimates.
 
-    Where outcomes are measured, a switch is taken only on a measurement of ``target`` from the previous
-    decision, next to the policy in force's (the clock's A-B-A pairing). A stale one compares a measurement taken
-    on another machine state with a fresh median: at 64 tokens per rank, after 24 calls of ``none`` that drifted
-    from 87 to 99 ms, one FEPLB call measured at the fourth decision switched the engine to FEPLB "4 % faster";
-    a rival measured only in the warm-up, or never, was switched to on the model's word. That measurement replaces
-    the stale history. Confirming costs one call, the one the switch would have run anyway.
+    Where outcomes are measured, a switch is taken only on a *fresh* measurement of ``target``: from the previous
+    decision, or from the one before it with the policy in force measured in between (the clock's A-B-A pairing). A
+    stale one compares a measurement taken on another machine state with a fresh median: at 64 tokens per rank,
+    after 24 calls of ``none`` that drifted from 87 to 99 ms, one FEPLB call measured at the fourth decision switched
+    the engine to FEPLB "4 % faster"; a rival measured only in the warm-up, or never, was switched to on the model's
+    word. ``target`` then runs, and that measurement replaces the stale history. Confirming costs one call, the one
+    the switch would have run anyway.
 
-    A fresh one is added to (:func:`_within_noise`) while the gain is within the noise of the medians it compares."""
+    A fresh one is added to (:func:`_within_noise`) while the gain is within the noise of the medians it compares, and
+    the two sides are measured in turn (:func:`_in_turn`)."""
     if current is None or target == current or not schedule.outcomes.observed or schedule.probe_every <= 0:
         return None
     if not schedule.has_run(target) or schedule.outcomes.runs(target) == 0:
-        return f"{target} not measured yet, measured before the switch (kept {current})", True
-    if schedule.since_run(target) > 0:
-        return f"{target} last measured {schedule.since_run(target) + 1} decisions ago, measured again before the " \
-               f"switch (kept {current})", True
+        return f"{target} not measured yet, measured before the switch (kept {current})", True, target
+    since = schedule.since_run(target)
+    if since > 1 or (since == 1 and schedule.since_run(current) > 0):
+        return f"{target} last measured {since + 1} decisions ago, measured again before the " \
+               f"switch (kept {current})", True, target
     ref = feasible.get(current, 0.0)
     why = _within_noise(schedule, target, current, (ref - feasible[target]) / ref if ref > 0 else 0.0)
-    return None if why is None else (why, False)
+    return None if why is None else _in_turn(schedule, target, current, why)
+
+
+def _in_turn(schedule: ProbeSchedule, target: str, current: str, why: str) -> tuple[str, bool, str]:
+    """A switch within the noise measures its two sides in turn: ``target`` measured at the previous decision, the
+    policy in force runs now (its measurement pairs with it); else ``target`` runs again, added to its history.
+
+    Why: a run of confirmations measured only ``target``, against the median of the policy in force's calls taken
+    before them. On the runtime at 64 tokens per rank the machine ran 25 % slower for the four calls before FEPLB's
+    confirmations and then sped up again: ``none``'s median kept the slow calls, no call of ``none`` showed the clock
+    that the machine was fast again, five FEPLB calls measured 15 % slower than ``none``'s beside them read as 2-12 %
+    faster, and the engine switched to FEPLB."""
+    if schedule.since_run(target) == 0:
+        return f"{why}; {current} measured beside it first", False, current
+    return why, False, target
 
 
 def _within_noise(schedule: ProbeSchedule, target: str, current: str, gain: float) -> str | None:

@@ -2,7 +2,8 @@
 
 A switch away from the fallback on a rival's gain within the noise of the two medians it compares measures the rival
 again first, and adds that measurement to its history (``policies.probes.confirm``); a switch back to the fallback is
-taken at once. The fallback, once measured FEW_RUNS times, whose history a re-check or a confirmation replaced by
+taken at once; while it is held, the rival and the policy in force are measured in turn. The fallback, once measured
+FEW_RUNS times, whose history a re-check or a confirmation replaced by
 fewer, is probed every ``probe_every`` decisions whatever its estimate (``ProbeSchedule.uncertain``).
 """
 
@@ -64,6 +65,38 @@ def test_a_gain_within_the_noise_is_measured_again_before_the_switch(monkeypatch
     got = _run(40, _lucky_first_quota())
     first = next(i for i, a in enumerate(got) if a["chosen"] == "quota")
     assert got[first + 1]["reason"].startswith("switch none -> quota"), got[first + 1]["reason"]
+
+
+def _slow_until_quota(start: int):
+    """From decision ``start`` the machine runs 30 % slower until quota next runs; quota is 15 % slower than ``none``
+    on the same machine state; both vary by +-5 %."""
+    slow = []
+
+    def measured(i, name, reason):
+        if i == start:
+            slow.append(True)
+        if name == "quota" and slow and slow[-1]:
+            slow.append(False)  # quota's next run finds the machine fast again
+        level = 1.3 if slow and slow[-1] else 1.0
+        return level * (1.15 if name == "quota" else 1.0) * (1.05, 0.95)[i % 2]
+    return measured
+
+
+def test_a_switch_within_the_noise_measures_both_sides_in_turn(monkeypatch):
+    """``none``'s calls ran 30 % slow for a stretch, then the machine sped up as quota was probed: quota, 15 % slower
+    than ``none`` on the same machine, reads "11.5 % faster" against ``none``'s slow median. The engine measures
+    ``none`` beside quota's fresh call (the clock then credits the slow calls) and stays on ``none``. The negative
+    control, confirming on quota's calls alone, adds them until the gain clears the noise and switches to quota."""
+    got = _run(120, _slow_until_quota(60))
+    held = [i for i, a in enumerate(got) if "within their noise" in a["reason"]]
+    assert held and any(got[i]["chosen"] == "none" and "none measured beside it first" in got[i]["reason"]
+                        for i in held), [a["reason"] for a in got[60:80]]
+    assert not any(a["reason"].startswith("switch none -> quota") for a in got)
+    assert sum(a["chosen"] == "quota" for a in got[60:]) <= 6
+
+    monkeypatch.setattr(probes_mod, "_in_turn", lambda schedule, target, current, why: (why, False, target))
+    got = _run(120, _slow_until_quota(60))
+    assert any(a["reason"].startswith("switch none -> quota") for a in got[60:])
 
 
 def test_the_noise_a_switch_must_clear_shrinks_with_the_measurements_and_spares_the_fallback():
