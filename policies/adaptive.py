@@ -62,6 +62,7 @@ from .idle import idle_plan
 from .settled import settled_plan, verdict
 from .probes import LOSING_STREAK, PROBE_BURST, PROBE_COST_SHARE, PROBE_REGRET, PROBE_SHARE, ProbeSchedule
 from .probes import confirm as confirm_switch
+from .probes import probe_reason
 from .screening import Screen
 
 DEFAULT_CANDIDATES = ("none", "quota", "eplb", "feplb", "hybridep")
@@ -242,7 +243,7 @@ class AdaptivePolicy:
             probe_of = self.schedule.probe(feasible, chosen, best, self.fallback, switching=switch)
             if probe_of is not None and probe_of != self.current:  # the policy in force is measured anyway (a
                 # "probe" of it cancelled the switch this decision had chosen)
-                chosen, reason, probe = probe_of, self.schedule.reason(probe_of, self.current), True
+                chosen, reason, probe = probe_of, probe_reason(self.schedule, probe_of, self.current), True
         self._anchor_predictions(topology, plans, resident, names=[chosen])  # what its outcome is measured against
         settled = isinstance(idle, str)  # Step 0b's (its reason), else Step 0's budget idle (True)
         if idle:

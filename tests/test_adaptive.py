@@ -378,14 +378,14 @@ def test_the_policy_a_switch_left_is_measured_again_and_taken_back_when_it_wins(
 
 
 def test_a_candidate_is_re_checked_at_most_once_per_probe_period():
-    from policies.probes import ProbeSchedule
+    from policies.probes import ProbeSchedule, probe_reason
 
     cm = _cm()
     pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota"), probe_every=16)
     pol.outcomes.observed = 5  # outcomes are measured (the runtime)
     s: ProbeSchedule = pol.schedule
     names = ("none", "quota")
-    rechecked = lambda n: s.reason(n, "x").startswith(f"probe: {n} re-checked")  # noqa: E731
+    rechecked = lambda n: probe_reason(s, n, "x").startswith(f"probe: {n} re-checked")  # noqa: E731
 
     def record(chosen, preds, left):  # one committed decision, as AdaptivePolicy.commit records it
         pol.outcomes.decisions += 1

@@ -155,3 +155,39 @@ def test_a_fallback_cut_to_one_slow_call_is_probed_again(monkeypatch):
     monkeypatch.setattr(ProbeSchedule, "uncertain", lambda self, name: False)
     outlier, back = run()
     assert back is None or back - outlier > 230, (outlier, back)
+
+
+def test_the_fallbacks_re_check_runs_whatever_the_probe_ledger_holds(monkeypatch):
+    """``none`` in force, quota 10 % slower, eplb 60 % slower. From decision 130 the probes' ledger is overdrawn (ten
+    calls of probes past their room, as EPLB's costly probes left it on the runtime) and ``none``'s calls run 40 % slow
+    until quota next runs: that probe switches to quota, and ``none``'s estimate stays at its slow calls. Its re-check
+    after the switch runs at once and the engine switches back within a few decisions; charged to the ledger (the
+    negative control), the re-check waits and quota holds for the rest of the run."""
+
+    def run() -> list[dict]:
+        cm, load = _cm(), _load(0.05)
+        pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota", "eplb"))
+        out: list[dict] = []
+        for i in range(300):
+            if i == 130:
+                pol.schedule.loss_s += 0.1
+            plan = pol.plan(load, cm.topology)
+            pol.commit(plan)
+            a = plan.info["adaptive"]
+            m = {"eplb": 1.6, "quota": 1.1}.get(a["chosen"], 1.0)
+            if a["chosen"] == "none" and i >= 130 and not any(x["chosen"] == "quota" for x in out[130:]):
+                m = 1.4
+            pol.observe_outcome(a["chosen"], pol.cost_model.predict(plan).total_s, 1e-2 * m * (1.02, 0.98)[i % 2])
+            out.append(a)
+        return out
+
+    got = run()
+    switched = next(i for i, a in enumerate(got) if a["reason"].startswith("switch none -> quota"))
+    back = next(i for i, a in enumerate(got) if i > switched and a["reason"].startswith("switch quota -> none"))
+    assert any("none re-checked" in a["reason"] for a in got[switched:back]), [a["reason"] for a in got[switched:back]]
+    assert back - switched <= 8 and sum(a["chosen"] == "quota" for a in got[130:]) <= 8
+
+    monkeypatch.setattr(probes_mod, "_owed", lambda schedule: False)
+    got = run()
+    switched = next(i for i, a in enumerate(got) if a["reason"].startswith("switch none -> quota"))
+    assert sum(a["chosen"] == "quota" for a in got[switched:]) > 100

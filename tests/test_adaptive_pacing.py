@@ -53,7 +53,7 @@ def test_a_rival_measured_far_behind_is_probed_again_and_found_when_it_turns_fas
         return pol, _drive(pol, cm, [load] * 500, slow)
 
     pol, got = run(0.0025)
-    probes = [i for i, a in enumerate(got) if a["reason"].startswith("probe") and i > 40]
+    probes = [i for i, a in enumerate(got) if a["reason"].startswith("probe: quota") and i > 40]
     assert pol.current == "quota", probes
     assert probes and probes[0] > 100 and np.diff([40, *probes]).min() >= 32, probes  # paced, not every probe_every
     switched = next(i for i, a in enumerate(got) if a["reason"].startswith("switch"))

@@ -13,6 +13,7 @@ import numpy as np
 
 from ultraep.policies import AdaptivePolicy
 from ultraep.policies import outcomes as outcomes_mod
+from ultraep.policies import probes as probes_mod
 from ultraep.policies.outcomes import OUTCOME_WARMUP, REGIMES, OutcomeTracker, regime_of
 
 from test_adaptive_settled import _cm, _drive, _load  # noqa: E402
@@ -54,7 +55,8 @@ def test_an_outcome_is_read_at_the_regime_of_the_load_now():
 def test_a_size_measured_before_is_estimated_from_its_own_calls_when_the_run_goes_back(monkeypatch):
     """At 4096 tokens per rank ``none`` measures 0.35x the anchor's prediction and is the fastest; at 512 it measures
     1.6x and is still the fastest. Back at 4096, the small calls' ratio would price it 4.6x too high, out of every
-    probe's reach, and ``quota`` would stay in force (the negative control: one regime for every load)."""
+    probe's reach, and ``quota`` would stay in force (the negative control: one regime for every load, and no re-check
+    of ``none`` after the switch away from it, owed whatever the probe ledger holds, which would also take it back)."""
     big, small, n = _load(1.2, 4096), _load(1.2, 512), 60
 
     def truth(i, name):
@@ -65,6 +67,7 @@ def test_a_size_measured_before_is_estimated_from_its_own_calls_when_the_run_goe
     def back_at_big(one_regime: bool) -> Counter:
         if one_regime:
             monkeypatch.setattr(outcomes_mod, "regime_of", lambda load: 0)
+            monkeypatch.setattr(probes_mod, "_owed", lambda schedule: False)
         cm = _cm()
         out = _drive(AdaptivePolicy(cost_model=cm), cm, [big] * n + [small] * n + [big] * n, truth)
         assert Counter(a["chosen"] for a in out[n + 10:2 * n])["none"] >= n - 15  # none runs the small calls
