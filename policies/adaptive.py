@@ -237,8 +237,8 @@ class AdaptivePolicy:
         switch, probe = self.current in feasible and chosen != self.current, False  # hysteresis let the cheapest win
         confirm = confirm_switch(self.schedule, chosen, self.current, feasible) if switch else None  # why, restart, run
         if confirm is not None:  # Step 5a: a switch on stale, no, or too few measurements of its own is measured first
-            reason, pending, chosen = f"confirm: {reason[len('switch '):]}; {confirm[0]}", None, confirm[2]
-            probe = chosen != self.current  # (the policy in force measured beside the target is no probe)
+            chosen, probe, pending = confirm[2], confirm[2] != self.current, None  # ("pair": the policy in force ran)
+            reason = f"{'confirm' if probe else 'pair'}: {reason[len('switch '):]}; {confirm[0]}"
         elif self.schedule.probe_every > 0 and self.current is not None:  # Step 5b: bounded-regret probe
             probe_of = self.schedule.probe(feasible, chosen, best, self.fallback, switching=switch)
             if probe_of is not None and probe_of != self.current:  # the policy in force is measured anyway (a

@@ -220,7 +220,7 @@ class ProbeSchedule:
         if not self.outcomes.observed or self.warming():  # no probe could run now
             return {}
         standing, fb = standing or {}, self.fallback
-        if _owed(self) and fb in names:  # (ref_s > 0: the policy in force's predicted time)
+        if _owed(self) and fb in names:  # its re-check, owed whatever the ledger and the share hold
             return {fb: max(self.probe_max_loss, standing.get(fb, ref_s) / ref_s - 1.0 if ref_s > 0 else 0.0)}
         if not self.affordable():
             return {}

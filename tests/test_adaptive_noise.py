@@ -56,7 +56,8 @@ def test_a_gain_within_the_noise_is_measured_again_before_the_switch(monkeypatch
     got = _run(40, _lucky_first_quota())
     first = next(i for i, a in enumerate(got) if a["chosen"] == "quota")
     noisy = [a for a in got if "within their noise" in a["reason"]]
-    assert noisy and noisy[0]["reason"].startswith("confirm: none -> quota"), [a["reason"] for a in got[:first + 3]]
+    assert noisy and noisy[0]["reason"].startswith(("confirm: none -> quota", "pair: none -> quota")), \
+        [a["reason"] for a in got[:first + 3]]
     assert not noisy[0]["restart"] and max(a["support"] for a in got) >= 2  # added to, not replaced
     assert not any(a["reason"].startswith("switch none -> quota") for a in got)
     assert got[-1]["chosen"] == "none"
@@ -89,8 +90,9 @@ def test_a_switch_within_the_noise_measures_both_sides_in_turn(monkeypatch):
     control, confirming on quota's calls alone, adds them until the gain clears the noise and switches to quota."""
     got = _run(120, _slow_until_quota(60))
     held = [i for i, a in enumerate(got) if "within their noise" in a["reason"]]
-    assert held and any(got[i]["chosen"] == "none" and "none measured beside it first" in got[i]["reason"]
-                        for i in held), [a["reason"] for a in got[60:80]]
+    assert held and any(got[i]["chosen"] == "none" and got[i]["reason"].startswith("pair: none -> quota")
+                        and "none measured beside it first" in got[i]["reason"] for i in held), \
+        [a["reason"] for a in got[60:80]]
     assert not any(a["reason"].startswith("switch none -> quota") for a in got)
     assert sum(a["chosen"] == "quota" for a in got[60:]) <= 6
 
