@@ -38,6 +38,9 @@ NOISE_Z = 1.645
 #: the standard error of a median of n measurements is about MEDIAN_SE x sigma / sqrt(n): sqrt(pi / 2) for large n,
 #: 1 for one or two measurements (their mean), so small n is taken a little wider than it is
 MEDIAN_SE = 1.2533
+#: a measurement whose own clock stopped (the policy in force then has not run since) is read on the clock of the policy
+#: in force now, where that one was measured within CLOCK_REACH decisions of it (:meth:`OutcomeTracker.credit`)
+CLOCK_REACH = 2
 #: a policy's per-call noise is read from its last SPREAD_RUNS or more measurements on the clock
 SPREAD_RUNS = 6
 #: the standard deviation of a normal variable over its median absolute deviation
@@ -74,6 +77,7 @@ class OutcomeTracker:
         self.anchor_plans: dict | None = None  # the candidate plans anchor_s belongs to
         self.observing: tuple | None = None  # the committed choice, its anchor prediction and its load's regime
         self.regime: int | None = None  # the regime of the load being decided (:meth:`at`)
+        self.in_force: str | None = None  # the policy in force at the last measurement (the clock of stopped ones)
         #: a confirmation probe's candidate (the chooser's Step 5a): its fresh measurement replaces its history, so
         #: the switch is decided on it and not on the median of measurements taken on another machine state
         self.restart: str | None = None
@@ -101,6 +105,7 @@ class OutcomeTracker:
         a neighbour's burst) must not make a candidate look 2x worse until its next probe — with a mean it was
         screened out and never re-measured. A real change (a slower link) moves the median after half a window."""
         self.observed += 1
+        self.in_force = current
         when = self.decisions - 1  # the decision being observed (committed just before its call ran)
         x = None
         if self.observing is not None and self.observing[0] == name and self.observing[1] > 0:
@@ -155,8 +160,8 @@ class OutcomeTracker:
         _keep_recent(hist, self.window)
         self._outcome_anchor[name] = (0.0, self._outcome_anchor.get(name, (0.0, 0))[1] + 1)
         now = self.level(name)
-        for (kind, n), h in self._outcome_hist.items():
-            if kind == "anchor" and (n == name or any(e[2] == name for e in h)):
+        for (kind, n), h in self._outcome_hist.items():  # (the clock in force reads the stopped ones)
+            if kind == "anchor" and (n == name or name == current or any(e[2] == name for e in h)):
                 self._outcome_anchor[n] = (self._anchor_median(h, name, now), self._outcome_anchor[n][1])
 
     def _anchor_median(self, h: list, name: str | None = None, now: float | None = None) -> float:
@@ -215,17 +220,34 @@ class OutcomeTracker:
 
     def credit(self, ref: str, when: int, now: float | None = None) -> float:
         """How much faster (log) the machine runs now than at decision ``when``, read on ``ref``, the policy that was
-        in force then (measured around it, and measured last): a measurement taken then is credited with it.
+        in force then (measured around it, and measured last), or where ``ref``'s clock stopped, on the clock in force
+        (:meth:`_clock_of`): a measurement taken then is credited with it.
 
         The interleaved benchmark showed why: every call is 10-30 % slower in a process's first iterations
         (allocator, caches), and one early measurement of quota (764 ms where it settles at 570) kept FEPLB in
         force, 4-7 % slower, for the rest of the run. Only a *faster* machine is credited, beyond ``switch_now``:
         a policy in force that itself slows down (its own cost, not the machine's) must not make its rivals look
         slower and keep it in force. ``now``: ``ref``'s level now, when the caller has it."""
+        ref, now = self._clock_of(ref, when, now)
         then, now = self.level(ref, when), self.level(ref) if now is None else now
         if then is None or now is None:
             return 0.0
         return max(0.0, then - now - math.log1p(self.switch_now))
+
+    def _clock_of(self, ref: str, when: int, now: float | None) -> tuple[str, float | None]:
+        """The clock that reads a measurement of decision ``when`` taken with ``ref`` in force (and ``ref``'s level now,
+        when the caller has it): ``ref``'s, unless ``ref`` has not been measured since the call after it while the
+        policy in force now was measured within CLOCK_REACH decisions of it. A stopped clock tells nothing: on a
+        fresh wrap whose first 8 calls ran 1.1-1.8x slower, quota's warm-up calls kept it 1.5x behind eplb, the policy
+        a switch left in force, out of probe range for good (eplb ran at 1.09-1.13x quota's time), while eplb's own
+        clock, measured beside them, had run 1.5x faster since."""
+        ts = self._clock.get(ref, ((),))[0]
+        cur = self.in_force
+        if cur is None or cur == ref or (ts and ts[-1] > when + 1) or cur not in self._clock:
+            return ref, now
+        near = self._clock[cur][0]
+        i = bisect.bisect_left(near, when - CLOCK_REACH)
+        return (cur, None) if i < len(near) and near[i] <= when + CLOCK_REACH else (ref, now)
 
     # ------------------------------------------------------------------ reading outcomes
     def runs(self, name: str) -> int:

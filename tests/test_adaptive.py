@@ -304,6 +304,36 @@ def test_a_probe_measured_while_the_whole_machine_ran_slower_is_credited(monkeyp
     assert pol.current == "quota" and chosen[3:] == ["quota"] * 9
 
 
+def test_a_measurement_whose_clock_stopped_is_read_on_the_clock_in_force(monkeypatch):
+    """A fresh wrap whose first calls run 1.4-1.8x slower: quota, in force then, is measured only there, and a switch
+    leaves eplb in force. Quota's clock stopped with it; eplb's, measured beside quota's last calls, shows the machine
+    1.3x faster since, and quota's measurements are credited with that (within CLOCK_REACH decisions of eplb's).
+    Read on quota's own clock they kept it 1.5x behind, out of probe range (tests/first_calls_replay.py's
+    tok512-long-warm held eplb at 1.09-1.13x quota's time)."""
+    from ultraep.policies.outcomes import CLOCK_REACH, OUTCOME_WARMUP, OutcomeTracker
+
+    def run(stopped_clocks_read: bool) -> OutcomeTracker:
+        t = OutcomeTracker(None, 5, 0.02, 32)
+        if not stopped_clocks_read:  # negative control: every measurement on its own clock, as before
+            monkeypatch.setattr(t, "_clock_of", lambda ref, when, now: (ref, now))
+        calls = [("quota", "quota", m) for m in (1.8, 1.7, 1.6, 1.5, 1.4)] + [("eplb", "quota", 1.45)]
+        calls += [("eplb", "eplb", 1.1)] * 10
+        for name, in_force, measured in calls:
+            t.decisions += 1
+            t.observing = (name, 1.0, 0)
+            t.observe(name, 1.0, measured, in_force)
+        return t
+
+    assert CLOCK_REACH == 2 and OUTCOME_WARMUP == 2  # quota's kept calls: decisions 2-4, eplb's first at 5
+    t = run(stopped_clocks_read=True)
+    # quota's calls at decisions 3 and 4 are within reach of eplb's at 5 and credited with log(1.45 / 1.1) less the
+    # switch_now margin; the one at 2 is not
+    credit = np.log(1.45 / 1.1) - np.log1p(0.02)
+    assert t.scale("quota") == pytest.approx(1.5 * np.exp(-credit), rel=1e-9)
+    assert t.scale("quota") < 1.2 and t.scale("eplb") == pytest.approx(1.1)
+    assert run(stopped_clocks_read=False).scale("quota") == pytest.approx(1.5)  # the median of 1.6, 1.5, 1.4 as measured
+
+
 def test_a_policy_in_force_that_slows_down_itself_does_not_make_its_rivals_look_slower():
     """Only a faster machine is credited: the policy in force getting slower (its own cost) is not read as
     the machine slowing down, which would have raised every rival's estimate with it and kept it in force."""
