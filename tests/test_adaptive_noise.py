@@ -189,7 +189,35 @@ def test_the_fallbacks_re_check_runs_whatever_the_probe_ledger_holds(monkeypatch
     assert any("none re-checked" in a["reason"] for a in got[switched:back]), [a["reason"] for a in got[switched:back]]
     assert back - switched <= 8 and sum(a["chosen"] == "quota" for a in got[130:]) <= 8
 
-    monkeypatch.setattr(probes_mod, "_owed", lambda schedule: False)
+    monkeypatch.setattr(probes_mod, "_owed", lambda schedule: None)
     got = run()
     switched = next(i for i, a in enumerate(got) if a["reason"].startswith("switch none -> quota"))
     assert sum(a["chosen"] == "quota" for a in got[switched:]) > 100
+
+
+def test_a_policy_a_switch_left_on_few_measurements_is_owed_its_re_check():
+    """eplb in force; quota, left by the switch to it, was measured once (a fresh wrap's slow third call) and its
+    estimate is 40 % behind, past ``probe_max_loss``, with the probe ledger overdrawn. Its re-check is owed at its
+    period (``probe_every / 8``) all the same: the switch may rest on that one call. The control: left after FEW_RUNS
+    measurements, its estimate is trusted and the re-check waits for the ledger and the range, as any probe."""
+    from ultraep.policies.outcomes import FEW_RUNS
+
+    def schedule(runs: int) -> ProbeSchedule:
+        t = OutcomeTracker(None, 5, 0.02, 32)
+        t.observed = 10
+        t._outcome_anchor = {"none": (0.0, FEW_RUNS), "quota": (0.3, runs), "eplb": (0.0, FEW_RUNS)}
+        s = ProbeSchedule(32, 0.25, 0.02, t, 0.05, FEW_RUNS, 0.02, 0.0025, fallback="none")
+        s._ran.update({"none", "quota", "eplb"})
+        s._recheck.add("quota")
+        s._since.update({"none": 1, "quota": 32 // 8, "eplb": 0})
+        s.decisions, s.loss_s = 20, 1.0  # the ledger overdrawn
+        return s
+
+    feasible = {"none": 1.3, "quota": 1.4, "eplb": 1.0}
+    few = schedule(1)
+    assert probes_mod._owed(few) == "quota" and few.probe(feasible, "eplb", "eplb", "none") == "quota"
+    assert "quota" in few.probe_range(["none", "quota"], 1.0, feasible)
+    few._since["quota"] = 32 // 8 - 1
+    assert probes_mod._owed(few) is None  # not due yet
+    trusted = schedule(FEW_RUNS)
+    assert probes_mod._owed(trusted) is None and trusted.probe(feasible, "eplb", "eplb", "none") is None
