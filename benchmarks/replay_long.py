@@ -113,7 +113,8 @@ def seed_model(shape: Shape):
 
 def replay(rec: dict, shape: Shape, seed: int, options: dict | None = None, jitter: float = 0.0,
            draw: int = 0) -> dict:
-    """The engine deciding over recording ``rec``: ``{"t": [N] s replayed, "chosen": [N], "kinds": Counter}``.
+    """The engine deciding over recording ``rec``: ``{"t": [N] s replayed, "chosen": [N], "kinds": Counter, "decide": [N]
+    s}`` (``decide``: what deciding added to each call, :func:`deciding_cost` of its kind, included in ``t``).
     ``jitter``: each replayed call's time is multiplied by exp(N(0, jitter)) (draw ``draw``): the engine's path through
     a run turns on single calls (one call 1 % slower can send it down another sequence of probes and switches, worth
     +-1 % of the run), so one replay is one sample, and an engine change is judged on the mean of several."""
@@ -127,13 +128,14 @@ def replay(rec: dict, shape: Shape, seed: int, options: dict | None = None, jitt
                                 layers={0: AdaptiveOptions(**(options or {}))}), cm.topology, cost_model=cm,
                  record_timings=False)
     held = np.zeros((2, shape.experts), dtype=bool)
-    t, chosen, kinds = np.empty(n), [], Counter()
+    t, chosen, kinds, decide = np.empty(n), [], Counter(), np.empty(n)
     shake = np.exp(np.random.default_rng([seed, draw]).normal(0.0, jitter, n)) if jitter > 0 else np.ones(n)
     for i, load in enumerate(loads(n, shape, seed)):
         d = eng.decide(i, 0, 0, load, held)
         eng.commit(d)
         k = kind_of(d.reason)
-        t[i] = rec[d.chosen]["t"][i] * shake[i] + cost.get(k, cost[""])
+        decide[i] = cost.get(k, cost[""])
+        t[i] = rec[d.chosen]["t"][i] * shake[i] + decide[i]
         bd = d.predicted
         f = t[i] / bd.total_s if bd.total_s > 0 else 1.0
         eng.observe(i, 0, 0, {x: v * f for x, v in bd.as_dict().items() if x in ("compute_fwd_s", "a2a_fwd_s",
@@ -141,7 +143,7 @@ def replay(rec: dict, shape: Shape, seed: int, options: dict | None = None, jitt
                     measured_total_s=t[i])
         chosen.append(d.chosen)
         kinds[k] += 1
-    return {"t": t, "chosen": chosen, "kinds": kinds}
+    return {"t": t, "chosen": chosen, "kinds": kinds, "decide": decide}
 
 
 def ratios(t: np.ndarray, rec: dict, window: int) -> tuple[float, list[float]]:
@@ -179,28 +181,37 @@ def main(argv=None) -> int:
     tab = Table(title=f"adaptive / best fixed policy: this checkout's engine on recorded calls, {args.repeats} replay(s) "
                       f"each, calls jittered by {args.jitter:g} (windows of {args.window})")
     for c in ("recording", "calls", "recorded", "replayed (mean, range)", "windows <= 1.03", "worst window",
-              "replayed ran (first replay)", "deciding (ms): idle / settled / weighing"):
+              "deciding / best fixed", "windows <= 1.03 without it", "replayed ran (first replay)",
+              "deciding (ms): idle / settled / weighing"):
         tab.add_column(c, justify="right")
-    rows, wholes = [], []
+    rows, wholes, shares = [], [], []
     for path, rec in recs:
-        x, got, per, whole = os.path.basename(path), None, [], []
+        x, got, per, whole, share, free = os.path.basename(path), None, [], [], [], []
+        best_s = min(rec[p]["t"].sum() for p in FIXED)
         for k in range(args.repeats):
             g = replay(rec, shape, args.seed, jitter=args.jitter if args.repeats > 1 else 0.0, draw=k)
             w, p = ratios(g["t"], rec, args.window)
             got, whole, per = got or g, whole + [w], per + p
+            share.append(float(g["decide"].sum() / best_s))  # what deciding cost the run, and the run without it
+            free += ratios(g["t"] - g["decide"], rec, args.window)[1]
             rows.append(row("long_replay", "adaptive", "vs_best_fixed", "ratio", f"{x}/all/replay{k}", w))
         was, _ = ratios(rec["adaptive"]["t"], rec, args.window)
         cost = deciding_cost(rec)
         tab.add_row(x, str(len(got["t"])), f"{was:.3f}", f"{np.mean(whole):.3f} ({min(whole):.3f}-{max(whole):.3f})",
-                    f"{sum(r <= 1.03 for r in per)}/{len(per)}", f"{max(per):.3f}",
+                    f"{sum(r <= 1.03 for r in per)}/{len(per)}", f"{max(per):.3f}", f"{np.mean(share):.2%}",
+                    f"{sum(r <= 1.03 for r in free)}/{len(free)}",
                     ", ".join(f"{p} {c}" for p, c in Counter(got["chosen"]).most_common()),
                     " / ".join(f"{1e3 * cost.get(k, float('nan')):.2f}" for k in ("idle", "settled", "cheapest")))
         rows.append(row("long_replay", "adaptive", "vs_best_fixed", "ratio", f"{x}/all", whole))
         rows.append(row("long_replay", "adaptive_recorded", "vs_best_fixed", "ratio", f"{x}/all", was))
+        rows.append(row("long_replay", "adaptive", "deciding_share", "ratio", f"{x}/all", share))
         wholes += whole
+        shares += share
     Console(width=200).print(tab)
     print(f"mean over {len(recs)} recording(s) x {args.repeats} replay(s): {np.mean(wholes):.4f} "
           f"(standard error {np.std(wholes, ddof=1) / np.sqrt(len(wholes)) if len(wholes) > 1 else float('nan'):.4f})")
+    print(f"deciding (the recorded cost of each decision's kind) took {np.mean(shares):.2%} of the best fixed policy's "
+          "time")
     print(f"rows appended to {write_rows(BENCH, rows)}")
     return 0
 

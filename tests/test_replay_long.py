@@ -56,6 +56,27 @@ def test_the_replay_runs_what_the_recording_measured(tmp_path):
     assert got["chosen"][-10:] == ["quota"] * 10
 
 
+def test_the_replay_says_what_deciding_cost_the_run(tmp_path, capsys, monkeypatch):
+    """Each replayed call carries its kind's deciding cost (``decide``, inside ``t``); the CLI reports it as a share of
+    the best fixed policy's time, and the windows within 3 % without it. The control: a recording whose decisions cost
+    nothing beyond the fixed policies' planning reports 0.00 %."""
+    monkeypatch.setattr("benchmarks.common.RESULTS", tmp_path, raising=False)
+    times = {**{p: 0.04 for p in FIXED}, "none": 0.02}
+    costly = _recording(tmp_path / "a.csv", times, {"idle": 0.2e-3, "cheapest": 1.5e-3})
+    rec = replay_long.read_calls(costly)
+    got = replay_long.replay(rec, Shape(), 0)
+    cost = replay_long.deciding_cost(rec)
+    assert set(np.round(got["decide"], 9)) <= {round(v, 9) for v in cost.values()} and got["decide"].min() > 0
+    assert got["t"] == pytest.approx([times[c] for c in got["chosen"]] + got["decide"])
+    none_s = rec["none"]["t"].sum()
+    assert replay_long.main([costly, "--window", "20"]) == 0
+    out = capsys.readouterr().out
+    assert f"{got['decide'].sum() / none_s:.2%} of the best fixed policy's time" in out
+    free = _recording(tmp_path / "b.csv", times)
+    assert replay_long.main([free, "--window", "20"]) == 0
+    assert "0.00% of the best fixed policy's time" in capsys.readouterr().out
+
+
 def test_a_recording_that_cannot_be_replayed_is_refused_by_name(tmp_path, capsys):
     bad = tmp_path / "bad.csv"
     bad.write_text("policy,call,t_s,measured_s,predicted_s,plan_s,chosen,probe,reason\nnone,0,0.1,0.1,0.1,0.001,none,0,\n")
