@@ -171,3 +171,26 @@ def test_an_unmeasured_candidate_resting_on_its_streak_does_not_end_the_rest():
     assert pol.current == "quota" and pol.outcomes.runs("eplb") == 0
     assert "eplb" in pol.screening.resting(pol.current)
     assert sum(a["settled"] for a in got[40:]) >= 12, [a["reason"][:20] for a in got[40:]]
+
+
+def test_routing_noise_does_not_end_a_rest_and_skew_that_builds_up_does(monkeypatch):
+    """A rest (idle or settled) ends when the busiest rank's share grows by more than REST_SKEW (10 %): a 6 % growth,
+    within a call's routing noise at bench_long's shape, keeps it; 19 % (skew building up over a phase) ends it. The
+    negative control bounds the growth at ``switch_now`` (2 %), as before: the 6 % ends both rests."""
+    from ultraep.policies import NonePolicy
+    from ultraep.policies import idle as idle_mod
+    from ultraep.policies import settled as settled_mod
+    from ultraep.policies.idle import Rest
+    from ultraep.policies.settled import Settled
+
+    cm, plain = _cm(), NonePolicy()
+    bd = {s: cm.predict(plain.plan(_load(s), cm.topology)) for s in (0.3, 0.35, 0.45)}
+    assert 1.05 < bd[0.35].imbalance / bd[0.3].imbalance < 1.1 < bd[0.45].imbalance / bd[0.3].imbalance
+    rest = Rest(bd[0.3].total_s, bd[0.3].imbalance, 0.0)
+    settled = Settled("none", bd[0.3].total_s, bd[0.3].imbalance, {})
+    checks = (rest.holds, lambda b: settled.holds(b, b.total_s, 0.02, lambda n: 1.0))
+    for holds in checks:
+        assert holds(bd[0.3]) and holds(bd[0.35]) and not holds(bd[0.45])
+    monkeypatch.setattr(idle_mod, "REST_SKEW", 0.02)
+    monkeypatch.setattr(settled_mod, "REST_SKEW", 0.02)
+    assert not any(holds(bd[0.35]) for holds in checks)
