@@ -38,6 +38,13 @@ REST_MOVE = 1.25
 REST_SKEW = 0.10
 
 
+def load_holds(total_s: float, imbalance: float, bd) -> bool:
+    """Whether breakdown ``bd`` of this load is where a verdict weighed at predicted time ``total_s`` and busiest-rank
+    share ``imbalance`` was: its predicted time within a factor REST_MOVE of it, the share grown by at most REST_SKEW
+    (both rests, idle and settled, end here)."""
+    return total_s / REST_MOVE <= bd.total_s <= total_s * REST_MOVE and bd.imbalance <= imbalance * (1.0 + REST_SKEW)
+
+
 class Rest:
     """A weighed idle verdict taken by the next decisions: the fallback's predicted time and the busiest rank's
     share then, the stake, and the decisions left."""
@@ -49,11 +56,8 @@ class Rest:
         self.left = IDLE_REST
 
     def holds(self, bd) -> bool:
-        """Whether the fallback's breakdown ``bd`` of this load is where the verdict was weighed: its predicted time
-        within a factor REST_MOVE of the verdict's, the busiest rank's share grown by at most REST_SKEW."""
-        t = bd.total_s
-        return (self.total_s / REST_MOVE <= t <= self.total_s * REST_MOVE
-                and bd.imbalance <= self.imbalance * (1.0 + REST_SKEW))
+        """Whether the fallback's breakdown ``bd`` of this load is where the verdict was weighed (:func:`load_holds`)."""
+        return load_holds(self.total_s, self.imbalance, bd)
 
 
 def idle_plan(chooser, cm, load_RE: np.ndarray, topology: Topology, resident_RE) -> Plan | None:

@@ -12,7 +12,7 @@ alone, predict it (its measured outcome is kept against the anchor model's predi
 weigh nothing, no engine overhead added. A settled decision weighs again at once when
 
 * the policy in force's predicted time moves by REST_MOVE either way, or the busiest rank's share grows by more
-  than REST_SKEW (the load moved: :class:`~.idle.Rest`);
+  than REST_SKEW (the load moved: :func:`~.idle.load_holds`);
 * a rival would beat it by more than ``switch_now`` now (a gain hysteresis takes at once): its corrected estimate
   (what it measured, carried to this load) against each rival's at the weighing, scaled by how that rival's
   measured correction moved since (a fresh measurement, or the clock crediting one taken while the machine ran
@@ -42,7 +42,7 @@ import numpy as np
 from ultraep.plan import Plan
 from ultraep.topology import Topology
 
-from .idle import REST_MOVE, REST_SKEW
+from .idle import load_holds
 
 #: after a weighing that settled, the next SETTLED_REST - 1 decisions take its verdict while it holds
 SETTLED_REST = 8
@@ -68,9 +68,7 @@ class Settled:
         """Whether the policy in force's breakdown ``bd`` of this load, and its corrected estimate ``estimate_s``, are
         where the verdict was weighed (the module's first two conditions). A rival's estimate now is its estimate at
         the weighing scaled by how its measured correction moved since (``correction(name)``)."""
-        t = bd.total_s
-        if not (self.total_s / REST_MOVE <= t <= self.total_s * REST_MOVE
-                and bd.imbalance <= self.imbalance * (1.0 + REST_SKEW)):
+        if not load_holds(self.total_s, self.imbalance, bd):
             return False
         return all(v * correction(n) / c >= estimate_s * (1.0 - switch_now) for n, (v, c) in self.rivals.items())
 
