@@ -26,7 +26,9 @@ Steps (one layer, one microbatch; each part in its own module):
             planner, FEPLB's CPU thread, EPLB's cached placement, HybridEP's closed choice).
     Step 3: predict each plan's layer time with the cost model, including its planning and transfer
             overhead. A historical placement (``eplb``) that is not resident because another policy ran
-            last pays for sending all of its replicas.
+            last pays for sending all of its replicas. A candidate that has run is estimated from the anchor
+            model's prediction and what it measured (:mod:`.outcomes`): it is not predicted on the calibrated
+            model too, unless it is chosen (its breakdown goes with the plan).
     Step 4: late plans: with ``deadline_s``, a candidate whose planning + weight sync exceeds the
             deadline is dropped; if nothing else is left, ``none`` (always on time) is taken.
     Step 5: hysteresis (:mod:`.hysteresis`): keep the current policy unless the cheapest is faster by more than ``margin``
@@ -58,7 +60,7 @@ from .candidates import Candidates
 from .exploration import OF_GAIN, SHARE, ExplorationBudget
 from .outcomes import CLOCK_RUNS, FEW_RUNS, OUTCOME_WARMUP, OutcomeTracker
 from .hysteresis import Hysteresis
-from .idle import idle_plan
+from .idle import idle_plan, kept
 from .settled import settled_plan, verdict
 from .probes import LOSING_STREAK, PROBE_BURST, PROBE_COST_SHARE, PROBE_REGRET, PROBE_SHARE, ProbeSchedule
 from .probes import confirm as confirm_switch
@@ -198,13 +200,14 @@ class AdaptivePolicy:
         rest = set(self.screening.resting(self.current))
         plans = {n: self.candidates.plan(n, load_RE, topology, resident_RE) for n in self.policies
                  if not self.candidates.screenable(n) and n not in rest}
-        bds = {n: self._predict(cm, n, pl, has) for n, pl in plans.items()}
         self._anchor_predictions(topology, plans, has)
         fb = self.fallback
-        ideal_s = cm.ideal(load_RE).total_s if self.budget.share is not None else None
+        bds = {fb: self._predict(cm, fb, plans[fb], has)} if fb in plans else {}  # (the gain bound and the stake)
+        refs = {n: _estimate(self, cm, n, pl, bds, has) for n, pl in plans.items()  # (the screen's bound)
+                if self.screening.bounds(n, self.current)}
+        ideal_s = self.candidates.ideal_s(cm, load_RE) if self.budget.share is not None else None
         skip = rest | set(self.screening.screened(cm, load_RE, topology, self.current, ideal_s=ideal_s,
-                                                  none_s=bds[fb].total_s if fb in bds else None,
-                                                  others_s=self.screening.references(bds, self.current)))
+                                                  none_s=bds[fb].total_s if fb in bds else None, others_s=refs))
         plans.update({n: self.candidates.plan(n, load_RE, topology, resident_RE) for n in self.policies
                       if self.candidates.screenable(n) and n not in skip})
         if ideal_s is not None and fb in bds:  # what the budget keeps of this weighing (Step 0)
@@ -217,16 +220,20 @@ class AdaptivePolicy:
         """Steps 3-6 on ready candidate plans ``{name: plan}`` (all of the same load and topology).
         ``breakdowns``: their cost-model predictions when the caller already has them; ``resident``: the plans'
         transfers are exactly what moves (see :meth:`_predict`); ``idle``: Step 0 planned the fallback alone (True),
-        or Step 0b the policy in force alone (the decision's reason): nothing weighed."""
+        or Step 0b the policy in force alone (the decision's reason): nothing weighed, and with no deadline the plan
+        is returned without the choosing (:func:`.idle.kept`)."""
         topology = topology or next(iter(plans.values())).topology
         self.outcomes.at(self.outcomes.regime_at(next(iter(plans.values())).load_RE))  # (decide() called directly)
         cm = self._cost(topology)
+        if idle and self.deadline_s is None and list(plans) == [self.current] and self.current in (breakdowns or {}):
+            return kept(self, cm, plans, breakdowns[self.current], topology, screened, resident, idle)
         if self.outcomes.anchor_plans is plans:  # plan() started them; add candidates planned since
             ran = [n for n in plans if self.outcomes.anchored(n, self.current)]
             self._anchor_predictions(topology, plans, resident, names=ran)
         else:  # decide() called directly (the simulator's shared candidates), or Step 0's fallback alone
             self._anchor_predictions(topology, plans, resident)
-        bds, predictions = self._predict_all(cm, plans, breakdowns or {}, resident)  # Step 3
+        bds, predictions = _predict_all(self, cm, plans, breakdowns or {}, resident,
+                                        every=self.deadline_s is not None)  # Step 3
         late = _late(self.candidates, self.deadline_s, cm, bds)  # Step 4
         same = _same_as(plans, self.fallback, self.current)
         feasible = {n: v for n, v in predictions.items() if n not in late and n not in same}
@@ -245,6 +252,8 @@ class AdaptivePolicy:
                 # "probe" of it cancelled the switch this decision had chosen)
                 chosen, reason, probe = probe_of, probe_reason(self.schedule, probe_of, self.current), True
         self._anchor_predictions(topology, plans, resident, names=[chosen])  # what its outcome is measured against
+        if chosen not in bds:  # (its breakdown goes with the plan: a rival estimated on the anchor basis had none)
+            bds[chosen] = self._predict(cm, chosen, plans[chosen], resident)
         settled = isinstance(idle, str)  # Step 0b's (its reason), else Step 0's budget idle (True)
         if idle:
             reason = idle if settled else f"idle: {self.fallback} in force, nothing in contention, exploration budget spent"
@@ -256,17 +265,6 @@ class AdaptivePolicy:
         plan = self._assemble(cm, plans, bds, predictions, chosen, reason, facts, resident)  # Step 6
         self._memo = (plan, plans, None if idle or settled else (bds[chosen].total_s, bds[chosen].imbalance))
         return plan
-
-    def _predict_all(self, cm, plans: dict, known: dict, resident: bool) -> tuple[dict, dict]:
-        """Step 3: every plan's cost-model breakdown (``known`` ones reused unless a switch cost must be added) and
-        its corrected prediction."""
-        bds, predictions = {}, {}
-        for name, pl in plans.items():
-            bd = known[name] if name in known and (resident or not self.candidates.switches(name, self.current)) else \
-                self._predict(cm, name, pl, resident)
-            bds[name] = bd
-            predictions[name] = self.outcomes.estimate(name, bd.total_s, self.current)
-        return bds, predictions
 
     def _assemble(self, cm, plans, bds, predictions, chosen, reason, facts, resident) -> Plan:
         """Step 6: the chosen plan as policy ``adaptive``, with the engine's exposed overhead (decision time plus
@@ -319,6 +317,32 @@ class AdaptivePolicy:
                 p.commit(plans[n])
             elif callable(getattr(p, "advance", None)):
                 p.advance(plan.load_RE)
+
+
+def _predict_all(chooser, cm, plans: dict, known: dict, resident: bool, every: bool = False) -> tuple[dict, dict]:
+    """Step 3 of ``chooser`` (an :class:`AdaptivePolicy`): every plan's corrected prediction, and the cost-model
+    breakdowns made for it (``known`` ones reused unless a switch cost must be added): only of the plans whose
+    estimate reads it (:func:`_estimate`), or, with ``every``, of all of them."""
+    bds = {n: bd for n, bd in known.items()
+           if n in plans and (resident or not chooser.candidates.switches(n, chooser.current))}
+    predictions = {}
+    for name, pl in plans.items():
+        if every and name not in bds:
+            bds[name] = chooser._predict(cm, name, pl, resident)
+        predictions[name] = _estimate(chooser, cm, name, pl, bds, resident)
+    return bds, predictions
+
+
+def _estimate(chooser, cm, name: str, plan: Plan, bds: dict, resident: bool) -> float:
+    """``name``'s corrected prediction (:meth:`.OutcomeTracker.estimate`) of ``plan`` by ``chooser``; its calibrated
+    breakdown is made (into ``bds``) only where the estimate reads it. Why: a rival that has run is estimated from the
+    anchor model's prediction and what it measured, and its calibrated prediction was made and thrown away: four of
+    a weighing's nine predictions with ``none`` in force and every rival measured, where a weighing cost 2-3 ms on
+    the runtime at bench_long's shape (30 ms calls) and a fifth of the decisions weigh."""
+    if name not in bds and chooser.outcomes.reads_calibrated(name, chooser.current):
+        bds[name] = chooser._predict(cm, name, plan, resident)
+    bd = bds.get(name)
+    return chooser.outcomes.estimate(name, bd.total_s if bd is not None else float("nan"), chooser.current)
 
 
 def _late(candidates, deadline_s: float | None, cm, bds: dict) -> list[str]:

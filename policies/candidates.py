@@ -88,6 +88,15 @@ class Candidates:
                                       plan_with_residency(self.policies[name], load_RE, topology, resident_RE))
         return got[2]
 
+    def ideal_s(self, cm, load_RE) -> float:
+        """The force-balanced ideal's predicted time of this decision's load on ``cm`` (:meth:`~ultraep.cost.CostModel.
+        ideal`), made once per decision: an idle decision that does not rest weighs on the same load."""
+        key = ("ideal", id(cm))
+        got = self._made.get(key)
+        if got is None or got[0] is not cm or got[1] is not load_RE:
+            got = self._made[key] = (cm, load_RE, cm.ideal(load_RE).total_s)
+        return got[2]
+
     def predict(self, cm, name: str, plan: Plan, resident: bool, current: str | None):
         """The cost model's breakdown of ``name``'s plan: a historical placement that is not resident pays for
         sending all its replicas once; it then stays resident until its next re-placement, so that one-time cost

@@ -72,7 +72,8 @@ def idle_plan(chooser, cm, load_RE: np.ndarray, topology: Topology, resident_RE)
     pl = chooser.candidates.plan(fb, load_RE, topology, resident_RE)  # (a weighing takes both if this does not rest)
     bd = chooser._predict(cm, fb, pl, resident_RE is not None)
     rest = chooser._rest if chooser._rest is not None and chooser._rest.holds(bd) else None
-    stake = rest.stake_s if rest is not None else bd.total_s - cm.ideal(load_RE).total_s  # carried while resting
+    # the stake: carried while resting
+    stake = rest.stake_s if rest is not None else bd.total_s - chooser.candidates.ideal_s(cm, load_RE)
     fb_s = chooser.outcomes.estimate(fb, bd.total_s, chooser.current)
     # a rival the engine would probe is weighed when its probe is due (else within switch_now, as everywhere)
     due = chooser.schedule.probe_range(chooser.policies, fb_s, chooser.budget.standing)
@@ -90,4 +91,30 @@ def idle_plan(chooser, cm, load_RE: np.ndarray, topology: Topology, resident_RE)
             chooser._rest = None
     if plan.engine_s == 0.0:  # the plan returned is the fallback's as predicted: the engine need not predict it
         chooser._known = (plan.choice, cm, bd)
+    return plan
+
+
+def kept(chooser, cm, plans: dict, bd, topology: Topology, screened, resident: bool, idle: bool | str) -> Plan:
+    """Steps 3-6 of a decision of ``chooser`` (an :class:`~.adaptive.AdaptivePolicy`) that weighed nothing (``idle``,
+    as its ``decide`` takes it: Step 0 here, Step 0b in :mod:`.settled`), whose one plan is the policy in force's,
+    predicted (``bd``): the plan its ``decide`` returns, without the choosing. One candidate leaves nothing to choose:
+    no other is feasible, late or the fallback's double, hysteresis keeps the policy in force, and no probe or
+    confirmation can run (each runs a candidate other than the chosen one). Why: such decisions are most of a run
+    (three in four at bench_long's shape), and on the runtime each microsecond of their Python costs two to three
+    (the same decision timed offline and in the ranks, after the layer's compute)."""
+    name, fb, t = chooser.current, chooser.fallback, chooser.outcomes
+    if t.anchor_plans is not plans:  # (Step 0b made them on these plans)
+        chooser._anchor_predictions(topology, plans, resident)
+    chooser._anchor_predictions(topology, plans, resident, names=[name])  # what its outcome is measured against
+    est = t.estimate(name, bd.total_s, name)
+    sched = chooser.schedule
+    if sched.probe_every > 0 and sched._contender is None and name == fb:  # (what Step 5b's probe() records)
+        sched._contender = est <= (1 + sched.probe_max_loss) * est
+    settled = isinstance(idle, str)
+    reason = idle if settled else f"idle: {fb} in force, nothing in contention, exploration budget spent"
+    facts = {"late": [], "same_as_none": [], "screened": list(screened), "pending": None, "probe": False,
+             "confirm": False, "restart": False, "settled": settled, "none_clear": False, "idle": not settled,
+             "saved_s": 0.0}
+    plan = chooser._assemble(cm, plans, {name: bd}, {name: est}, name, reason, facts, resident)
+    chooser._memo = (plan, plans, None)
     return plan

@@ -283,6 +283,11 @@ class OutcomeTracker:
             return True
         return self._outcome_anchor[name][1] >= FEW_RUNS and any(n != name for n in self._outcome_anchor)
 
+    def reads_calibrated(self, name: str, current: str | None) -> bool:
+        """Whether :meth:`estimate` of ``name`` reads its calibrated prediction now (else the anchor's alone)."""
+        return (name == current and name in self._outcome and not self.anchored(name, current)) or not (
+            name in self._outcome_anchor and name in self.anchor_s)
+
     def estimate(self, name: str, calibrated_s: float, current: str | None) -> float:
         """A candidate's predicted layer time (``calibrated_s``: the calibrated model's prediction of its plan):
 

@@ -82,9 +82,9 @@ class Screen:
                     and ideal_s * self.outcomes.correction(n) + c.exposed_planner_s(cm, n) >= ref]
         return out
 
-    def references(self, breakdowns: dict, current: str | None) -> dict[str, float]:
-        """Corrected predictions of the always-planned candidates in ``breakdowns`` that bound the screen (a
-        historical placement only when resident: the plain prediction omits its switching cost)."""
+    def bounds(self, name: str, current: str | None) -> bool:
+        """Whether ``name``'s corrected prediction, when planned, bounds the screen (``others_s`` of :meth:`screened`):
+        an always-planned candidate, a historical placement only when resident (the plain prediction omits its
+        switching cost)."""
         c = self.candidates
-        return {n: self.outcomes.estimate(n, bd.total_s, current) for n, bd in breakdowns.items()
-                if n in c.policies and not c.screenable(n) and not c.switches(n, current)}
+        return name in c.policies and not c.screenable(name) and not c.switches(name, current)
