@@ -337,8 +337,8 @@ def _estimate(chooser, cm, name: str, plan: Plan, bds: dict, resident: bool) -> 
     """``name``'s corrected prediction (:meth:`.OutcomeTracker.estimate`) of ``plan`` by ``chooser``; its calibrated
     breakdown is made (into ``bds``) only where the estimate reads it. Why: a rival that has run is estimated from the
     anchor model's prediction and what it measured, and its calibrated prediction was made and thrown away: four of
-    a weighing's nine predictions with ``none`` in force and every rival measured, where a weighing cost 2-3 ms on
-    the runtime at bench_long's shape (30 ms calls) and a fifth of the decisions weigh."""
+    a weighing's ten (five candidates on two models) with ``none`` in force and every rival measured, where a weighing
+    cost 2-3 ms on the runtime at bench_long's shape (30 ms calls) and a fifth of the decisions weigh."""
     if name not in bds and chooser.outcomes.reads_calibrated(name, chooser.current):
         bds[name] = chooser._predict(cm, name, plan, resident)
     bd = bds.get(name)
