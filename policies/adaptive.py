@@ -64,7 +64,7 @@ from .idle import idle_plan, kept
 from .settled import settled_plan, verdict
 from .probes import LOSING_STREAK, PROBE_BURST, PROBE_COST_SHARE, PROBE_REGRET, PROBE_SHARE, ProbeSchedule
 from .probes import confirm as confirm_switch
-from .probes import probe_reason
+from .probes import first_weighing, probe_reason
 from .screening import Screen
 
 DEFAULT_CANDIDATES = ("none", "quota", "eplb", "feplb", "hybridep")
@@ -242,6 +242,8 @@ class AdaptivePolicy:
         best = min(feasible, key=lambda n: (feasible[n], n != self.fallback))
         chosen, reason, pending = self.hysteresis.choose(feasible, best, late, self.fallback, self.deadline_s)
         switch, probe = self.current in feasible and chosen != self.current, False  # hysteresis let the cheapest win
+        if self.current is None and self.schedule.probe_every > 0:  # (the fallback's first probe: does it contend)
+            first_weighing(self.schedule, feasible, best, self.fallback)
         confirm = confirm_switch(self.schedule, chosen, self.current, feasible) if switch else None  # why, restart, run
         if confirm is not None:  # Step 5a: a switch on stale, no, or too few measurements of its own is measured first
             chosen, probe, pending = confirm[2], confirm[2] != self.current, None  # ("pair": the policy in force ran)

@@ -25,12 +25,13 @@ At 64 tokens per rank, with the ledger spent on EPLB probes (one measured 50 % o
 decisions while FEPLB, 12 % slower, ran (the run came to 0.927x of ``none``). So is the re-check of a policy the switch
 left while it was measured fewer than FEW_RUNS times: its estimate may stand on one slow call (:func:`_owed`).
 
-First probe of the fallback: one the first weighing put within ``probe_max_loss`` of the best is probed at the first
-decision after the warm-up, whatever the ledger holds. Calibration learns from the policies that run, and on the
-runtime at 64 tokens per rank, 16 experts it raised ``none``'s prediction from 1.14x FEPLB's at the first weighing to
-1.5-1.7x (measured, ``none`` ran at 0.8x of FEPLB and quota), so its probe waited 31 calls for the ledger while they
-ran. One further behind at first (the default shape: 1.47x quota) waits for the ledger: its probe costs some 0.4 of a
-call there.
+First probe of the fallback: one put within ``probe_max_loss`` of the best by the seed model at the wrap's first
+decision (:func:`first_weighing`) or by the first calibrated weighing after it is probed at the first decision after
+the warm-up, whatever the ledger holds. Calibration learns from the policies that run, and on the runtime at 64 tokens
+per rank, 16 experts it raised ``none``'s prediction from 1.10-1.14x FEPLB's at the first decision to 1.5-1.7x
+(measured, ``none`` ran at 0.8x of FEPLB and quota), so its probe waited 31 calls for the ledger while they ran. One
+further behind at first (the default shape: 1.5x quota) is probed first only if the first calibrated weighing puts
+it within reach, else waits for the ledger: its probe costs some 0.4 of a call there.
 
 Switches: one a decision takes on fresh evidence is not displaced by a probe. Each probe that displaced it kept the
 slower policy in force one more call (in a replay of the 16-expert shape, two probes in a row cancelled the switch
@@ -361,6 +362,17 @@ class ProbeSchedule:
             lost = n != chosen and (v > predictions[chosen] * (1 + self.switch_now) or n in same)
             self._lost[n] = self._lost.get(n, 0) + 1 if lost else 0
         self._none_streak = self._none_streak + 1 if fallback_clear else 0
+
+
+def first_weighing(schedule: ProbeSchedule, feasible: dict[str, float], best: str, fallback: str | None) -> None:
+    """At a fresh wrap's first decision, before any call is measured: a fallback the seed model puts within
+    ``probe_max_loss`` of ``best`` contends (the module's *first probe of the fallback*); one it puts further behind
+    is judged at the first weighing after it, calibrated, as before. Why: that weighing's calibration stands on the
+    process's first call alone, the slowest of the run, and on the runtime at 64 tokens per rank, 16 experts, where
+    ``none`` is the fastest policy and the seed model puts it 1.10x FEPLB, it put ``none`` past ``probe_max_loss`` in
+    9 of 20 runs: quota was probed first, and ``none`` first ran at calls 4-20 (docs/design.md, *the first calls*)."""
+    if fallback in feasible and feasible[fallback] <= (1 + schedule.probe_max_loss) * feasible[best]:
+        schedule._contender = True
 
 
 def _owed(schedule: ProbeSchedule) -> str | None:

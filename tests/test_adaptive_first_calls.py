@@ -158,3 +158,36 @@ def test_a_fallback_the_first_weighing_put_in_contention_is_probed_first_whateve
     behind.decisions, behind.outcomes.observed = OUTCOME_WARMUP, OUTCOME_WARMUP
     assert behind.probe(later, "feplb", "feplb", "none") is None  # it waits for the ledger, as before
     assert _schedule(None).probe(later, "feplb", "feplb", "none") == "none"  # unpaced: the fallback at once
+
+
+@pytest.mark.parametrize("shape, contends", [("default", None), ("tok64", True)])
+def test_a_fallback_the_seed_model_puts_in_contention_contends_whatever_the_first_calls_measure(shape, contends):
+    """The seed model's first decision puts ``none`` 1.18x FEPLB at 64 tokens per rank: it contends from there on,
+    whatever calibration makes of the process's first calls (on the runtime at 64 tokens per rank, 16 experts, the
+    second decision, calibrated on the first call alone, put ``none`` past ``probe_max_loss`` in 9 of 20 runs, and
+    its probe waited while quota's ran). At the default shape (1.5x quota) the first calibrated weighing judges, as
+    before."""
+    import numpy as np
+
+    from first_calls_replay import cost_model, load
+
+    from ultraep.config import AdaptiveOptions, BalancerConfig
+    from ultraep.engine import Engine
+
+    s = SCENARIOS[shape]
+    cm = cost_model(s)
+    eng = Engine(BalancerConfig(policy="adaptive", layers={0: AdaptiveOptions()}), cm.topology, cost_model=cm)
+    held, L = np.zeros((2, s.experts), dtype=bool), load(s, 1)
+    d = eng.decide(0, 0, 0, L, held)
+    eng.commit(d)
+    sched = eng.policy_for(0).schedule
+    assert (d.predictions["none"] <= 1.25 * min(d.predictions.values())) is (contends is True)
+    assert sched._contender is contends  # (before: None, whatever the seed model said)
+    if contends:
+        for i in range(1, 4):  # slow first calls of the policy chosen: calibration moves, the verdict stays
+            bd = d.predicted
+            eng.observe(i - 1, 0, 0, {k: 1.6 * v for k, v in bd.as_dict().items()
+                                      if k in ("compute_fwd_s", "a2a_fwd_s")}, measured_total_s=1.6 * bd.total_s)
+            d = eng.decide(i, 0, 0, L, held)
+            eng.commit(d)
+            assert sched._contender is True
