@@ -181,7 +181,7 @@ def test_a_fallback_the_seed_model_puts_in_contention_contends_whatever_the_firs
     d = eng.decide(0, 0, 0, L, held)
     eng.commit(d)
     sched = eng.policy_for(0).schedule
-    assert (d.predictions["none"] <= 1.25 * min(d.predictions.values())) is (contends is True)
+    assert bool(d.predictions["none"] <= 1.25 * min(d.predictions.values())) is (contends is True)
     assert sched._contender is contends  # (before: None, whatever the seed model said)
     if contends:
         for i in range(1, 4):  # slow first calls of the policy chosen: calibration moves, the verdict stays
