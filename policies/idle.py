@@ -108,8 +108,8 @@ def kept(chooser, cm, plans: dict, bd, topology: Topology, screened, resident: b
     chooser._anchor_predictions(topology, plans, resident, names=[name])  # what its outcome is measured against
     est = t.estimate(name, bd.total_s, name)
     sched = chooser.schedule
-    if sched.probe_every > 0 and sched._contender is None and name == fb:  # (what Step 5b's probe() records)
-        sched._contender = est <= (1 + sched.probe_max_loss) * est
+    if sched.probe_every > 0 and sched._contender is None and name == fb:  # (what Step 5b's probe() records: the
+        sched._contender = True  # fallback in force is its own best)
     settled = isinstance(idle, str)
     reason = idle if settled else f"idle: {fb} in force, nothing in contention, exploration budget spent"
     facts = {"late": [], "same_as_none": [], "screened": list(screened), "pending": None, "probe": False,

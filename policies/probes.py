@@ -281,7 +281,7 @@ class ProbeSchedule:
         the warm-up, whatever the ledger holds (the module's *first probe of the fallback*). A switch this decision
         takes on fresh evidence (``switching``) is not displaced by a probe (the module's *switches*)."""
         if self._contender is None and fallback in feasible:
-            self._contender = feasible[fallback] <= (1 + self.probe_max_loss) * feasible[best]
+            self._contender = contends(self, feasible, best, fallback)
         if self.warming() or (switching and self.cost_share is not None):
             return None
         if (owed := _owed(self)) in feasible and owed != chosen:
@@ -371,8 +371,13 @@ def first_weighing(schedule: ProbeSchedule, feasible: dict[str, float], best: st
     process's first call alone, the slowest of the run, and on the runtime at 64 tokens per rank, 16 experts, where
     ``none`` is the fastest policy and the seed model puts it 1.10x FEPLB, it put ``none`` past ``probe_max_loss`` in
     9 of 20 runs: quota was probed first, and ``none`` first ran at calls 4-20 (docs/design.md, *the first calls*)."""
-    if fallback in feasible and feasible[fallback] <= (1 + schedule.probe_max_loss) * feasible[best]:
+    if fallback in feasible and contends(schedule, feasible, best, fallback):
         schedule._contender = True
+
+
+def contends(schedule: ProbeSchedule, feasible: dict[str, float], best: str, fallback: str) -> bool:
+    """Whether ``fallback`` is predicted (``feasible``) within ``probe_max_loss`` of ``best``."""
+    return bool(feasible[fallback] <= (1 + schedule.probe_max_loss) * feasible[best])
 
 
 def _owed(schedule: ProbeSchedule) -> str | None:
