@@ -22,7 +22,9 @@ Two parts, one table each, rows in ``benchmarks/results/bench_long.csv``:
    of the window is |sum predicted / sum measured - 1| over adaptive's calls (the runtime's measured layer time,
    slowest rank): what the engine predicted the window to cost. Per call, mean |predicted / measured - 1| is shown
    beside the calls' own noise, the floor no model of the load can go below: mean |log(m_i / m_(i-1))| / sqrt(2) of
-   the same calls' measured times, successive calls of a slowly moving load (:func:`noise_floor`).
+   the same calls' measured times, successive calls of a slowly moving load (:func:`noise_floor`). A second arm of
+   ``none`` (:data:`TWIN`) runs beside them: its window over ``none``'s is the spread of two arms of the same work,
+   what the runtime's noise alone puts between adaptive and the best fixed policy when adaptive runs its very plans.
 2. **Engine state** (offline, no ranks): the same :class:`~ultraep.engine.Engine` decides, commits and observes
    ``--decisions`` calls of an 8-rank layer on the same kind of stream, with synthetic measured timings (the cost
    model's prediction times a per-policy factor and noise, every rank's compute for the compute fit). Its state
@@ -53,6 +55,10 @@ from benchmarks.common import carryover_orders, row, write_rows  # noqa: E402
 
 BENCH = "bench_long"
 FIXED = ("none", "quota", "eplb", "feplb", "hybridep")
+#: a second arm of ``none``: the same layer work timed again, interleaved like the others. What it measures over
+#: ``none``'s arm in a window is what the runtime's noise alone puts between two arms of one policy, the resolution of
+#: "adaptive / best fixed" (adaptive running the best policy's very plans would land that far from it by chance)
+TWIN = "twin"
 #: the phases of the stream, in order, with their share of the run
 PHASES = (("rise", 0.2), ("move", 0.2), ("small", 0.2), ("back", 0.2), ("fall", 0.2))
 #: calls between moves of the hot experts (phases move and back)
@@ -126,7 +132,7 @@ def _body(rank, world, shape: Shape, args, policies):
                     top_k=shape.top_k, slots=shape.slots)
     runs = []
     for name in policies:
-        config = {"policy": name, "num_redundant_slots": shape.slots}
+        config = {"policy": "none" if name == TWIN else name, "num_redundant_slots": shape.slots}
         if name == "adaptive" and args.probe_share is not None:
             config["adaptive"] = {"probe_share": None if args.probe_share < 0 else args.probe_share}
         layer, rt = wrapped_layer(rshape, config)
@@ -169,7 +175,7 @@ def run_runtime(shape: Shape, args) -> dict:
     (``plan``: the call's planning, the engine's decision included, on its slowest-planning rank)."""
     from ultraep.launch import launch
 
-    policies = (*FIXED, "adaptive")
+    policies = (*FIXED, TWIN, "adaptive")
     timeout = 600.0 * max(1.0, args.calls * len(policies) / 200)
     outs = launch(_body, 2, shape, args, policies, backend="gloo", threads_per_rank=1, timeout_s=timeout)
     res = {}
@@ -201,7 +207,8 @@ def windows(res: dict, calls: int, window: int, experts: int) -> list[dict]:
     """Per window of ``window`` calls: its phases, the best fixed policy, adaptive / best (summed layer time), the
     prediction error of adaptive's calls, its probe share, what it chose most, each policy's mean planning time per
     call (``plan``, the engine's decision included: on the critical path) and adaptive's planning beyond ``none``'s as a
-    share of ``none``'s layer time (``deciding``: what deciding costs the window, right choices or not)."""
+    share of ``none``'s layer time (``deciding``: what deciding costs the window, right choices or not); ``twin``: the
+    :data:`TWIN` arm's summed time over ``none``'s (NaN without it), never a candidate for the best."""
     out = []
     for lo in range(0, calls, window):
         hi = min(calls, lo + window)
@@ -221,7 +228,8 @@ def windows(res: dict, calls: int, window: int, experts: int) -> list[dict]:
                     "noise": noise_floor(m[ok]),
                     "probe_share": float(np.mean(a["probe"][lo:hi])),
                     "chose": max(set(chosen), key=chosen.count), "totals": tot, "plan": plan,
-                    "deciding": (plan["adaptive"] - plan["none"]) * (hi - lo) / tot["none"]})
+                    "deciding": (plan["adaptive"] - plan["none"]) * (hi - lo) / tot["none"],
+                    "twin": tot[TWIN] / tot["none"] if TWIN in tot else float("nan")})
     return out
 
 
@@ -325,29 +333,37 @@ def main(argv=None) -> int:
                           f"(T={shape.tokens}/{shape.small} H={shape.hidden} I={shape.ffn} E={shape.experts} "
                           f"k={shape.top_k} N={shape.slots}), load avg {load_at_start:.2f} at start")
         for c in ("calls", "phases", "best fixed", "adaptive / best", "prediction error", "per call", "calls' noise",
-                  "probes", "deciding", "adaptive ran"):
+                  "probes", "deciding", "adaptive ran", "twin / none"):
             tab.add_column(c, justify="right")
-        for w in windows(res, args.calls, args.window, shape.experts):
+        wins = windows(res, args.calls, args.window, shape.experts)
+        for w in wins:
             x = f"{x0}/{w['lo']}-{w['hi']}"
             tab.add_row(f"{w['lo']}-{w['hi']}", w["phases"], w["best"], f"{w['ratio']:.3f}",
                         f"{100 * w['pred_error']:.1f} %", f"{100 * w['per_call_error']:.1f} %",
                         f"{100 * w['noise']:.1f} %", f"{100 * w['probe_share']:.0f} %", f"{100 * w['deciding']:+.1f} %",
-                        w["chose"])
+                        w["chose"], f"{w['twin']:.3f}")
             rows.append(row("long_run", "adaptive", "vs_best_fixed", "ratio", x, w["ratio"]))
             rows.append(row("long_run", "adaptive", "prediction_error_window", "ratio", x, w["pred_error"]))
             rows.append(row("long_run", "adaptive", "prediction_error", "ratio", x, w["per_call_error"]))  # per call
             rows.append(row("long_run", "adaptive", "noise_floor", "ratio", x, w["noise"]))
             rows.append(row("long_run", "adaptive", "probe_share", "ratio", x, w["probe_share"]))
             rows.append(row("long_run", "adaptive", "deciding_share", "ratio", x, w["deciding"]))
+            rows.append(row("long_run", TWIN, "vs_none", "ratio", x, w["twin"]))
             for name, tot in w["totals"].items():
                 rows.append(row("long_run", name, "layer_time_sum", "s", x, tot))
                 rows.append(row("long_run", name, "plan_time", "s", x, w["plan"][name]))
         total = {n: float(np.sum(r["t"])) for n, r in res.items()}
         best = min(FIXED, key=total.get)
         tab.add_section()
-        tab.add_row("all", "", best, f"{total['adaptive'] / total[best]:.3f}", "", "", "", "", "")
+        tab.add_row("all", "", best, f"{total['adaptive'] / total[best]:.3f}", "", "", "", "", "", "",
+                    f"{total[TWIN] / total['none']:.3f}")
         rows.append(row("long_run", "adaptive", "vs_best_fixed", "ratio", f"{x0}/all", total["adaptive"] / total[best]))
+        rows.append(row("long_run", TWIN, "vs_none", "ratio", f"{x0}/all", total[TWIN] / total["none"]))
         console.print(tab)
+        within = sum(w["ratio"] <= 1.03 for w in wins)
+        twin_within = sum(w["twin"] <= 1.03 for w in wins)
+        console.print(f"windows within 3 %: adaptive of the best fixed {within} of {len(wins)}; the twin of none "
+                      f"{twin_within} of {len(wins)} (the same work: what noise alone leaves)")
     if args.part in ("all", "engine"):
         share = {} if args.probe_share is None else {"probe_share": None if args.probe_share < 0 else args.probe_share}
         eng = run_engine(args.decisions, args.seed, share)

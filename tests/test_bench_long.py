@@ -66,6 +66,22 @@ def test_deciding_is_adaptive_planning_beyond_none_over_none_layer_time():
         assert w1["plan"]["none"] == pytest.approx(0.0007) and w1["plan"]["adaptive"] == pytest.approx(0.0007 + extra)
 
 
+def test_the_twin_is_measured_against_none_and_never_taken_for_the_best():
+    """The twin arm (``none`` timed again) 2 % slower than ``none`` shows as 1.02 in its window; 10 % faster than
+    every fixed policy, it still is not the best fixed one (it is no policy of its own): adaptive is weighed against
+    ``none``. Without a twin arm (older recordings) the column is NaN."""
+    n = 20
+    res = {p: {"t": np.full(n, 0.05 if p == "none" else 0.06), "plan": np.zeros(n)} for p in bench_long.FIXED}
+    res["adaptive"] = {"t": np.full(n, 0.051), "measured": np.full(n, 0.051), "predicted": np.full(n, 0.05),
+                       "plan": np.zeros(n), "chosen": ["none"] * n, "probe": [False] * n}
+    (w,) = bench_long.windows(res, n, n, 16)
+    assert np.isnan(w["twin"])
+    for f in (1.02, 0.90):
+        res[bench_long.TWIN] = {"t": np.full(n, 0.05 * f), "plan": np.zeros(n)}
+        (w,) = bench_long.windows(res, n, n, 16)
+        assert w["twin"] == pytest.approx(f) and w["best"] == "none" and w["ratio"] == pytest.approx(1.02)
+
+
 def test_bad_sizes_are_refused_with_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         bench_long.main(["--calls", "0"])
@@ -85,7 +101,7 @@ def test_a_smoke_run_writes_rows_of_the_benchmarks_columns(tmp_path, monkeypatch
     got = {(r["what"], r["provider"], r["metric"]) for r in rows}
     for metric in ("vs_best_fixed", "prediction_error_window", "prediction_error", "noise_floor", "probe_share"):
         assert ("long_run", "adaptive", metric) in got
-    assert ("long_run", "adaptive", "deciding_share") in got
+    assert ("long_run", "adaptive", "deciding_share") in got and ("long_run", bench_long.TWIN, "vs_none") in got
     for name in (*bench_long.FIXED, "adaptive"):
         assert ("long_run", name, "layer_time_sum") in got and ("long_run", name, "plan_time") in got
     for metric in ("items", "bytes", "decision_time", "probe_share"):
@@ -96,7 +112,9 @@ def test_a_smoke_run_writes_rows_of_the_benchmarks_columns(tmp_path, monkeypatch
     # --calls-out: every call of every policy, with what adaptive chose and why
     with calls.open() as fh:
         per = list(csv.DictReader(fh))
-    assert {(r["policy"], int(r["call"])) for r in per} == {(n, i) for n in (*bench_long.FIXED, "adaptive") for i in range(6)}
+    assert {(r["policy"], int(r["call"])) for r in per} == {
+        (n, i) for n in (*bench_long.FIXED, bench_long.TWIN, "adaptive") for i in range(6)}
+    assert all(r["chosen"] == "none" for r in per if r["policy"] == bench_long.TWIN)  # (the same work as none's)
     assert all(float(r["t_s"]) > 0 and float(r["plan_s"]) > 0 for r in per)
     mine = [r for r in per if r["policy"] == "adaptive"]
     assert all(r["chosen"] in bench_long.FIXED and r["reason"] for r in mine)
