@@ -45,6 +45,13 @@ FEW_RUNS measurements again it is probed every ``probe_every`` decisions, as if 
 Paced by regret: a rival measured FEW_RUNS times is probed again once the decisions since it ran pay for its probe at
 ``probe_regret`` of the policy in force's time each (:class:`Pace`), at any predicted loss: probing costs each window
 about that much per rival, and no estimate, however stale, keeps a rival out of reach for good.
+
+Screened while due: a decision that weighs nothing asks :meth:`ProbeSchedule.probe_range` whether a probe is due, and
+weighs if one is, so that the probe runs. A candidate the last weighing did not plan (the gain bound screened it, or
+it rests) cannot be probed by the next weighing either until it is re-evaluated (:meth:`ProbeSchedule.reevaluate`):
+until then it is not due there. Counted, a paced rival due by its regret period (eplb at 1.4x ``none``'s time) but
+screened by every weighing ended the idle and settled rests at each decision for up to ``probe_every`` decisions: in
+a replay of bench_long's runtime calls, 30 weighings in a window of 100, each 1.5-2 ms of a 25 ms call, for no probe.
 """
 
 from __future__ import annotations
@@ -121,12 +128,10 @@ class ProbeSchedule:
         probe_max_loss: a due candidate is probed only if predicted at most this (relative) slower than the best.
         switch_now: a planned candidate predicted slower than the chosen one by more than this lost clearly.
         outcomes: the chooser's measured outcomes (how often each candidate was measured).
-        probe_share: the share of decisions that may run a probe, over the run, beside ``burst`` probes (None: no
-            bound: every due candidate within ``probe_max_loss`` is probed).
-        burst: probes allowed beyond the share (the chooser passes PROBE_BURST per candidate).
+        probe_share: the share of decisions that may run a probe, over the run, beside ``burst`` probes (the
+            chooser passes PROBE_BURST per candidate; None: no bound, every due one within ``probe_max_loss``).
         cost_share: the probes' predicted seconds over the policy in force may sum to at most this share of its
-            predicted time so far (:meth:`loss_room`); None: not paced by cost (the schedule before issue 56's
-            first-calls item: no warm-up wait, never-run candidates first).
+            predicted time so far (:meth:`loss_room`); None: not paced by cost (no warm-up wait, never-run first).
         regret: :class:`Pace`'s (None: every ``probe_every`` decisions, within ``probe_max_loss`` of the best).
     """
 
@@ -154,6 +159,7 @@ class ProbeSchedule:
         self._lost: dict[str, int] = {}  # consecutive decisions a planned candidate lost by more than switch_now
         self._recheck: set[str] = set()  # candidates a switch left, not measured since (re-checked sooner)
         self._left_at: dict[str, int] = {}  # the decision (outcomes.decisions) each was last marked for a re-check
+        self._screened: set[str] = set()  # the candidates the last weighing did not plan (screened or resting)
         #: whether the fallback was predicted within probe_max_loss of the best at its first weighing (None: not yet)
         self._contender: bool | None = None
 
@@ -171,10 +177,9 @@ class ProbeSchedule:
         return self.cost_share * (self.base_s + max(0.0, ref_s)) - self.loss_s
 
     def warming(self) -> bool:
-        """Whether a probe now would be measured in the outcome warm-up (where paced by cost): its measurement would
-        be discarded and the probe repeated, so its cost would buy nothing. The first OUTCOME_WARMUP decisions, and
-        after them while measurements are arriving but fewer than OUTCOME_WARMUP (a simulation, which measures
-        nothing, probes as the runtime does after its first OUTCOME_WARMUP calls)."""
+        """Whether a probe now would be measured in the outcome warm-up (where paced by cost), discarded and repeated:
+        the first OUTCOME_WARMUP decisions, and after them while measurements are arriving but fewer than
+        OUTCOME_WARMUP (a simulation, which measures nothing, probes as the runtime does after its first ones)."""
         return self.cost_share is not None and (self.decisions < OUTCOME_WARMUP
                                                 or 0 < self.outcomes.observed < OUTCOME_WARMUP)
 
@@ -228,6 +233,8 @@ class ProbeSchedule:
             return {}
         room, out = self.loss_room(ref_s), {}
         for n in names:  # a paced one within any loss, once its period paid for its probe
+            if n in self._screened and not self.reevaluate(n):  # (the module's *screened while due*)
+                continue
             unsure = self.uncertain(n)  # (read once: it counts the fallback's measurements)
             if min(self.probe_max_loss * ref_s if unsure else float("inf"), standing.get(n, 0.0) - ref_s) > room:
                 continue
@@ -241,11 +248,10 @@ class ProbeSchedule:
 
     def reevaluate(self, name: str) -> bool:
         """Whether ``name`` must be planned this decision whatever the screen says: it was not planned for
-        ``probe_every`` decisions, or it ran, is due for a probe and was not planned for its probe period
-        (screening must not starve a candidate for its measured outcome: it could be screened *because* of that
-        outcome, and one slow run kept quota out for good). Planned while due but too slow to be probed, it
-        waits another period: re-planning it every decision until then cost the engine as much as never
-        screening it (eplb at 64 tokens per rank)."""
+        ``probe_every`` decisions, or it ran, is due for a probe and was not planned for its probe period (screening
+        must not starve a candidate for its measured outcome: it could be screened *because* of that outcome, and one
+        slow run kept quota out for good). Planned while due but too slow to be probed, it waits another period:
+        re-planning it every decision until then cost as much as never screening it (eplb at 64 tokens per rank)."""
         unplanned = self._unplanned.get(name, 0)
         return self.probe_every > 0 and (unplanned >= self.probe_every or (
             name in self._ran and self.due(name) and unplanned >= self.period(name)))
@@ -358,6 +364,7 @@ class ProbeSchedule:
             self._unplanned[n] = 0 if n in predictions else self._unplanned.get(n, 0) + 1
         if not weighed:
             return
+        self._screened = {n for n in names if n not in predictions}
         for n, v in predictions.items():
             lost = n != chosen and (v > predictions[chosen] * (1 + self.switch_now) or n in same)
             self._lost[n] = self._lost.get(n, 0) + 1 if lost else 0

@@ -128,3 +128,57 @@ def test_a_rivals_estimate_reads_its_measurements_of_one_span_only():
 
     assert median(32) == -0.3  # 400 - 5 x 32 = 240: the four old ones are out of the span
     assert median(0) == 0.3
+
+
+def test_a_due_rival_the_last_weighing_did_not_plan_ends_no_rest_until_it_is_re_evaluated():
+    """What idle and settled decisions ask (``ProbeSchedule.probe_range``) leaves out a paced rival due for a probe that
+    the last weighing did not plan (screened): the next weighing would not plan it either, so it could not probe it.
+    Re-evaluated (unplanned for ``probe_every`` decisions: the next weighing plans it), it is due again; planned by the
+    last weighing (the control), it is due at once."""
+    from ultraep.policies.outcomes import FEW_RUNS, OutcomeTracker
+    from ultraep.policies.probes import ProbeSchedule
+
+    def after_weighing(planned: dict[str, float]) -> ProbeSchedule:
+        t = OutcomeTracker(None, 5, 0.02, 32)
+        t.observed = 300
+        t._outcome_anchor = {"none": (0.0, FEW_RUNS), "eplb": (0.3, FEW_RUNS)}
+        s = ProbeSchedule(32, 0.25, 0.02, t, 0.05, FEW_RUNS, 0.02, 0.0025, fallback="none")
+        s._ran.update({"none", "eplb"})
+        s._since.update({"none": 0, "eplb": 299})
+        s.decisions, s.base_s = 300, 300.0  # (the probe ledger has room for it)
+        s.record(["none", "eplb"], "none", planned, set(), False, weighed=True, ref_s=1.0)
+        return s
+
+    standing = {"eplb": 1.4}  # 40 % behind: paced, due once 160 decisions paid for its probe (it ran 300 ago)
+    screened = after_weighing({"none": 1.0})
+    assert "eplb" not in screened.probe_range(["none", "eplb"], 1.0, standing)
+    screened._unplanned["eplb"] = 32
+    assert screened.reevaluate("eplb") and "eplb" in screened.probe_range(["none", "eplb"], 1.0, standing)
+    planned = after_weighing({"none": 1.0, "eplb": 1.4})
+    assert "eplb" in planned.probe_range(["none", "eplb"], 1.0, standing)
+
+
+def test_a_rival_screened_while_due_does_not_make_every_rest_weigh(monkeypatch):
+    """``none`` in force, every rival measured 40 % slower on a load with little to gain, where the gain bound screens
+    eplb and feplb: their probes come due by their regret period while every weighing screens them. Counted as due, they
+    ended the rests with a weighing that could not probe them (the control: the last weighing's screened candidates
+    forgotten); left out until re-evaluated, a third of those weighings go."""
+    from ultraep.policies.probes import ProbeSchedule
+
+    def weighings():
+        cm, load = _cm(), _load(0.05)
+        pol = AdaptivePolicy(cost_model=cm, candidates=("none", "quota", "eplb", "feplb"))
+        got = _drive(pol, cm, [load] * 600, lambda i, n: 1e-2 * (1.0 if n == "none" else 1.4))
+        assert all(a["chosen"] == "none" or a["probe"] or a["confirm"] for a in got[100:])
+        return sum(not (a["idle"] or a["settled"]) for a in got[100:])
+
+    fixed = weighings()
+    record = ProbeSchedule.record
+
+    def forgetting(self, *args, **kw):
+        record(self, *args, **kw)
+        self._screened = set()
+
+    monkeypatch.setattr(ProbeSchedule, "record", forgetting)
+    control = weighings()
+    assert fixed <= 0.7 * control, (fixed, control)
