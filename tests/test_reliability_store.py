@@ -100,7 +100,9 @@ def test_sigkill_at_random_points_twenty_times(tmp_path):
     read: set = set()
     kinds = {"during open": 0, "mid-run": 0}
     for session in range(KILLS):
-        started, flushed = FORK.Value("i", 0), FORK.Value("q", -1)
+        # lock-free: a writer killed inside a locked write would hold the lock for good, and the next read here
+        # would wait on it forever (one writer, word-sized values, read here only after it started or died)
+        started, flushed = FORK.Value("i", 0, lock=False), FORK.Value("q", -1, lock=False)
         p = FORK.Process(target=_writer, args=(str(tmp_path), session, started, flushed))
         p.start()
         if session % 5 == 4:  # kill while the recorder opens (writing its first runs_log row, or before)
