@@ -285,7 +285,7 @@ def run_engine(decisions: int, seed: int, options: dict | None = None, at=None, 
         if bd.rank_tokens_R is not None and bd.rank_tokens_R.max() > 0:
             share = bd.rank_tokens_R / bd.rank_tokens_R.max() * np.exp(rng.normal(0.0, 0.03, R))
             ranks = {"compute_fwd_s": bd.compute_fwd_s * f * share, "compute_bwd_s": bd.compute_bwd_s * f * share}
-        eng.observe(i, 0, 0, meas, measured_total_s=bd.total_s * f, rank_compute_s=ranks)
+        eng.observe(i, 0, 0, meas, measured_total_s=bd.terms_s * f, rank_compute_s=ranks)
         times[i] = time.perf_counter() - t0
         if i + 1 in at:
             marks[i + 1] = footprint(eng)

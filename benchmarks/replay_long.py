@@ -137,7 +137,7 @@ def replay(rec: dict, shape: Shape, seed: int, options: dict | None = None, jitt
         decide[i] = cost.get(k, cost[""])
         t[i] = rec[d.chosen]["t"][i] * shake[i] + decide[i]
         bd = d.predicted
-        f = t[i] / bd.total_s if bd.total_s > 0 else 1.0
+        f = t[i] / bd.terms_s if bd.terms_s > 0 else 1.0  # (the terms take the whole measured time)
         eng.observe(i, 0, 0, {x: v * f for x, v in bd.as_dict().items() if x in ("compute_fwd_s", "a2a_fwd_s",
                                                                                 "compute_bwd_s")},
                     measured_total_s=t[i])

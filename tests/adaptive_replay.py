@@ -93,7 +93,7 @@ def run_scenario(name, seed, R, E, tokens, n, opts, resident, truth) -> list[dic
         noise = float(np.exp(rng.normal(0.0, 0.05)))
         meas = {k: v * truth.get(d.chosen, 1.0) * warm * noise for k, v in d.predicted.as_dict().items()
                 if k in ("compute_fwd_s", "a2a_fwd_s")}
-        eng.observe(i, 0, 0, meas, measured_total_s=d.predicted.total_s * truth.get(d.chosen, 1.0) * warm * noise)
+        eng.observe(i, 0, 0, meas, measured_total_s=d.predicted.terms_s * truth.get(d.chosen, 1.0) * warm * noise)
         c = d.plan.decision
         out.append(_round({"i": i, "chosen": d.chosen, "reason": d.reason, "probe": c.probe,
                            "screened": list(c.screened), "predictions": d.predictions,

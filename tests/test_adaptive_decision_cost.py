@@ -49,7 +49,7 @@ def _step(eng: Engine, i: int, load: np.ndarray, noise: float):
     eng.commit(d)
     f = TRUTH.get(d.chosen, 1.0) * noise
     eng.observe(i, 0, 0, {k: v * f for k, v in d.predicted.as_dict().items() if k in ("compute_fwd_s", "a2a_fwd_s")},
-                measured_total_s=d.predicted.total_s * f)
+                measured_total_s=d.predicted.terms_s * f)
     return d
 
 

@@ -187,7 +187,7 @@ def test_a_fallback_the_seed_model_puts_in_contention_contends_whatever_the_firs
         for i in range(1, 4):  # slow first calls of the policy chosen: calibration moves, the verdict stays
             bd = d.predicted
             eng.observe(i - 1, 0, 0, {k: 1.6 * v for k, v in bd.as_dict().items()
-                                      if k in ("compute_fwd_s", "a2a_fwd_s")}, measured_total_s=1.6 * bd.total_s)
+                                      if k in ("compute_fwd_s", "a2a_fwd_s")}, measured_total_s=1.6 * bd.terms_s)
             d = eng.decide(i, 0, 0, L, held)
             eng.commit(d)
             assert sched._contender is True

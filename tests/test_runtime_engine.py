@@ -174,7 +174,7 @@ def test_engine_outcome_reaches_the_adaptive_layer():
     for step in range(OUTCOME_WARMUP + 1):  # the first measured calls are warm-up: they are not folded in
         d = eng.decide(step, 0, 0, load)
         eng.commit(d)
-        eng.observe(step, 0, 0, {}, measured_total_s=3 * d.predicted.total_s)
+        eng.observe(step, 0, 0, {}, measured_total_s=3 * d.predicted.terms_s)
         assert eng.policy_for(0).outcomes.correction(d.chosen) == pytest.approx(3.0 if step == OUTCOME_WARMUP else 1.0)
 
 

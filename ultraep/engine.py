@@ -31,7 +31,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from ultraep.config import BalancerConfig
-from ultraep.cost import Calibrator, CostBreakdown, CostModel
+from ultraep.cost import Calibrator, CostBreakdown, CostModel, with_excess
 from ultraep.load import validate_load
 from ultraep.plan import Plan
 from ultraep.policies import get_policy_class, make_policy, plan_resident
@@ -157,10 +157,14 @@ class Engine:
         bd = known(plan, cm) if known is not None else None
         if bd is None:
             bd = cm.predict(plan)
+        # the time the call stands for: the terms, and the calls' mean over them (the same for every candidate, so
+        # added after the choice; :func:`~ultraep.cost.with_excess`)
+        excess = cm.params.excess_s
+        bd = with_excess(bd, excess)
         kind = self.config.layer_options(layer).kind
         d = plan.decision
         if d is not None:
-            chosen, reason, preds = d.chosen, d.reason, dict(d.predictions)
+            chosen, reason, preds = d.chosen, d.reason, {k: v + excess for k, v in d.predictions.items()}
         else:
             chosen, reason, preds = kind, f"configured policy {kind}", {kind: bd.total_s}
         self._pending[(step, microbatch, layer)] = (bd, chosen)
@@ -217,7 +221,7 @@ class Engine:
                          "ratio": float(measured_total_s / bd.total_s)})
             outcome = getattr(self.policy_for(layer), "observe_outcome", None)
             if outcome is not None:
-                outcome(chosen, bd.total_s, float(measured_total_s))
+                outcome(chosen, bd.terms_s, float(measured_total_s))  # (as the candidates are compared)
         return rows
 
 

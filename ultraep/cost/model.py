@@ -18,6 +18,9 @@ arXiv 2604.19654 §2; the terms are listed in ``docs/simulator.md`` with the num
     plan         = planner time of the policy (model figures from the papers, or measured)
     engine       = the adaptive engine's decision overhead (``plan.engine_s``), else 0
     fwd          = engine + plan + weight_sync + a2a_fwd + compute_fwd + non_moe_fwd   (UltraEP Eq. 1)
+                   + call_overhead (a calibrated runtime's glue between the terms)
+    mean         = total + excess: what a call stands for on average (:func:`with_excess`); the terms are each right
+                   at the typical call, their comparison leaves the excess out
                    FEPLB: plan + copies overlap the static-expert compute; only the excess is exposed
                    HybridEP: expert all-gather is prefetched behind the pre-expert window; excess exposed
     compute_bwd  = backward_compute_factor · compute_fwd                       (≈ 2×, UltraEP Eq. 2)
@@ -74,6 +77,7 @@ class CostBreakdown:
     non_moe_bwd_s: float = 0.0
     copy_s: float = 0.0
     call_overhead_s: float = 0.0
+    excess_s: float = 0.0  #: the calls' mean excess over the terms, in total_s (:func:`with_excess`), else 0
     bwd_s: float = 0.0
     total_s: float = 0.0
     gemm_straggler_s: float = 0.0
@@ -92,6 +96,11 @@ class CostBreakdown:
     #: the predicting model's seconds per token before ``compute_scale`` (the layer's expert geometry): the unit in
     #: which :class:`ComputeFit` fits every rank's measured compute
     sec_per_token: float = 0.0
+
+    @property
+    def terms_s(self) -> float:
+        """``total_s`` less ``excess_s``: the terms alone, what candidates are compared on."""
+        return self.total_s - self.excess_s
 
     def as_dict(self) -> dict[str, float]:
         """JSON-ready floats: the terms (the per-rank arrays and the model's unit left out)."""
@@ -552,6 +561,19 @@ def _breakdown(**terms) -> CostBreakdown:
 #: arrays of up to this many ranks are summarised in Python floats (numpy's per-call dispatch is most of the cost
 #: there); longer ones in numpy
 _SMALL = 64
+
+
+def with_excess(bd: CostBreakdown, excess_s: float) -> CostBreakdown:
+    """``bd`` as the mean time of the calls it stands for: ``excess_s`` (``CostParams.excess_s``, the calls' mean over
+    their terms) in its ``excess_s``, ``fwd_s`` and ``total_s``. Only where a prediction stands for a time (a call's
+    recorded prediction, its decision's predictions): candidates are compared without it, as it is the same for each and
+    a ratio of two times with it added is pulled toward 1."""
+    if excess_s == 0.0 and bd.excess_s == 0.0:
+        return bd
+    d = {**bd.__dict__, "excess_s": float(excess_s)}
+    d["fwd_s"] = bd.fwd_s - bd.excess_s + excess_s
+    d["total_s"] = bd.total_s - bd.excess_s + excess_s
+    return _breakdown(**d)
 
 
 def _top_mean(a: np.ndarray) -> tuple[float, float]:

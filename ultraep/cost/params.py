@@ -88,6 +88,15 @@ class CostParams(BaseModel):
         "until both kinds were measured. May be negative (a call that balances permutes fewer rows on its "
         "busiest rank).",
     )
+    excess_s: float = Field(
+        default=0.0,
+        description="Mean seconds a call's measured layer time exceeds the sum of its predicted terms: what the "
+        "terms, each right at its typical call, leave out of the mean (heavy-tailed all-to-alls, the slowest of the "
+        "ranks' noisy compute, the decision's bookkeeping outside the planner's figures). Added to every "
+        "prediction, so that a predicted time is the mean of the calls it stands for; learned from each call's "
+        "measured layer time (``Calibrator``, weight ``EXCESS_WEIGHT``); 0 (the presets) until a call was measured. "
+        "May be negative (a model that over-predicts).",
+    )
     half_tokens: float | None = Field(
         default=None, ge=0,
         description="Tokens' worth of forward work every active expert instance costs beyond its tokens (the "
