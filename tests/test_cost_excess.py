@@ -91,9 +91,46 @@ def test_with_excess_moves_the_total_and_nothing_else():
     load = rng.multinomial(2048 * 4, power_law_popularity(8, 32, 1.0, rng), size=8).astype(np.int64)
     bd = cm.ideal(load)
     assert with_excess(bd, 0.0) is bd
-    up = with_excess(bd, 2e-3)
+    t = bd.total_s
+    up = with_excess(bd, 0.2 * t)
     assert (up.total_s, up.fwd_s, up.excess_s, up.terms_s) == pytest.approx(
-        (bd.total_s + 2e-3, bd.fwd_s + 2e-3, 2e-3, bd.total_s))
-    assert with_excess(up, -1e-3).total_s == pytest.approx(bd.total_s - 1e-3)  # replaced, not added twice
+        (1.2 * t, bd.fwd_s + 0.2 * t, 0.2 * t, t))
+    assert with_excess(up, -0.1 * t).total_s == pytest.approx(0.9 * t)  # replaced, not added twice
+    assert with_excess(up, -10.0).total_s == pytest.approx(0.5 * t)  # never below half the terms
     assert {k: v for k, v in up.as_dict().items() if k not in ("total_s", "fwd_s", "excess_s")} == \
         {k: v for k, v in bd.as_dict().items() if k not in ("total_s", "fwd_s", "excess_s")}
+
+
+def test_a_call_far_off_its_terms_teaches_no_excess():
+    """A call measured more than EXCESS_RANGE times off its terms' prediction (a layer whose scales came from two calls
+    predicted a 0.16 s call at 31 s) leaves the excess as it was; one within moves it by EXCESS_WEIGHT of its excess."""
+    pre = get_preset("gb200-nvl72")
+    cm = CostModel(pre.topology(8, 32, 2), pre.hardware, pre.expert)
+    rng = np.random.default_rng(0)
+    bd = cm.ideal(rng.multinomial(2048 * 4, power_law_popularity(8, 32, 1.0, rng), size=8).astype(np.int64))
+    t = bd.terms_s
+    for measured in (t / (calibrator.EXCESS_RANGE * 1.01), t * calibrator.EXCESS_RANGE * 1.01, t / 200):
+        assert calibrator.excess_after(1e-4, bd, measured) == 1e-4
+    assert calibrator.excess_after(1e-4, bd, 1.5 * t) == pytest.approx(
+        (1 - calibrator.EXCESS_WEIGHT) * 1e-4 + calibrator.EXCESS_WEIGHT * 0.5 * t)
+
+
+def test_a_negative_excess_never_hides_a_measured_outcome():
+    """With an excess far below the calls' terms (-10 s, as a broken prediction once taught it), a prediction stays at
+    half its terms or more, and every measured call of the policy the engine ran still counts as its run: the
+    negative control of 26 calls in a row confirming a rival "not measured yet" (64 tokens per rank, 2 gloo ranks)."""
+    eng = _engine("adaptive")
+    eng.calibrator.model = eng.calibrator.model.with_params(eng.calibrator.params.model_copy(update={"excess_s": -10.0}))
+    eng._models.clear()
+    rng = np.random.default_rng(3)
+    outcomes = eng.policy_for(0).outcomes
+    for i in range(12):
+        load = rng.multinomial(2048 * 4, power_law_popularity(8, 32, 1.0, rng), size=8).astype(np.int64)
+        d = eng.decide(i, 0, 0, load)
+        eng.commit(d)
+        assert d.predicted.total_s >= 0.5 * d.predicted.terms_s > 0
+        assert all(v > 0 for v in d.predictions.values())
+        before = outcomes.runs(d.chosen)
+        eng.observe(i, 0, 0, {}, measured_total_s=d.predicted.terms_s)
+        if i >= 3:  # (past the outcomes' warm-up)
+            assert outcomes.runs(d.chosen) == before + 1, (i, d.chosen, d.reason)

@@ -164,7 +164,7 @@ class Engine:
         kind = self.config.layer_options(layer).kind
         d = plan.decision
         if d is not None:
-            chosen, reason, preds = d.chosen, d.reason, {k: v + excess for k, v in d.predictions.items()}
+            chosen, reason, preds = d.chosen, d.reason, {k: v + max(excess, -0.5 * v) for k, v in d.predictions.items()}
         else:
             chosen, reason, preds = kind, f"configured policy {kind}", {kind: bd.total_s}
         self._pending[(step, microbatch, layer)] = (bd, chosen)
@@ -216,7 +216,7 @@ class Engine:
         self._models.clear()
         for lay, pol in self._policies.items():  # policies that predict use the calibrated model
             _refresh(pol, self.cost_model_for(lay))
-        if measured_total_s is not None and bd.total_s > 0:
+        if measured_total_s is not None and bd.terms_s > 0:  # (the terms: an excess never hides a measurement)
             rows.append({"term": "total_s", "predicted_s": bd.total_s, "measured_s": float(measured_total_s),
                          "ratio": float(measured_total_s / bd.total_s)})
             outcome = getattr(self.policy_for(layer), "observe_outcome", None)

@@ -567,10 +567,12 @@ def with_excess(bd: CostBreakdown, excess_s: float) -> CostBreakdown:
     """``bd`` as the mean time of the calls it stands for: ``excess_s`` (``CostParams.excess_s``, the calls' mean over
     their terms) in its ``excess_s``, ``fwd_s`` and ``total_s``. Only where a prediction stands for a time (a call's
     recorded prediction, its decision's predictions): candidates are compared without it, as it is the same for each and
-    a ratio of two times with it added is pulled toward 1."""
+    a ratio of two times with it added is pulled toward 1. Never below half the terms: an excess learned on larger calls
+    (a negative one) does not take a small call's prediction to nothing."""
     if excess_s == 0.0 and bd.excess_s == 0.0:
         return bd
-    d = {**bd.__dict__, "excess_s": float(excess_s)}
+    excess_s = max(float(excess_s), -0.5 * bd.terms_s)
+    d = {**bd.__dict__, "excess_s": excess_s}
     d["fwd_s"] = bd.fwd_s - bd.excess_s + excess_s
     d["total_s"] = bd.total_s - bd.excess_s + excess_s
     return _breakdown(**d)
