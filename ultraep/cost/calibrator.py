@@ -77,9 +77,9 @@ EXCESS_WARMUP = 2
 #: a call measured more than this factor off its terms' prediction, either way, feeds no excess: it says the terms
 #: are not calibrated yet, not what their tail adds. At 64 tokens per rank on 2 gloo ranks a layer's third call was
 #: predicted at 1.06 s, and in another run 31 s, for calls of 0.16 s (a backward factor of 5.1 learned from two calls);
-#: folded in, that one call made the excess -1.55 s and every prediction negative for 40 calls. On bench_long's
-#: recordings 66 of 15000 calls fall outside; the offline replay of the excess leaves every window within 6.0 % without
-#: them
+#: folded in, that one call made the excess -1.55 s and every later prediction of the 40 logged negative. On
+#: bench_long's recordings 66 of 15000 calls fall outside; the offline replay of the excess leaves every window within
+#: 6.0 % without them
 EXCESS_RANGE = 2.0
 
 
