@@ -31,7 +31,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from ultraep.config import BalancerConfig
-from ultraep.cost import Calibrator, CostBreakdown, CostModel, with_excess
+from ultraep.cost import Calibrator, CostBreakdown, CostModel, excess_of, with_excess
 from ultraep.load import validate_load
 from ultraep.plan import Plan
 from ultraep.policies import get_policy_class, make_policy, plan_resident
@@ -164,7 +164,7 @@ class Engine:
         kind = self.config.layer_options(layer).kind
         d = plan.decision
         if d is not None:
-            chosen, reason, preds = d.chosen, d.reason, {k: v + max(excess, -0.5 * v) for k, v in d.predictions.items()}
+            chosen, reason, preds = d.chosen, d.reason, {k: v + excess_of(v, excess) for k, v in d.predictions.items()}
         else:
             chosen, reason, preds = kind, f"configured policy {kind}", {kind: bd.total_s}
         self._pending[(step, microbatch, layer)] = (bd, chosen)

@@ -14,7 +14,7 @@ The names below are re-exported here; a module's tunables (``FIT_UNEVEN``, ``FIT
 
 from ultraep.cost.params import CostParams
 from ultraep.cost.model import (CostBreakdown, CostModel, corun_finish, cost_model_from_record, cost_record,
-                                expected_max, model_for, moves_weights, with_excess)
+                                excess_of, expected_max, model_for, moves_weights, with_excess)
 from ultraep.cost.fit import (FIT_MIN_CALLS, FIT_SLOWDOWNS, HALF_TOKENS_MIN_SPREAD, MAX_HALF_TOKENS, ComputeFit,
                               FittedCompute, corun_matrices, half_tokens_from_spread)
 from ultraep.cost.calibrator import SUMMED_TERMS, Calibrator, call_residual
@@ -22,7 +22,7 @@ from ultraep.cost.calibrator import SUMMED_TERMS, Calibrator, call_residual
 __all__ = [
     "CostParams",
     "CostBreakdown", "CostModel", "corun_finish", "cost_model_from_record", "cost_record", "expected_max", "model_for",
-    "moves_weights", "with_excess",
+    "moves_weights", "excess_of", "with_excess",
     "FIT_MIN_CALLS", "FIT_SLOWDOWNS", "HALF_TOKENS_MIN_SPREAD", "MAX_HALF_TOKENS", "ComputeFit", "FittedCompute",
     "corun_matrices", "half_tokens_from_spread",
     "SUMMED_TERMS", "Calibrator", "call_residual",

@@ -76,8 +76,8 @@ EXCESS_WEIGHT = 0.05
 EXCESS_WARMUP = 2
 #: a call measured more than this factor off its terms' prediction, either way, feeds no excess: it says the terms
 #: are not calibrated yet, not what their tail adds. At 64 tokens per rank on 2 gloo ranks a layer's third call was
-#: predicted at 1.06 s, and in another run 31 s, for calls of 0.16 s (a backward factor of 5.1 learned from two calls);
-#: folded in, that one call made the excess -1.55 s and every later prediction of the 40 logged negative. On
+#: predicted at 1.06 s (a backward factor of 5.1 learned from two calls), and in another run at 31 s, for calls of
+#: 0.16 s; folded in, the 31 s call made the excess -1.55 s and every later prediction of the 40 logged negative. On
 #: bench_long's recordings 66 of 15000 calls fall outside; the offline replay of the excess leaves every window within
 #: 6.0 % without them
 EXCESS_RANGE = 2.0
@@ -90,7 +90,7 @@ def excess_after(excess_s: float, predicted: CostBreakdown, total_s: float) -> f
     terms, measured = predicted.terms_s, float(total_s)
     if not (terms > 0 and measured > 0 and 1.0 / EXCESS_RANGE <= measured / terms <= EXCESS_RANGE):
         return float(excess_s)
-    return float((1.0 - EXCESS_WEIGHT) * float(excess_s) + EXCESS_WEIGHT * (measured - terms))
+    return float((1.0 - EXCESS_WEIGHT) * excess_s + EXCESS_WEIGHT * (measured - terms))  # (a float in the params)
 
 
 class Calibrator:

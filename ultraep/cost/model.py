@@ -19,8 +19,6 @@ arXiv 2604.19654 §2; the terms are listed in ``docs/simulator.md`` with the num
     engine       = the adaptive engine's decision overhead (``plan.engine_s``), else 0
     fwd          = engine + plan + weight_sync + a2a_fwd + compute_fwd + non_moe_fwd   (UltraEP Eq. 1)
                    + call_overhead (a calibrated runtime's glue between the terms)
-    mean         = total + excess: what a call stands for on average (:func:`with_excess`); the terms are each right
-                   at the typical call, their comparison leaves the excess out
                    FEPLB: plan + copies overlap the static-expert compute; only the excess is exposed
                    HybridEP: expert all-gather is prefetched behind the pre-expert window; excess exposed
     compute_bwd  = backward_compute_factor · compute_fwd                       (≈ 2×, UltraEP Eq. 2)
@@ -31,6 +29,8 @@ arXiv 2604.19654 §2; the terms are listed in ``docs/simulator.md`` with the num
                    at the SM-limited reduction bandwidth, hidden behind the backward compute window
                    (compute_bwd + non_moe_bwd), excess exposed
     total        = fwd + bwd   (``mode="prefill"``: fwd only)
+    mean         = total + excess: what a call stands for on average (:func:`with_excess`); the terms are each right
+                   at the typical call, their comparison leaves the excess out
 
 The busiest rank's compute under the ranks' co-run slowdown and their noise (:func:`corun_finish`,
 :func:`expected_max`) is priced here; :mod:`ultraep.cost.fit` fits those parameters from measurements and
@@ -563,15 +563,20 @@ def _breakdown(**terms) -> CostBreakdown:
 _SMALL = 64
 
 
+def excess_of(terms_s: float, excess_s: float) -> float:
+    """The excess a prediction of ``terms_s`` seconds takes: ``excess_s``, never below half the terms (an excess learned
+    on larger calls, a negative one, does not take a small call's prediction to nothing)."""
+    return max(float(excess_s), -0.5 * terms_s)
+
+
 def with_excess(bd: CostBreakdown, excess_s: float) -> CostBreakdown:
     """``bd`` as the mean time of the calls it stands for: ``excess_s`` (``CostParams.excess_s``, the calls' mean over
     their terms) in its ``excess_s``, ``fwd_s`` and ``total_s``. Only where a prediction stands for a time (a call's
     recorded prediction, its decision's predictions): candidates are compared without it, as it is the same for each and
-    a ratio of two times with it added is pulled toward 1. Never below half the terms: an excess learned on larger calls
-    (a negative one) does not take a small call's prediction to nothing."""
+    a ratio of two times with it added is pulled toward 1 (:func:`excess_of` bounds it)."""
     if excess_s == 0.0 and bd.excess_s == 0.0:
         return bd
-    excess_s = max(float(excess_s), -0.5 * bd.terms_s)
+    excess_s = excess_of(bd.terms_s, excess_s)
     d = {**bd.__dict__, "excess_s": excess_s}
     d["fwd_s"] = bd.fwd_s - bd.excess_s + excess_s
     d["total_s"] = bd.total_s - bd.excess_s + excess_s

@@ -92,10 +92,11 @@ class CostParams(BaseModel):
         default=0.0,
         description="Mean seconds a call's measured layer time exceeds the sum of its predicted terms: what the "
         "terms, each right at its typical call, leave out of the mean (heavy-tailed all-to-alls, the slowest of the "
-        "ranks' noisy compute, the decision's bookkeeping outside the planner's figures). Added to every "
-        "prediction, so that a predicted time is the mean of the calls it stands for; learned from each call's "
-        "measured layer time (``Calibrator``, weight ``EXCESS_WEIGHT``); 0 (the presets) until a call was measured. "
-        "May be negative (a model that over-predicts).",
+        "ranks' noisy compute, the decision's bookkeeping outside the planner's figures). Added where a prediction "
+        "stands for a time (a call's recorded prediction, its decision's predictions: ``cost.with_excess``), never "
+        "to the comparison of candidates; learned from each call's measured layer time (``Calibrator``, weight "
+        "``EXCESS_WEIGHT``); 0 (the presets) until a call was measured. May be negative (a model that "
+        "over-predicts).",
     )
     half_tokens: float | None = Field(
         default=None, ge=0,
