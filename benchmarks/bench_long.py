@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 import benchmarks.common  # noqa: E402
-from benchmarks.common import carryover_orders, row, write_rows  # noqa: E402
+from benchmarks.common import adaptive_options, carryover_orders, row, write_rows  # noqa: E402
 
 BENCH = "bench_long"
 FIXED = ("none", "quota", "eplb", "feplb", "hybridep")
@@ -133,8 +133,8 @@ def _body(rank, world, shape: Shape, args, policies):
     runs = []
     for name in policies:
         config = {"policy": "none" if name == TWIN else name, "num_redundant_slots": shape.slots}
-        if name == "adaptive" and args.probe_share is not None:
-            config["adaptive"] = {"probe_share": None if args.probe_share < 0 else args.probe_share}
+        if name == "adaptive" and args.options:
+            config["adaptive"] = dict(args.options)
         layer, rt = wrapped_layer(rshape, config)
         runs.append((name, layer, rt, torch.optim.SGD(layer.parameters(), lr=1e-6)))
     g = torch.Generator().manual_seed(7 + rank)
@@ -306,6 +306,8 @@ def main(argv=None) -> int:
     ap.add_argument("--small-tokens", type=int, default=Shape.small, help="tokens per rank in the small phase")
     ap.add_argument("--probe-share", type=float, default=None,
                     help="the adaptive engine's probe_share (default: its own; negative: no bound)")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an adaptive option of the engine (repeatable; VALUE in JSON: explore_share=0.002)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--calls-out", default=None, metavar="CSV",
                     help="also write every call of every policy (time, planning, choice, reason) to this CSV")
@@ -313,6 +315,14 @@ def main(argv=None) -> int:
     for name in ("calls", "window", "decisions", "tokens", "small_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    try:
+        args.options = adaptive_options(args.option)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.probe_share is not None:
+        args.options["probe_share"] = None if args.probe_share < 0 else args.probe_share
+    who = "adaptive" + (f"[{', '.join(f'{k}={v}' for k, v in args.options.items())}]" if args.options else "")
     from rich.console import Console
     from rich.table import Table
 
@@ -329,7 +339,8 @@ def main(argv=None) -> int:
         if args.calls_out:
             write_calls(res, args.calls_out)
         x0 = f"2x1/T{shape.tokens}-{shape.small}/E{shape.experts}"
-        tab = Table(title=f"adaptive over {args.calls} interleaved calls per policy, 2 gloo ranks x 1 thread "
+        named = "".join(f", {k}={v}" for k, v in args.options.items())
+        tab = Table(title=f"adaptive{named} over {args.calls} interleaved calls per policy, 2 gloo ranks x 1 thread "
                           f"(T={shape.tokens}/{shape.small} H={shape.hidden} I={shape.ffn} E={shape.experts} "
                           f"k={shape.top_k} N={shape.slots}), load avg {load_at_start:.2f} at start")
         for c in ("calls", "phases", "best fixed", "adaptive / best", "prediction error", "per call", "calls' noise",
@@ -342,12 +353,12 @@ def main(argv=None) -> int:
                         f"{100 * w['pred_error']:.1f} %", f"{100 * w['per_call_error']:.1f} %",
                         f"{100 * w['noise']:.1f} %", f"{100 * w['probe_share']:.0f} %", f"{100 * w['deciding']:+.1f} %",
                         w["chose"], f"{w['twin']:.3f}")
-            rows.append(row("long_run", "adaptive", "vs_best_fixed", "ratio", x, w["ratio"]))
-            rows.append(row("long_run", "adaptive", "prediction_error_window", "ratio", x, w["pred_error"]))
-            rows.append(row("long_run", "adaptive", "prediction_error", "ratio", x, w["per_call_error"]))  # per call
-            rows.append(row("long_run", "adaptive", "noise_floor", "ratio", x, w["noise"]))
-            rows.append(row("long_run", "adaptive", "probe_share", "ratio", x, w["probe_share"]))
-            rows.append(row("long_run", "adaptive", "deciding_share", "ratio", x, w["deciding"]))
+            rows.append(row("long_run", who, "vs_best_fixed", "ratio", x, w["ratio"]))
+            rows.append(row("long_run", who, "prediction_error_window", "ratio", x, w["pred_error"]))
+            rows.append(row("long_run", who, "prediction_error", "ratio", x, w["per_call_error"]))  # per call
+            rows.append(row("long_run", who, "noise_floor", "ratio", x, w["noise"]))
+            rows.append(row("long_run", who, "probe_share", "ratio", x, w["probe_share"]))
+            rows.append(row("long_run", who, "deciding_share", "ratio", x, w["deciding"]))
             rows.append(row("long_run", TWIN, "vs_none", "ratio", x, w["twin"]))
             for name, tot in w["totals"].items():
                 rows.append(row("long_run", name, "layer_time_sum", "s", x, tot))
@@ -357,7 +368,7 @@ def main(argv=None) -> int:
         tab.add_section()
         tab.add_row("all", "", best, f"{total['adaptive'] / total[best]:.3f}", "", "", "", "", "", "",
                     f"{total[TWIN] / total['none']:.3f}")
-        rows.append(row("long_run", "adaptive", "vs_best_fixed", "ratio", f"{x0}/all", total["adaptive"] / total[best]))
+        rows.append(row("long_run", who, "vs_best_fixed", "ratio", f"{x0}/all", total["adaptive"] / total[best]))
         rows.append(row("long_run", TWIN, "vs_none", "ratio", f"{x0}/all", total[TWIN] / total["none"]))
         console.print(tab)
         within = sum(w["ratio"] <= 1.03 for w in wins)
@@ -365,8 +376,7 @@ def main(argv=None) -> int:
         console.print(f"windows within 3 %: adaptive of the best fixed {within} of {len(wins)}; the twin of none "
                       f"{twin_within} of {len(wins)} (the same work: what noise alone leaves)")
     if args.part in ("all", "engine"):
-        share = {} if args.probe_share is None else {"probe_share": None if args.probe_share < 0 else args.probe_share}
-        eng = run_engine(args.decisions, args.seed, share)
+        eng = run_engine(args.decisions, args.seed, args.options)
         tab = Table(title=f"the adaptive engine's state over {args.decisions} decisions (offline, synthetic timings)")
         for c in ("decisions", "items held", "bytes held", "decision time (median)"):
             tab.add_column(c, justify="right")
@@ -374,11 +384,11 @@ def main(argv=None) -> int:
         for n, (items, size) in sorted(eng["marks"].items()):
             t = eng["first"] if n == n_first else eng["last"]
             tab.add_row(str(n), f"{items:,}", f"{size:,}", f"{1e3 * float(np.median(t)):.3f} ms")
-            rows.append(row("engine_state", "adaptive", "items", "count", n, items))
-            rows.append(row("engine_state", "adaptive", "bytes", "By", n, size))
-            rows.append(row("engine_state", "adaptive", "decision_time", "s", n, t))
+            rows.append(row("engine_state", who, "items", "count", n, items))
+            rows.append(row("engine_state", who, "bytes", "By", n, size))
+            rows.append(row("engine_state", who, "decision_time", "s", n, t))
         led = eng["ledger"]
-        rows.append(row("engine_state", "adaptive", "probe_share", "ratio", args.decisions, led["probe_share"]))
+        rows.append(row("engine_state", who, "probe_share", "ratio", args.decisions, led["probe_share"]))
         console.print(tab)
         console.print(f"probes: {led['probes']} of {led['decisions']} decisions ({100 * led['probe_share']:.1f} %)")
     print(f"rows appended to {write_rows(BENCH, rows)}")

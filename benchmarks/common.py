@@ -37,6 +37,34 @@ RUN = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + f"-{os.getp
 THREADS: int | None = None
 
 
+def adaptive_options(items: list[str]) -> dict:
+    """``--option KEY=VALUE`` items as adaptive options: each VALUE read as JSON (``0.01``, ``null``, ``true``), else
+    as a string, and the whole set checked by :class:`~ultraep.config.AdaptiveOptions`. Raises ``ValueError`` naming
+    the item (no ``=``) or the field and value it refused."""
+    import json
+
+    from pydantic import ValidationError
+
+    from ultraep.config import AdaptiveOptions
+
+    out = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--option {item!r}: expected KEY=VALUE (e.g. probe_share=0.01)")
+        try:
+            out[key] = json.loads(text)
+        except ValueError:
+            out[key] = text
+    try:
+        AdaptiveOptions(**out)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise ValueError(f"--option adaptive.{where} = {out.get(err['loc'][0], '')!r}: {err['msg']}") from None
+    return out
+
+
 def machine() -> str:
     return f"{platform.machine()}-{os.cpu_count()}cpu-{platform.python_version()}"
 

@@ -10,11 +10,12 @@ averaged per kind of decision: idle, settled, weighing, probe, ...), and that ti
 engine change is weighed on the machine's own noise and drift, in seconds, without the 5 minutes of a runtime run.
 
 What it cannot replay: a policy's state that depends on what ran before it (EPLB's placement, a replica cache) is that
-of the fixed run, and the engine is fed each call's total time alone (its compute fit sees no phases).
+of the fixed run, and the engine is fed each call's total time and planning alone (its compute fit sees no phases).
 
     .venv/bin/python benchmarks/bench_long.py --part runtime --calls-out calls.csv
     .venv/bin/python benchmarks/replay_long.py calls.csv [more.csv ...]   # per recording: replayed and recorded
     .venv/bin/python benchmarks/replay_long.py benchmarks/results_committed/calls/*.csv.gz   # the committed recordings
+    .venv/bin/python benchmarks/replay_long.py CSV... --option probe_share=0.01   # a setting weighed on them
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from benchmarks.bench_long import FIXED, Shape, routing  # noqa: E402
-from benchmarks.common import row, write_rows  # noqa: E402
+from benchmarks.common import adaptive_options, row, write_rows  # noqa: E402
 
 BENCH = "replay_long"
 
@@ -114,7 +115,8 @@ def seed_model(shape: Shape):
 def replay(rec: dict, shape: Shape, seed: int, options: dict | None = None, jitter: float = 0.0,
            draw: int = 0) -> dict:
     """The engine deciding over recording ``rec``: ``{"t": [N] s replayed, "chosen": [N], "kinds": Counter, "decide": [N]
-    s}`` (``decide``: what deciding added to each call, :func:`deciding_cost` of its kind, included in ``t``).
+    s, "overhead_s": s}`` (``decide``: what deciding added to each call, :func:`deciding_cost` of its kind, included in
+    ``t``; ``overhead_s``: the engine's own overhead it calibrated from the calls' planning).
     ``jitter``: each replayed call's time is multiplied by exp(N(0, jitter)) (draw ``draw``): the engine's path through
     a run turns on single calls (one call 1 % slower can send it down another sequence of probes and switches, worth
     +-1 % of the run), so one replay is one sample, and an engine change is judged on the mean of several."""
@@ -138,12 +140,16 @@ def replay(rec: dict, shape: Shape, seed: int, options: dict | None = None, jitt
         t[i] = rec[d.chosen]["t"][i] * shake[i] + decide[i]
         bd = d.predicted
         f = t[i] / bd.terms_s if bd.terms_s > 0 else 1.0  # (the terms take the whole measured time)
-        eng.observe(i, 0, 0, {x: v * f for x, v in bd.as_dict().items() if x in ("compute_fwd_s", "a2a_fwd_s",
-                                                                                "compute_bwd_s")},
-                    measured_total_s=t[i])
+        meas = {x: v * f for x, v in bd.as_dict().items() if x in ("compute_fwd_s", "a2a_fwd_s", "compute_bwd_s")}
+        # the call's planning as the runtime measured it (its policy's plan_s and its decision's kind): the engine's
+        # own overhead calibrates from it (``engine_overhead_s``), and so does what the exploration budget charges a
+        # weighing; left at the seed's 5 us, the budget paid for a weighing every few calls the runtime could not
+        meas["plan_s"] = float(rec[d.chosen]["plan"][i]) + decide[i]
+        eng.observe(i, 0, 0, meas, measured_total_s=t[i])
         chosen.append(d.chosen)
         kinds[k] += 1
-    return {"t": t, "chosen": chosen, "kinds": kinds, "decide": decide}
+    return {"t": t, "chosen": chosen, "kinds": kinds, "decide": decide,
+            "overhead_s": float(eng.cost_model_for(0).params.engine_overhead_s)}
 
 
 def ratios(t: np.ndarray, rec: dict, window: int) -> tuple[float, list[float]]:
@@ -165,36 +171,43 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="as recorded")
     ap.add_argument("--repeats", type=int, default=5, help="replays per recording, each call's time jittered")
     ap.add_argument("--jitter", type=float, default=0.01, help="the jitter: std of the log of each call's factor")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an adaptive option of the replayed engine (repeatable; VALUE in JSON: probe_share=0.01, "
+                         "probe_regret=null): a setting weighed on the recorded calls")
     args = ap.parse_args(argv)
     if args.window < 1 or args.tokens < 1 or args.small_tokens < 1 or args.repeats < 1 or args.jitter < 0:
         ap.error(f"--window, --tokens, --small-tokens, --repeats must be >= 1 and --jitter >= 0 (got {args.window}, "
                  f"{args.tokens}, {args.small_tokens}, {args.repeats}, {args.jitter})")
     try:
+        options = adaptive_options(args.option)
         recs = [(p, read_calls(p)) for p in args.csv]
-    except (OSError, RecordingError) as e:
+    except (OSError, RecordingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from rich.console import Console
     from rich.table import Table
 
     shape = Shape(tokens=args.tokens, small=args.small_tokens)
-    tab = Table(title=f"adaptive / best fixed policy: this checkout's engine on recorded calls, {args.repeats} replay(s) "
-                      f"each, calls jittered by {args.jitter:g} (windows of {args.window})")
+    named = ", ".join(f"{k}={v}" for k, v in options.items())
+    provider = f"adaptive[{named}]" if options else "adaptive"
+    tab = Table(title=f"adaptive / best fixed policy: this checkout's engine{f' ({named})' if options else ''} on "
+                      f"recorded calls, {args.repeats} replay(s) each, calls jittered by {args.jitter:g} (windows of "
+                      f"{args.window})")
     for c in ("recording", "calls", "recorded", "replayed (mean, range)", "windows <= 1.03", "worst window",
               "deciding / best fixed", "windows <= 1.03 without it", "replayed ran (first replay)",
               "deciding (ms): idle / settled / weighing"):
         tab.add_column(c, justify="right")
-    rows, wholes, shares = [], [], []
+    rows, wholes, shares, windows = [], [], [], []
     for path, rec in recs:
         x, got, per, whole, share, free = os.path.basename(path), None, [], [], [], []
         best_s = min(rec[p]["t"].sum() for p in FIXED)
         for k in range(args.repeats):
-            g = replay(rec, shape, args.seed, jitter=args.jitter if args.repeats > 1 else 0.0, draw=k)
+            g = replay(rec, shape, args.seed, options, jitter=args.jitter if args.repeats > 1 else 0.0, draw=k)
             w, p = ratios(g["t"], rec, args.window)
             got, whole, per = got or g, whole + [w], per + p
             share.append(float(g["decide"].sum() / best_s))  # what deciding cost the run, and the run without it
             free += ratios(g["t"] - g["decide"], rec, args.window)[1]
-            rows.append(row("long_replay", "adaptive", "vs_best_fixed", "ratio", f"{x}/all/replay{k}", w))
+            rows.append(row("long_replay", provider, "vs_best_fixed", "ratio", f"{x}/all/replay{k}", w))
         was, _ = ratios(rec["adaptive"]["t"], rec, args.window)
         cost = deciding_cost(rec)
         tab.add_row(x, str(len(got["t"])), f"{was:.3f}", f"{np.mean(whole):.3f} ({min(whole):.3f}-{max(whole):.3f})",
@@ -202,14 +215,16 @@ def main(argv=None) -> int:
                     f"{sum(r <= 1.03 for r in free)}/{len(free)}",
                     ", ".join(f"{p} {c}" for p, c in Counter(got["chosen"]).most_common()),
                     " / ".join(f"{1e3 * cost.get(k, float('nan')):.2f}" for k in ("idle", "settled", "cheapest")))
-        rows.append(row("long_replay", "adaptive", "vs_best_fixed", "ratio", f"{x}/all", whole))
+        rows.append(row("long_replay", provider, "vs_best_fixed", "ratio", f"{x}/all", whole))
         rows.append(row("long_replay", "adaptive_recorded", "vs_best_fixed", "ratio", f"{x}/all", was))
-        rows.append(row("long_replay", "adaptive", "deciding_share", "ratio", f"{x}/all", share))
+        rows.append(row("long_replay", provider, "deciding_share", "ratio", f"{x}/all", share))
         wholes += whole
         shares += share
+        windows += per
     Console(width=200).print(tab)
     print(f"mean over {len(recs)} recording(s) x {args.repeats} replay(s): {np.mean(wholes):.4f} "
-          f"(standard error {np.std(wholes, ddof=1) / np.sqrt(len(wholes)) if len(wholes) > 1 else float('nan'):.4f})")
+          f"(standard error {np.std(wholes, ddof=1) / np.sqrt(len(wholes)) if len(wholes) > 1 else float('nan'):.4f}); "
+          f"windows within 3 %: {sum(r <= 1.03 for r in windows)} of {len(windows)}, the worst {max(windows):.3f}")
     print(f"deciding (the recorded cost of each decision's kind) took {np.mean(shares):.2%} of the best fixed policy's "
           "time")
     print(f"rows appended to {write_rows(BENCH, rows)}")

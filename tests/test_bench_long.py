@@ -119,3 +119,17 @@ def test_a_smoke_run_writes_rows_of_the_benchmarks_columns(tmp_path, monkeypatch
     mine = [r for r in per if r["policy"] == "adaptive"]
     assert all(r["chosen"] in bench_long.FIXED and r["reason"] for r in mine)
     assert all(r["chosen"] == r["policy"] and not r["reason"] for r in per if r["policy"] == "quota")  # (no choice)
+
+
+def test_an_adaptive_option_reaches_the_engine_and_names_its_rows(tmp_path, monkeypatch, capsys):
+    """``--option KEY=VALUE`` configures the adaptive engine (here of the engine-state part: ``probe_every=0`` runs no
+    probe) and its rows say so; one AdaptiveOptions refuses exits 2 naming the field, without a traceback."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    assert bench_long.main(["--part", "engine", "--decisions", "60", "--option", "probe_every=0"]) == 0
+    assert "probes: 0 of 60" in capsys.readouterr().out
+    with (tmp_path / "bench_long.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["provider"] for r in rows} == {"adaptive[probe_every=0]"}
+    assert bench_long.main(["--part", "engine", "--decisions", "60", "--option", "explore_shar=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "adaptive.explore_shar" in err and "Traceback" not in err

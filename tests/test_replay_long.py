@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from benchmarks import replay_long
+from benchmarks.common import adaptive_options
 from benchmarks.bench_long import FIXED, Shape, write_calls
 
 N = 60
@@ -69,7 +70,7 @@ def test_the_replay_says_what_deciding_cost_the_run(tmp_path, capsys, monkeypatc
     assert set(np.round(got["decide"], 9)) <= {round(v, 9) for v in cost.values()} and got["decide"].min() > 0
     assert got["t"] == pytest.approx([times[c] for c in got["chosen"]] + got["decide"])
     none_s = rec["none"]["t"].sum()
-    assert replay_long.main([costly, "--window", "20"]) == 0
+    assert replay_long.main([costly, "--window", "20", "--repeats", "1"]) == 0  # (unjittered: the same path)
     out = capsys.readouterr().out
     assert f"{got['decide'].sum() / none_s:.2%} of the best fixed policy's time" in out
     free = _recording(tmp_path / "b.csv", times)
@@ -99,3 +100,39 @@ def test_jittered_replays_are_samples_of_the_same_run(tmp_path, capsys, monkeypa
     assert replay_long.main([str(tmp_path / "a.csv"), "--repeats", "2", "--window", "20"]) == 0
     out = capsys.readouterr().out
     assert "2 replay(s) each" in out and "a.csv" in out and "x 2 replay(s)" in out
+
+
+def test_an_adaptive_option_is_weighed_on_the_recorded_calls(tmp_path, capsys, monkeypatch):
+    """``--option KEY=VALUE`` reaches the replayed engine (``explore_share=null``: every decision weighs, so ``none``'s
+    decisions neither idle nor settle) and names its rows; a key or value AdaptiveOptions refuses exits 2 naming the
+    field and the value, without a traceback."""
+    monkeypatch.setattr("benchmarks.common.RESULTS", tmp_path, raising=False)
+    path = _recording(tmp_path / "a.csv", {**{p: 0.04 for p in FIXED}, "none": 0.02})
+    rec = replay_long.read_calls(path)
+    plain, off = (replay_long.replay(rec, Shape(), 0, o)["kinds"] for o in ({}, {"explore_share": None}))
+    assert plain["idle"] + plain["settled"] > N // 2 and off["idle"] + off["settled"] == 0
+    assert adaptive_options(["probe_every=0", "explore_share=null"]) == {"probe_every": 0, "explore_share": None}
+    assert replay_long.main([path, "--window", "20", "--repeats", "1", "--option", "explore_share=null"]) == 0
+    assert "(explore_share=None)" in capsys.readouterr().out
+    import csv
+
+    with open(tmp_path / "replay_long.csv") as f:
+        providers = {r["provider"] for r in csv.DictReader(f)}
+    assert "adaptive[explore_share=None]" in providers
+    for bad, says in (("probe_every", "KEY=VALUE"), ("probe_shar=0.1", "adaptive.probe_shar"),
+                      ("probe_share=-1", "adaptive.probe_share = -1"), ("probe_every=abc", "'abc'")):
+        assert replay_long.main([path, "--option", bad]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err
+
+
+def test_the_replayed_engine_learns_what_its_decisions_cost_on_the_runtime(tmp_path):
+    """Each replayed call's planning (its policy's recorded plan_s plus its decision kind's cost) reaches the engine, so
+    its own overhead, which the exploration budget charges each weighing, calibrates as on the runtime: near the 1.5 ms
+    the recording's weighings cost beyond planning. The control: a recording whose decisions cost nothing beyond their
+    planning leaves it lower by that much."""
+    times = {**{p: 0.04 for p in FIXED}, "none": 0.02}
+    costly = replay_long.read_calls(_recording(tmp_path / "a.csv", times, {"idle": 0.2e-3, "cheapest": 1.5e-3}))
+    free = replay_long.read_calls(_recording(tmp_path / "b.csv", times))
+    assert replay_long.replay(costly, Shape(), 0)["overhead_s"] - replay_long.replay(free, Shape(), 0)["overhead_s"] \
+        == pytest.approx(1.5e-3, rel=0.3)
