@@ -60,8 +60,8 @@ def adaptive_options(items: list[str]) -> dict:
         AdaptiveOptions(**out)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise ValueError(f"--option adaptive.{where} = {out.get(err['loc'][0], '')!r}: {err['msg']}") from None
+        path = ".".join(str(x) for x in err["loc"])
+        raise ValueError(f"--option adaptive.{path} = {out.get(err['loc'][0], '')!r}: {err['msg']}") from None
     return out
 
 
