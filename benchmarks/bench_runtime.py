@@ -240,8 +240,8 @@ def _run_shape(shape: Shape, args, policies, runs_dir=None) -> dict:
 
 def _report_shape(shape: Shape, res: dict, x: str, main_t, phase_t, rows: list) -> tuple | None:
     """One run of ``shape`` (``res``: :func:`_run_shape`'s) into the tables and ``rows`` (x column ``x``). Returns
-    adaptive's figures for the per-run table (first calls, steady state with its interval, vs none, what it chose), or
-    None without an adaptive run."""
+    adaptive's figures for the per-run table (first calls, steady state and vs none with their intervals, what it
+    chose), or None without an adaptive run."""
     fig = None
     t_none = float(np.median(res["none"][0]))
     t_ideal = float(np.median(res["force-balanced"][0])) if "force-balanced" in res else float("nan")
@@ -265,8 +265,13 @@ def _report_shape(shape: Shape, res: dict, x: str, main_t, phase_t, rows: list) 
             vs_best += f"; first {n_first} calls {first[name] / first[best_first]:.3f} ({best_first})"
             rows.append(row("runtime_layer_fwd_bwd", name, f"vs_best_fixed_first{n_first}", "ratio", x,
                             first[name] / first[best_first]))
+            # (none's time over adaptive's, rounds resampled together: what noise leaves of a ratio a few % from 1)
+            nlo, nhi = ratio_interval(res["none"][0], t)
+            rows.append(row("runtime_layer_fwd_bwd", name, "speedup_vs_none_lo90", "ratio", x, nlo))
+            rows.append(row("runtime_layer_fwd_bwd", name, "speedup_vs_none_hi90", "ratio", x, nhi))
             fig = (f"{first[name] / first[best_first]:.3f} ({best_first}, {n_first} calls)",
-                   f"{p50 / fixed[best]:.3f} [{lo:.3f}, {hi:.3f}] ({best})", f"{t_none / p50:.3f}x", chose)
+                   f"{p50 / fixed[best]:.3f} [{lo:.3f}, {hi:.3f}] ({best})",
+                   f"{t_none / p50:.3f}x [{nlo:.3f}, {nhi:.3f}]", chose)
         main_t.add_row(shape.label() if name == "none" else "", name, f"{info['imb_before']:.3f}",
                        f"{info['imb_after']:.3f}", str(info["replicas"]), f"{p50:.3f}",
                        f"{t.min():.3f}..{t.max():.3f}", f"{t_none / p50:.2f}x", f"{100 * t_ideal / p50:.1f} %", chose,
@@ -351,7 +356,7 @@ def main() -> None:
     runs_t = Table(title=f"adaptive per run: its first {FIRST_CALLS} calls (a fresh wrap's, warm-up included) and the "
                    "timed calls after the warm-up, against the best fixed policy of each")
     for c in ["shape", "run", f"first {FIRST_CALLS}: adaptive / best fixed", "steady: adaptive / best fixed [90 %]",
-              "steady: vs none", "adaptive chose"]:
+              "steady: vs none [90 %]", "adaptive chose"]:
         runs_t.add_column(c, justify="right")
     rows, calls = [], []
     for shape in shapes:

@@ -63,3 +63,28 @@ def test_calls_out_writes_every_call_of_every_run_with_adaptives_reasons(tmp_pat
     assert all(float(r["t_s"]) > 0 for r in rows)
     assert all(r["reason"] for r in rows if r["policy"] == "adaptive")
     assert all(r["chosen"] == "none" and not r["reason"] for r in rows if r["policy"] == "none")
+
+
+def test_vs_none_has_its_interval_from_the_paired_rounds():
+    """adaptive's ``vs none`` comes with a 90 % interval whose rounds are resampled together: where every round's
+    noise is shared (a busy host slows both runs of a round alike) and adaptive is 2 % slower on each call, the
+    interval is tight around 0.98; the same times with adaptive's rounds shuffled (the pairing lost) give a wide one."""
+    from rich.table import Table
+
+    rng = np.random.default_rng(0)
+    shared = np.exp(rng.normal(0.0, 0.1, 120))  # each round's machine state
+    none, quota = 1.0 * shared, 1.1 * shared
+    out = {}
+    for label, ad in (("paired", 1.02 * shared), ("shuffled", rng.permutation(1.02 * shared))):
+        res = _res({"none": 1.4, "quota": 1.0, "adaptive": 1.0}, {"none": 1.0, "quota": 1.0, "adaptive": 1.0})
+        for name, t in (("none", none), ("quota", quota), ("adaptive", ad)):
+            res[name] = (t, res[name][1])
+        rows = []
+        fig = _report_shape(SHAPES["default"], res, f"2x1/default/{label}", Table(), Table(), rows)
+        got = _rows(rows, f"2x1/default/{label}")
+        assert got["speedup_vs_none_lo90"] <= got["speedup_vs_none"] <= got["speedup_vs_none_hi90"]
+        assert "[" in fig[2]
+        out[label] = got["speedup_vs_none_hi90"] - got["speedup_vs_none_lo90"]
+        if label == "paired":
+            assert got["speedup_vs_none"] == pytest.approx(1 / 1.02) and out[label] < 0.005
+    assert out["shuffled"] > 5 * out["paired"]
