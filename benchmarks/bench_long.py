@@ -51,7 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 import benchmarks.common  # noqa: E402
-from benchmarks.common import adaptive_options, carryover_orders, row, write_rows  # noqa: E402
+from benchmarks.common import (adaptive_options, adaptive_provider, carryover_orders, option_text, row,  # noqa: E402
+                               write_rows)
 
 BENCH = "bench_long"
 FIXED = ("none", "quota", "eplb", "feplb", "hybridep")
@@ -322,7 +323,7 @@ def main(argv=None) -> int:
         return 2
     if args.probe_share is not None:
         args.options["probe_share"] = None if args.probe_share < 0 else args.probe_share
-    who = "adaptive" + (f"[{', '.join(f'{k}={v}' for k, v in args.options.items())}]" if args.options else "")
+    who = adaptive_provider(args.options)
     from rich.console import Console
     from rich.table import Table
 
@@ -339,7 +340,7 @@ def main(argv=None) -> int:
         if args.calls_out:
             write_calls(res, args.calls_out)
         x0 = f"2x1/T{shape.tokens}-{shape.small}/E{shape.experts}"
-        named = "".join(f", {k}={v}" for k, v in args.options.items())
+        named = f", {option_text(args.options)}" if args.options else ""
         tab = Table(title=f"adaptive{named} over {args.calls} interleaved calls per policy, 2 gloo ranks x 1 thread "
                           f"(T={shape.tokens}/{shape.small} H={shape.hidden} I={shape.ffn} E={shape.experts} "
                           f"k={shape.top_k} N={shape.slots}), load avg {load_at_start:.2f} at start")

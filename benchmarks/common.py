@@ -65,6 +65,16 @@ def adaptive_options(items: list[str]) -> dict:
     return out
 
 
+def option_text(options: dict) -> str:
+    """Adaptive options as ``key=value, ...`` (what names a row's provider, ``adaptive[...]``, and a table's title)."""
+    return ", ".join(f"{k}={v}" for k, v in options.items())
+
+
+def adaptive_provider(options: dict) -> str:
+    """The rows' provider of an adaptive engine run with ``options``: ``adaptive``, or ``adaptive[key=value, ...]``."""
+    return f"adaptive[{option_text(options)}]" if options else "adaptive"
+
+
 def machine() -> str:
     return f"{platform.machine()}-{os.cpu_count()}cpu-{platform.python_version()}"
 

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from benchmarks.bench_long import FIXED, Shape, routing  # noqa: E402
-from benchmarks.common import adaptive_options, row, write_rows  # noqa: E402
+from benchmarks.common import adaptive_options, adaptive_provider, option_text, row, write_rows  # noqa: E402
 
 BENCH = "replay_long"
 
@@ -188,9 +188,8 @@ def main(argv=None) -> int:
     from rich.table import Table
 
     shape = Shape(tokens=args.tokens, small=args.small_tokens)
-    named = ", ".join(f"{k}={v}" for k, v in options.items())
-    provider = f"adaptive[{named}]" if options else "adaptive"
-    tab = Table(title=f"adaptive / best fixed policy: this checkout's engine{f' ({named})' if options else ''} on "
+    provider, named = adaptive_provider(options), f" ({option_text(options)})" if options else ""
+    tab = Table(title=f"adaptive / best fixed policy: this checkout's engine{named} on "
                       f"recorded calls, {args.repeats} replay(s) each, calls jittered by {args.jitter:g} (windows of "
                       f"{args.window})")
     for c in ("recording", "calls", "recorded", "replayed (mean, range)", "windows <= 1.03", "worst window",
